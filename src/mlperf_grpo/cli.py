@@ -1,0 +1,122 @@
+"""``mlperf-grpo`` command line: one short function per subcommand.
+
+Exit codes: 0 success, 3 aborted (no checkpoint passed), 2 bad input, 1 anything else.
+Errors are one line on stderr, ``mlperf-grpo: error: ...``, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
+DEFAULT_OUTPUT = Path("runs/default")
+
+
+class BadInput(Exception):
+    """Wrong input from the user: exit 2 with the message."""
+
+
+def _config(args: argparse.Namespace):
+    from mlperf_grpo.config import load_config
+
+    return load_config(args.config)
+
+
+def _print_outcome(outcome, run_dir: Path) -> int:
+    status = outcome.status
+    print(f"status: {status}")
+    print(f"passing step: {outcome.passing_step if outcome.passing_step is not None else 'none'}")
+    print(f"time-to-train: {outcome.time_to_train_ms / 60000:.3f} min (run_start to run_stop, from the log)")
+    print(f"log: {outcome.mllog_file}")
+    print(f"run directory: {run_dir}")
+    return EXIT_OK if status == "success" else EXIT_ABORTED
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train and write deferred checkpoints; no run_stop."""
+    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.train.loop import train
+
+    config = _config(args)
+    result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+    print(f"trained {len(result.steps)} steps; checkpoints {result.checkpoint_steps[:1]}..{result.checkpoint_steps[-1:]} in {args.output}/checkpoints")
+    return EXIT_OK
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Offline evaluation of a trained run; writes run_stop."""
+    from mlperf_grpo.evaluate.offline import evaluate_run
+
+    outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
+    return _print_outcome(outcome, args.run_dir)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train, then evaluate offline: the whole benchmark run."""
+    from mlperf_grpo.evaluate.offline import evaluate_run
+
+    cmd_train(args)
+    outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
+    return _print_outcome(outcome, args.output)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlperf-grpo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_train_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="run config (YAML); default: the built-in default run")
+        p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"run directory (default {DEFAULT_OUTPUT})")
+
+    def add_retain(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--retain-checkpoints", action="store_true",
+                       help="keep the deferred checkpoints (also RETAIN_GRPO_CHECKPOINTS=1)")
+
+    p = sub.add_parser("run", help="train then evaluate offline (the benchmark run)")
+    add_train_args(p)
+    add_retain(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train", help="train and write deferred checkpoints")
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    add_retain(p)
+    p.set_defaults(func=cmd_evaluate)
+    return parser
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from mlperf_grpo.checkpoint import CheckpointError
+    from mlperf_grpo.config import ConfigError
+    from mlperf_grpo.evaluate.offline import EvaluationError
+    from mlperf_grpo.mllog import LogWriteError
+    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.rundir import RunDirError
+
+    return (BadInput, ConfigError, RunDirError, EvaluationError, CheckpointError, ModelLoadError, LogWriteError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (see module docstring)."""
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("mlperf-grpo: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as err:  # noqa: BLE001  (every error becomes one line)
+        code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
+        print(f"mlperf-grpo: error: {err}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

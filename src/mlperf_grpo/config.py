@@ -1,0 +1,195 @@
+"""Typed run config: YAML in, errors that name the field and how to fix it.
+
+Unknown keys are errors (``extra="forbid"``). Every field has a default, so an empty
+file (or no file) gives the built-in default run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mlperf_grpo import rules
+
+BUILTIN_MODEL = "builtin:arithmetic-tiny"
+"""Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
+
+
+DEFAULT_LEARNING_RATE = 4e-6
+
+
+class ConfigError(ValueError):
+    """A config file or value is wrong; the message is one line naming field and fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SubmissionConfig(_Strict):
+    """Values logged as ``submission_*`` (MLPerf submission metadata)."""
+
+    org: str = Field("mlperf-grpo", min_length=1)
+    platform: str = Field("cpu", min_length=1)
+
+
+class ModelConfig(_Strict):
+    """The policy model: a Hugging Face causal LM directory or the built-in one."""
+
+    path: str = Field(BUILTIN_MODEL, min_length=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the policy for rollouts and of the checkpoint weights."""
+
+
+class TaskConfig(_Strict):
+    """The task that gives prompts and verifies answers."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    num_train_tasks: int = Field(4096, gt=0)
+    """Size of the training prompt pool (logged as ``train_samples``)."""
+
+
+class GRPOConfig(_Strict):
+    """Rollout and loss settings of the GRPO trainer."""
+
+    num_prompts_per_step: int = Field(16, gt=0)
+    num_generations_per_prompt: int = Field(rules.NUM_GENERATIONS_PER_PROMPT, gt=1)
+    max_steps: int = Field(30, gt=0)
+    micro_batch_size: int = Field(64, gt=0)
+    """Completions per forward/backward pass; gradients accumulate to the global batch."""
+    max_new_tokens: int = Field(6, gt=0)
+    max_sequence_length: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
+    rollout_temperature: float = Field(rules.ROLLOUT_TEMPERATURE, gt=0)
+    rollout_top_p: float = Field(rules.ROLLOUT_TOP_P, gt=0, le=1)
+    ratio_clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range: the ratio is clipped to ``[1 - eps, 1 + eps]``."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Completions per optimizer step: prompts x generations."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @model_validator(mode="after")
+    def _micro_batch_divides(self) -> "GRPOConfig":
+        gbs = self.global_batch_size
+        if gbs % self.micro_batch_size:
+            raise ValueError(
+                f"grpo.micro_batch_size={self.micro_batch_size} must divide the global batch "
+                f"size {gbs} (num_prompts_per_step x num_generations_per_prompt)"
+            )
+        return self
+
+
+class OptimizerConfig(_Strict):
+    """AdamW settings. ``null`` learning rate / clip means the closed-division formula."""
+
+    learning_rate: float | None = Field(DEFAULT_LEARNING_RATE, gt=0)
+    """Open-division default, calibrated for the built-in model (README, Calibration)."""
+    gradient_clip_norm: float | None = Field(None, gt=0)
+    beta_1: float = rules.ADAMW_BETA_1
+    beta_2: float = rules.ADAMW_BETA_2
+    epsilon: float = rules.ADAMW_EPSILON
+    weight_decay: float = rules.ADAMW_WEIGHT_DECAY
+
+
+class ValidationConfig(_Strict):
+    """Offline evaluation settings."""
+
+    num_tasks: int = Field(rules.EVAL_SAMPLES, gt=0)
+    generations_per_task: int = Field(rules.EVAL_GENERATIONS_PER_TASK, gt=0)
+    temperature: float = Field(rules.VALIDATION_TEMPERATURE, gt=0)
+    top_p: float = Field(rules.VALIDATION_TOP_P, gt=0, le=1)
+    target_accuracy: float = Field(rules.TARGET_ACCURACY, ge=0, le=1)
+    batch_size: int = Field(256, gt=0)
+    """Completions generated per engine call."""
+
+
+class RunConfig(_Strict):
+    """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
+
+    division: Literal["open", "closed"] = "open"
+    seed: int = 1
+    submission: SubmissionConfig = SubmissionConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    validation: ValidationConfig = ValidationConfig()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.grpo.global_batch_size
+
+    @property
+    def learning_rate(self) -> float:
+        """Configured learning rate, or the closed formula ``1e-6*sqrt(GBS/256)``."""
+        lr = self.optimizer.learning_rate
+        return rules.closed_learning_rate(self.global_batch_size) if lr is None else lr
+
+    @property
+    def gradient_clip_norm(self) -> float:
+        """Configured clip, or the closed formula ``0.125*sqrt(256/GBS)``."""
+        clip = self.optimizer.gradient_clip_norm
+        return rules.closed_gradient_clip_norm(self.global_batch_size) if clip is None else clip
+
+    @property
+    def first_eval_step(self) -> int:
+        return rules.first_eval_step(self.global_batch_size)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{source}: unknown key '{field}'; remove it or check its spelling"
+    if kind == "missing":
+        return f"{source}: missing field '{field}'"
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"{source}: field '{field}': {msg} (got {first.get('input')!r})"
+
+
+def parse_config(data: object, source: str = "config") -> RunConfig:
+    """Validate a mapping into a :class:`RunConfig`.
+
+    Raises:
+        ConfigError: one line naming the first wrong field.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read a YAML config; ``None`` gives the built-in default.
+
+    Raises:
+        ConfigError: unreadable file, malformed YAML, or an invalid/unknown field.
+    """
+    if path is None:
+        return RunConfig()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}; fix the syntax") from None
+    return parse_config(data, source=str(path))
+
+
+def dump_config(config: RunConfig) -> str:
+    """YAML text of a config, loadable by :func:`load_config`."""
+    return yaml.safe_dump(config.model_dump(), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Offline evaluation: the validator (pass@k of one checkpoint) and the driver."""

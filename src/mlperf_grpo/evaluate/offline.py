@@ -1,0 +1,224 @@
+"""The offline (deferred) evaluation driver.
+
+Reads top to bottom like the lifecycle it runs::
+
+    load the run (config, log path); read the log written so far
+    discover step_N/ checkpoints; check the series before evaluating anything
+    build one engine; for each checkpoint in step order (after those already logged):
+        refit the engine, validate (pass@k), save per-task results
+        commit eval_start, eval_accuracy, eval_stop in one write
+        first pass: commit run_stop(success, time_ms = weight-update time); stop
+    none passed: run_stop(aborted, time_ms = final checkpoint's weight-update time)
+    teardown: delete the checkpoints unless retained
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mlperf_logging.mllog import constants as C  # noqa: N812
+from tqdm import tqdm
+
+from mlperf_grpo import rules
+from mlperf_grpo.checkpoint import Checkpoint, CheckpointError, discover_checkpoints, remove_checkpoints, sha256_file
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.evaluate.validator import TaskResult, validate
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.mllog import MLLogWriter, ParsedLog, read_log, time_to_train_ms
+from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.tasks import SUITES
+
+RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
+"""Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
+
+
+class EvaluationError(ValueError):
+    """The run cannot be evaluated as it is (bad series, bad log); nothing was logged."""
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """What the offline evaluation concluded (also written to ``eval/summary.json``).
+
+    ``accuracies`` maps step -> pass@k for every checkpoint logged, in step order.
+    ``time_to_train_ms`` is ``run_stop - run_start`` as read back from the log.
+    """
+
+    status: str
+    passing_step: int | None
+    run_stop_time_ms: int
+    accuracies: dict[int, float]
+    mllog_file: str
+    time_to_train_ms: int
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> None:
+    """Refuse a checkpoint series that would give a wrong or unscorable log.
+
+    Raises:
+        EvaluationError: no checkpoints; first not at the first eval step; a gap;
+            ``current_step`` or ``global_batch_size`` disagreeing with the directory or
+            config; weight-update times not increasing or before ``run_start``; a weight
+            file whose sha256 differs from the recorded one.
+    """
+    s0 = config.first_eval_step
+    if not checkpoints:
+        raise EvaluationError(f"no step_N checkpoints found; training writes them from step {s0} on")
+    steps = [c.step for c in checkpoints]
+    if steps[0] != s0:
+        raise EvaluationError(f"first checkpoint is step_{steps[0]}, but the first eval step is {s0}")
+    if not rules.is_contiguous_eval_series(steps, config.global_batch_size):
+        missing = sorted(set(range(s0, steps[-1] + 1)) - set(steps))
+        raise EvaluationError(f"checkpoint series has a gap: missing step_{missing[0]}")
+    run_starts = log.find(C.RUN_START)
+    if not run_starts:
+        raise EvaluationError("the MLPerf log has no run_start; was training logged to another file?")
+    previous = run_starts[0].time_ms or 0
+    for c in checkpoints:
+        info = c.info
+        if info.current_step != c.step:
+            raise EvaluationError(f"{c.path.name}: training_info.json says current_step {info.current_step}")
+        if info.global_batch_size != config.global_batch_size:
+            raise EvaluationError(f"{c.path.name}: global_batch_size {info.global_batch_size} != config's {config.global_batch_size}")
+        if info.training_step_end_time_ms <= previous:
+            raise EvaluationError(
+                f"{c.path.name}: weight-update time {info.training_step_end_time_ms} is not after "
+                f"{previous} (run_start or the previous checkpoint)"
+            )
+        previous = info.training_step_end_time_ms
+        for name, meta in info.weights.items():
+            path = c.path / name
+            if not path.is_file() or sha256_file(path) != meta.get("sha256"):
+                raise EvaluationError(f"{path}: sha256 differs from training_info.json; the checkpoint is corrupt")
+
+
+def _logged_evals(log: ParsedLog) -> list[tuple[int, float]]:
+    """``(step, accuracy)`` of the evaluations already in the log, in file order."""
+    return [(e.metadata.get("step"), e.value) for e in log.find(C.EVAL_ACCURACY)]
+
+
+def _write_results(run: RunDir, step: int, results: list[TaskResult], params: SamplingParams) -> None:
+    run.eval_dir.mkdir(parents=True, exist_ok=True)
+    path = run.eval_dir / f"step_{step}.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"sampling": asdict(params)}) + "\n")
+        for r in results:
+            f.write(json.dumps(asdict(r)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _log_eval(log: MLLogWriter, step: int, gbs: int, accuracy: float, start_ms: int, stop_ms: int) -> None:
+    md = {C.SAMPLES_COUNT: rules.samples_count(step, gbs), "step": step}
+    log.start(C.EVAL_START, metadata=md, time_ms=start_ms)
+    log.event(C.EVAL_ACCURACY, accuracy, metadata=md, time_ms=stop_ms)
+    log.end(C.EVAL_STOP, metadata=md, time_ms=stop_ms)
+
+
+def _log_run_stop(log: MLLogWriter, status: str, checkpoint: Checkpoint) -> None:
+    log.end(
+        C.RUN_STOP,
+        metadata={C.STATUS: status, C.SAMPLES_COUNT: checkpoint.info.samples_count, "step": checkpoint.step},
+        time_ms=checkpoint.info.training_step_end_time_ms,
+    )
+
+
+def _outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
+    log = read_log(mllog_file)
+    stop = log.find(C.RUN_STOP)[0]
+    status = stop.metadata.get(C.STATUS)
+    accuracies = {step: acc for step, acc in _logged_evals(log)}
+    outcome = EvalOutcome(
+        status=status,
+        passing_step=stop.metadata.get("step") if status == C.SUCCESS else None,
+        run_stop_time_ms=int(stop.time_ms),
+        accuracies=accuracies,
+        mllog_file=str(mllog_file),
+        time_to_train_ms=time_to_train_ms(log),
+    )
+    return outcome
+
+
+def retain_requested(flag: bool) -> bool:
+    """``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1``."""
+    return flag or os.environ.get(RETAIN_ENV, "0") == "1"
+
+
+def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True) -> EvalOutcome:
+    """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
+
+    Idempotent: evaluations already in the log are not repeated, and a log that already
+    has its ``run_stop`` is only read back.
+
+    Raises:
+        RunDirError, ConfigError: the run directory is not usable.
+        EvaluationError: the checkpoint series or the log is not evaluable.
+        LogWriteError: the log cannot be appended to.
+    """
+    run = RunDir(run_dir)
+    config, mllog_file = run.load()
+    try:
+        log = read_log(mllog_file)
+    except OSError as err:
+        raise EvaluationError(f"cannot read the MLPerf log {mllog_file}: {err.strerror}") from None
+    if log.find(C.RUN_STOP):
+        return _outcome(run, mllog_file)
+
+    try:
+        checkpoints, ignored = discover_checkpoints(run.checkpoints)
+    except CheckpointError as err:
+        raise EvaluationError(str(err)) from None
+    for path in ignored:
+        print(f"note: ignoring unfinished checkpoint {path}")
+    check_series(checkpoints, config, log)
+    done = _logged_evals(log)
+    if [s for s, _ in done] != [c.step for c in checkpoints[: len(done)]]:
+        raise EvaluationError(f"the log's evaluations {[s for s, _ in done]} are not a prefix of the checkpoint series")
+
+    writer = MLLogWriter(mllog_file)
+    suite = SUITES[config.task.name]
+    tasks = suite.validation_tasks(config.validation.num_tasks)
+    v = config.validation
+    params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens, seed=config.seed)
+    gbs = config.global_batch_size
+    engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
+    todo = checkpoints[len(done):]
+    bar = tqdm(total=len(checkpoints), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
+    passing = None
+    try:
+        for checkpoint in todo:
+            start_ms = now_ms()
+            engine.load_weights(checkpoint.load_weights())  # refit, no optimizer state
+            accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params)
+            stop_ms = now_ms()
+            _write_results(run, checkpoint.step, results, params)
+            _log_eval(writer, checkpoint.step, gbs, accuracy, start_ms, stop_ms)
+            if rules.is_passing(accuracy, v.target_accuracy):
+                passing = checkpoint
+                _log_run_stop(writer, C.SUCCESS, checkpoint)
+            writer.commit()  # the eval triple (and run_stop on a pass) in one write
+            bar.set_postfix(step=checkpoint.step, acc=f"{accuracy:.3f}", refresh=False)
+            bar.update(1)
+            if passing:
+                break
+        if passing is None:
+            _log_run_stop(writer, C.ABORTED, checkpoints[-1])
+            writer.commit()
+    finally:
+        bar.close()
+    if not retain_requested(retain_checkpoints):
+        remove_checkpoints(run.checkpoints)
+    outcome = _outcome(run, mllog_file)
+    (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
+    return outcome

@@ -1,0 +1,1 @@
+"""Generation engines behind one small interface (:class:`InferenceEngine`)."""

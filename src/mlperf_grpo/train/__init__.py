@@ -1,0 +1,1 @@
+"""GRPO: rollouts, advantages and loss, and the training loop."""

@@ -1,0 +1,73 @@
+"""The MLPerf events the trainer logs before ``run_start`` (ruleset 6.1.0)."""
+
+from __future__ import annotations
+
+from mlperf_logging.mllog import constants as C  # noqa: N812
+
+from mlperf_grpo import rules
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.mllog import MLLogWriter
+
+PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
+
+
+def hyperparameters(config: RunConfig, config_filename: str) -> dict[str, object]:
+    """Every hyperparameter key the 6.1.0 checker requires for ``qwen35_397b_grpo``.
+
+    Returns:
+        key -> value, in the order they are logged. Parallelism is 1 (one process).
+    """
+    g = config.grpo
+    return {
+        C.SEED: config.seed,
+        C.GLOBAL_BATCH_SIZE: config.global_batch_size,
+        "num_prompts_per_step": g.num_prompts_per_step,
+        "num_generations_per_prompt": g.num_generations_per_prompt,
+        C.TRAIN_SAMPLES: config.task.num_train_tasks,
+        C.EVAL_SAMPLES: config.validation.num_tasks,
+        "max_sequence_length": g.max_sequence_length,
+        "init_checkpoint_step": rules.INIT_CHECKPOINT_STEP,
+        "max_steps": g.max_steps,
+        C.OPT_NAME: "adamw",
+        C.OPT_BASE_LR: config.learning_rate,
+        C.OPT_ADAMW_BETA_1: config.optimizer.beta_1,
+        C.OPT_ADAMW_BETA_2: config.optimizer.beta_2,
+        C.OPT_ADAMW_EPSILON: config.optimizer.epsilon,
+        C.OPT_ADAMW_WEIGHT_DECAY: config.optimizer.weight_decay,
+        C.OPT_GRADIENT_CLIP_NORM: config.gradient_clip_norm,
+        C.OPT_LR_WARMUP_STEPS: rules.LEARNING_RATE_WARMUP_STEPS,
+        "opt_learning_rate_decay_schedule": rules.LEARNING_RATE_DECAY_SCHEDULE,
+        "generation_training_rollout_temperature": g.rollout_temperature,
+        "generation_training_rollout_top_p": g.rollout_top_p,
+        "generation_validation_rollout_temperature": config.validation.temperature,
+        "generation_validation_rollout_top_p": config.validation.top_p,
+        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // g.micro_batch_size,
+        "micro_batch_size": g.micro_batch_size,
+        "lowest_numerical_precision_in_linear": PRECISION[config.model.dtype],
+        "lowest_numerical_precision_in_attn": PRECISION[config.model.dtype],
+        "lowest_numerical_precision_in_comm": PRECISION[config.model.dtype],
+        "tensor_parallelism": 1,
+        "pipeline_parallelism": 1,
+        "context_parallelism": 1,
+        "expert_parallelism": 1,
+        "config_filename": config_filename,
+    }
+
+
+def log_submission_and_init_start(log: MLLogWriter, config: RunConfig) -> None:
+    """``cache_clear``, ``init_start`` and the ``submission_*`` keys, committed."""
+    log.event(C.CACHE_CLEAR, True)
+    log.start(C.INIT_START)
+    log.event(C.SUBMISSION_BENCHMARK, rules.BENCHMARK)
+    log.event(C.SUBMISSION_ORG, config.submission.org)
+    log.event(C.SUBMISSION_DIVISION, config.division)
+    log.event(C.SUBMISSION_STATUS, "onprem")
+    log.event(C.SUBMISSION_PLATFORM, config.submission.platform)
+    log.commit()
+
+
+def log_hyperparameters(log: MLLogWriter, config: RunConfig, config_filename: str) -> None:
+    """All of :func:`hyperparameters`, committed."""
+    for key, value in hyperparameters(config, config_filename).items():
+        log.event(key, value)
+    log.commit()

@@ -1,0 +1,91 @@
+"""Rollouts: prompts -> completions -> rewards -> one padded training batch."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams
+from mlperf_grpo.tasks import Task
+
+
+class PromptSampler:
+    """Draws prompts for each step: shuffled passes over the pool, seeded, no repeats
+    within a pass."""
+
+    def __init__(self, tasks: list[Task], seed: int) -> None:
+        self._tasks = list(tasks)
+        self._rng = random.Random(seed)
+        self._order: list[Task] = []
+
+    def sample(self, num_prompts: int) -> list[Task]:
+        out = []
+        while len(out) < num_prompts:
+            if not self._order:
+                self._order = self._rng.sample(self._tasks, len(self._tasks))
+            out.append(self._order.pop())
+        return out
+
+
+@dataclass
+class RolloutBatch:
+    """A global batch ready for the loss. ``B = prompts * generations``, ``L`` = longest
+    prompt + completion.
+
+    ``input_ids``/``attention_mask``: ``[B, L]`` right-padded sequences.
+    ``completion_mask``: ``[B, L-1]`` 1 where ``input_ids[:, 1:]`` is a completion token.
+    ``rollout_logprobs``: ``[B, L-1]`` rollout-policy log-probs at those positions.
+    ``advantages``: ``[B]``. ``rewards``: ``[P, G]``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Valid completion tokens in the global batch (the loss normalizer)."""
+        return int(self.completion_mask.sum().item())
+
+
+def generate_rollouts(
+    engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams
+) -> list[list[Completion]]:
+    """``generations_per_prompt`` completions of each task: ``[P][G]``."""
+    prompts = [t.prompt for t in tasks for _ in range(generations_per_prompt)]
+    flat = engine.generate(prompts, params)
+    g = generations_per_prompt
+    return [flat[i * g:(i + 1) * g] for i in range(len(tasks))]
+
+
+def build_batch(
+    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int
+) -> RolloutBatch:
+    """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages."""
+    flat = [c for group in completions for c in group]
+    width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in flat)
+    b = len(flat)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    completion_mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, c in enumerate(flat):
+        p, t = len(c.prompt_token_ids), len(c.token_ids)
+        input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids)
+        attention_mask[i, : p + t] = 1
+        # Token at sequence position p+j is predicted at position p+j-1 of the shifted view.
+        completion_mask[i, p - 1: p - 1 + t] = 1
+        rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs)
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages.reshape(-1).float(),
+        rewards=rewards,
+    )
