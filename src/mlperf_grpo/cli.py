@@ -63,6 +63,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _print_outcome(outcome, args.output)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Official compliance checker plus the offline-eval lint; 0 clean, 1 findings."""
+    from mlperf_grpo.check import UnreadableLog, check_log
+    from mlperf_grpo.check.render import format_reports, to_json
+
+    try:
+        reports = [check_log(path, run_dir=args.run_dir, auto_run_dir=not args.no_run_dir) for path in args.logs]
+    except UnreadableLog as err:
+        raise BadInput(str(err)) from None
+    print(to_json(reports) if args.json else format_reports(reports))
+    return EXIT_OK if all(r.clean for r in reports) else EXIT_FAILURE
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Append an evaluator's log to the training log, atomically and idempotently."""
+    from mlperf_grpo.merge import MergeError, merge_logs
+
+    try:
+        result = merge_logs(args.train, args.eval, args.output)
+    except MergeError as err:
+        raise BadInput(str(err)) from None
+    state = "written" if result.changed else "unchanged (already merged)"
+    print(f"{result.output}: {state}; {result.appended} eval line(s) after the training log, "
+          f"{result.already_present} already present")
+    if result.dropped_steps:
+        print(f"dropped evaluations after the first pass: steps {result.dropped_steps}")
+    if result.ignored_keys:
+        print(f"ignored {len(result.ignored_keys)} line(s) of other keys in the evaluation log: {sorted(set(result.ignored_keys))}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Timeline report of one log as PNG or HTML."""
+    from mlperf_grpo.check import UnreadableLog
+    from mlperf_grpo.report import ReportError, write_report
+
+    try:
+        print(f"report: {write_report(args.log, args.output)}")
+    except (UnreadableLog, ReportError) as err:
+        raise BadInput(str(err)) from None
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlperf-grpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
+    p.add_argument("logs", type=Path, nargs="+", metavar="LOG")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
+    p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("merge", help="append an evaluator's own log to the training log")
+    p.add_argument("--train", type=Path, required=True, metavar="TRAIN_LOG")
+    p.add_argument("--eval", type=Path, required=True, metavar="EVAL_LOG")
+    p.add_argument("--output", "-o", type=Path, required=True, metavar="OUT")
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser("report", help="timeline of a run as PNG or HTML")
+    p.add_argument("log", type=Path, metavar="LOG")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.png or FILE.html")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

@@ -1,0 +1,116 @@
+"""``mlperf-grpo check``: the official checkers plus the offline-evaluation lint.
+
+:func:`check_log` reads one log, runs the compliance checker (training 6.1.0), the lint
+rules of :mod:`mlperf_grpo.check.lint`, and the score computations of
+:mod:`mlperf_grpo.check.score`, and returns a :class:`CheckReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlperf_grpo.check.findings import Finding
+from mlperf_grpo.check.lint import LintInput, lint
+from mlperf_grpo.check.official import ComplianceResult, run_compliance
+from mlperf_grpo.check.score import Score, compute_score
+from mlperf_grpo.mllog import PREFIX, ParsedLog, parse_log_text
+
+__all__ = ["CheckReport", "Finding", "UnreadableLog", "check_log", "find_run_dir", "load_log_text"]
+
+
+class UnreadableLog(ValueError):
+    """The input is not an MLPerf log at all (missing, empty, binary, no ``:::MLLOG`` line)."""
+
+
+def load_log_text(path: Path) -> str:
+    """The text of an MLPerf log (bytes that are not UTF-8 are replaced).
+
+    Raises:
+        UnreadableLog: the file is missing or unreadable, empty, binary (contains NUL
+            bytes), or has no ``:::MLLOG`` line. The message is one line.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UnreadableLog(f"{path}: no such file") from None
+    except OSError as err:
+        raise UnreadableLog(f"{path}: cannot read: {err.strerror or err}") from None
+    if not data.strip():
+        raise UnreadableLog(f"{path}: the file is empty")
+    if b"\x00" in data:
+        raise UnreadableLog(f"{path}: a binary file, not an MLPerf log")
+    text = data.decode("utf-8", errors="replace")
+    if PREFIX.strip() not in text:
+        raise UnreadableLog(f"{path}: no ':::MLLOG' lines; not an MLPerf log")
+    return text
+
+
+def find_run_dir(log_path: Path) -> Path | None:
+    """The run directory of a log written by ``mlperf-grpo run``: the log's folder when it
+    holds ``run.json``, ``checkpoints/`` or ``eval/``; else None."""
+    parent = Path(log_path).resolve().parent
+    if any((parent / name).exists() for name in ("run.json", "checkpoints", "eval")):
+        return parent
+    return None
+
+
+@dataclass
+class CheckReport:
+    """Everything ``check`` found about one log. ``clean`` means exit code 0."""
+
+    path: Path
+    run_dir: Path | None
+    official: ComplianceResult
+    findings: list[Finding]
+    score: Score
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.official.valid and not self.findings and not self.score.disagreements
+
+    def to_dict(self) -> dict:
+        return {
+            "log": str(self.path),
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "clean": self.clean,
+            "official": {
+                "verdict": self.official.verdict,
+                "division": self.official.division,
+                "configs": self.official.configs,
+                "messages": self.official.messages,
+            },
+            "score": self.score.to_dict(),
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": self.notes,
+        }
+
+
+def lint_text(text: str, run_dir: Path | None = None) -> tuple[ParsedLog, list[Finding], list[str]]:
+    """Parse log text and run the lint only (no official checker). Never raises."""
+    log = parse_log_text(text)
+    inp = LintInput(log=log, lines=text.splitlines(), run_dir=run_dir)
+    return log, lint(inp), inp.notes
+
+
+def check_log(path: Path, run_dir: Path | None = None, *, auto_run_dir: bool = True) -> CheckReport:
+    """Check one MLPerf log.
+
+    Args:
+        path: the log file.
+        run_dir: the run directory (checkpoints' ``training_info.json``, ``eval/``);
+            found next to the log when ``auto_run_dir`` and not given.
+    Raises:
+        UnreadableLog: see :func:`load_log_text`. Nothing else: the official checkers'
+            crashes become messages.
+    """
+    path = Path(path)
+    text = load_log_text(path)
+    if run_dir is None and auto_run_dir:
+        run_dir = find_run_dir(path)
+    log, findings, notes = lint_text(text, run_dir)
+    compliance = run_compliance(path)
+    score = compute_score(path, log)
+    return CheckReport(path, run_dir, compliance, findings, score, notes + score.notes)

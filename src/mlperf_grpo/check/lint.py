@@ -1,0 +1,445 @@
+"""Offline-evaluation lint: what the official checkers let through but scores wrongly.
+
+One function per rule; each takes a :class:`LintInput` and returns a list of
+:class:`~mlperf_grpo.check.findings.Finding`. :func:`lint` runs them all. No rule
+raises on any input: values of the wrong type are findings, not errors.
+
+Sources: DESIGN.md ("The rule, in one paragraph" and "How the official checkers read a
+log"), the 6.1.0 compliance configs ``training_6.1.0/{common,closed_qwen35_397b_grpo}.yaml``,
+``rcp_checker.read_submission_file`` and ``result_summarizer._query_run_start_stop`` of
+``mlperf-logging``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from mlperf_grpo import rules
+from mlperf_grpo.check.findings import Finding
+from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog
+
+EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop")
+
+RCP_SUBSTRINGS = {
+    "eval_accuracy": "the RCP checker treats every line containing 'eval_accuracy' as an evaluation and takes "
+    "its samples_count as the convergence point (it crashes when the line has none)",
+    "eval_error": "the RCP checker treats every line containing 'eval_error' as an evaluation and takes "
+    "its samples_count as the convergence point (it crashes when the line has none)",
+    "global_batch_size": "the RCP checker takes the value of every line containing 'global_batch_size' as "
+    "the batch size and so may compare against the wrong reference convergence point",
+    "submission_benchmark": "the RCP checker takes the value of every line containing 'submission_benchmark' "
+    "as the benchmark name",
+}
+"""Substrings the RCP checker matches anywhere in a line, and what that does."""
+
+
+@dataclass
+class LintInput:
+    """What the rules read.
+
+    ``lines`` are the file's lines (``lines[n - 1]`` is line ``n``); ``run_dir`` is the
+    run directory when known (its ``checkpoints/step_N/training_info.json`` and
+    ``eval/step_N.jsonl`` are used when present); ``notes`` collects checks that
+    could not be made (not findings).
+    """
+
+    log: ParsedLog
+    lines: list[str]
+    run_dir: Path | None = None
+    target: float = rules.TARGET_ACCURACY
+    notes: list[str] = field(default_factory=list)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _gbs(log: ParsedLog) -> int | None:
+    """The first logged global_batch_size, when it is a positive integer."""
+    found = log.find("global_batch_size")
+    value = found[0].value if found else None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if _is_int(value) and value > 0 else None
+
+
+def first_passing_eval(log: ParsedLog, target: float = rules.TARGET_ACCURACY) -> LogEvent | None:
+    """The first ``eval_accuracy`` (file order) whose value is a number strictly above ``target``."""
+    for e in log.find("eval_accuracy"):
+        if _is_number(e.value) and rules.is_passing(e.value, target):
+            return e
+    return None
+
+
+def _sc(e: LogEvent) -> Any:
+    return e.metadata.get("samples_count")
+
+
+# --- the rules ------------------------------------------------------------------------
+
+
+def invalid_lines(inp: LintInput) -> list[Finding]:
+    """``:::MLLOG`` lines that are not JSON objects, or lack what the official parser reads.
+
+    The official parser (``mlp_parser.ruleset_610``) needs ``time_ms`` (a number),
+    ``key``, ``value`` and ``metadata``; a missing one is a parse error or a crash.
+    """
+    out = []
+    impact = ("the compliance checker fails the log ('Log lines had parsing errors') and the summarizer drops "
+              "the run; the RCP checker crashes on it if the line mentions a key it reads")
+    for line_no, reason in inp.log.bad_lines:
+        out.append(Finding("invalid-json", line_no, "?", f"text after ':::MLLOG' is not a JSON object: {reason}", impact))
+    for e in inp.log.events:
+        raw = _raw_json(inp, e.line_no)
+        missing = [k for k in ("time_ms", "value", "metadata") if not isinstance(raw, dict) or k not in raw]
+        if missing:
+            out.append(Finding("invalid-json", e.line_no, e.key, f"missing field(s) {', '.join(missing)}", impact))
+        elif e.time_ms is None:
+            out.append(Finding("invalid-json", e.line_no, e.key, f"time_ms {raw.get('time_ms')!r} is not a number", impact))
+    return out
+
+
+def _raw_json(inp: LintInput, line_no: int) -> Any:
+    try:
+        line = inp.lines[line_no - 1]
+        return json.loads(line[line.find(PREFIX) + len(PREFIX):])
+    except (IndexError, ValueError):
+        return None
+
+
+def multiple_run_stops(inp: LintInput) -> list[Finding]:
+    """More than one ``run_stop``: the compliance checker only warns when they are alike."""
+    stops = inp.log.find("run_stop")
+    return [
+        Finding("multiple-run-stop", e.line_no, "run_stop",
+                f"another run_stop (the first is at line {stops[0].line_no})",
+                "the summarizer times the run to the first run_stop while the RCP checker takes the status "
+                "and convergence point of the last one; the score depends on which you believe")
+        for e in stops[1:]
+    ]
+
+
+def run_stop_status(inp: LintInput) -> list[Finding]:
+    """``run_stop`` status that contradicts the evaluations (or is not success/aborted)."""
+    out = []
+    passing = first_passing_eval(inp.log, inp.target)
+    for e in inp.log.find("run_stop"):
+        status = e.metadata.get("status")
+        if status not in ("success", "aborted"):
+            out.append(Finding("run-stop-status", e.line_no, "run_stop", f"status {status!r} is neither 'success' nor 'aborted'",
+                               "the RCP checker counts every status other than 'success' as not converged; "
+                               "the compliance checker accepts any value"))
+        elif status != "success" and passing is not None:
+            out.append(Finding("run-stop-status", e.line_no, "run_stop",
+                               f"status {status!r} but the eval_accuracy at line {passing.line_no} "
+                               f"({passing.value}) passes the target {inp.target}",
+                               "a converged run is counted as not converged (infinite time)"))
+        elif status == "success" and passing is None:
+            out.append(Finding("run-stop-status", e.line_no, "run_stop",
+                               f"status 'success' but no eval_accuracy is above the target {inp.target}",
+                               "the log claims convergence it does not show; the compliance checker fails it"))
+    return out
+
+
+def run_stop_order(inp: LintInput) -> list[Finding]:
+    """``run_start``/``run_stop`` missing, repeated, or out of order (lines or times)."""
+    log, out = inp.log, []
+    starts, stops = log.find("run_start"), log.find("run_stop")
+    if not starts:
+        out.append(Finding("run-stop-order", None, "run_start", "no run_start",
+                           "time-to-train cannot be computed (the summarizer raises 'run_start not recorded')"))
+    for e in starts[1:]:
+        out.append(Finding("run-stop-order", e.line_no, "run_start", f"another run_start (the first is at line {starts[0].line_no})",
+                           "the summarizer times from the last run_start before run_stop, which shortens the score"))
+    if not stops:
+        out.append(Finding("run-stop-order", None, "run_stop", "no run_stop",
+                           "the run has no score (the summarizer raises 'run_stop not recorded'; RCP: not converged)"))
+        return out
+    stop = stops[0]
+    evals = [e for e in log.events if e.key in EVAL_KEYS]
+    if evals and evals[-1].line_no > stop.line_no:
+        out.append(Finding("run-stop-order", stop.line_no, "run_stop",
+                           f"run_stop is written before the eval line {evals[-1].line_no} ({evals[-1].key})",
+                           "the RCP checker takes the last eval_accuracy before run_stop as the convergence point "
+                           "(and crashes when there is none); later evals are ignored"))
+    if starts:
+        start = starts[0]
+        if stop.line_no < start.line_no:
+            out.append(Finding("run-stop-order", stop.line_no, "run_stop", f"run_stop is written before run_start (line {start.line_no})",
+                               "the compliance checker fails it and the summarizer pairs the wrong lines"))
+        if _is_number(stop.time_ms) and _is_number(start.time_ms) and stop.time_ms < start.time_ms:
+            out.append(Finding("run-stop-order", stop.line_no, "run_stop",
+                               f"run_stop time_ms {stop.time_ms} is before run_start time_ms {start.time_ms}",
+                               "time-to-train is negative"))
+    return out
+
+
+def evals_after_pass(inp: LintInput) -> list[Finding]:
+    """``eval_accuracy`` lines after the first passing one."""
+    passing = first_passing_eval(inp.log, inp.target)
+    if passing is None:
+        return []
+    return [
+        Finding("eval-after-pass", e.line_no, "eval_accuracy",
+                f"evaluation at samples_count {_sc(e)!r} after the first passing one "
+                f"(line {passing.line_no}, samples_count {_sc(passing)!r})",
+                "the RCP checker takes the last eval_accuracy before run_stop as samples to converge, "
+                f"so it reads {_sc(e)!r} instead of {_sc(passing)!r}")
+        for e in inp.log.find("eval_accuracy") if e.line_no > passing.line_no
+    ]
+
+
+def eval_series(inp: LintInput) -> list[Finding]:
+    """Evaluations not contiguous from the first eval step, or not ascending.
+
+    Expected: the k-th ``eval_accuracy`` (k from 0) has ``samples_count = (S0 + k) * GBS``
+    with ``S0 = ceil(2.5 + 3840 / GBS)`` (closed compliance config, ``next_validation_samples``).
+    """
+    gbs = _gbs(inp.log)
+    if gbs is None:
+        inp.notes.append("eval series not checked: no positive integer global_batch_size in the log")
+        return []
+    s0 = rules.first_eval_step(gbs)
+    expected, previous, out = s0 * gbs, None, []
+    impact = ("the closed compliance checker requires samples_count = (S0 + k) * GBS for the k-th evaluation; "
+              "a gap or reordering means a checkpoint's result is missing or the convergence point is wrong")
+    for e in inp.log.find("eval_accuracy"):
+        sc = _sc(e)
+        if not _is_int(sc):
+            out.append(Finding("eval-series", e.line_no, "eval_accuracy", f"samples_count {sc!r} is missing or not an integer",
+                               "the compliance checker fails it and the RCP checker crashes or reads no convergence point"))
+            continue
+        step = e.metadata.get("step")
+        if step is not None and (not _is_int(step) or step * gbs != sc):
+            out.append(Finding("eval-series", e.line_no, "eval_accuracy", f"step {step!r} does not match samples_count {sc} at GBS {gbs}",
+                               "the step and samples_count name different checkpoints; the score uses samples_count"))
+        if previous is not None and sc <= previous:
+            out.append(Finding("eval-series", e.line_no, "eval_accuracy",
+                               f"samples_count {sc} is not after the previous evaluation's {previous} (not ascending)", impact))
+        elif sc != expected:
+            what = "first evaluation" if previous is None else "evaluation"
+            out.append(Finding("eval-series", e.line_no, "eval_accuracy",
+                               f"{what} at samples_count {sc} (step {sc / gbs:g}); expected {expected} (step {expected // gbs})", impact))
+        previous, expected = sc, max(expected, sc + gbs)
+    return out
+
+
+def eval_at_target(inp: LintInput) -> list[Finding]:
+    """An ``eval_accuracy`` exactly at the target: not a pass (the comparison is strict)."""
+    return [
+        Finding("eval-at-target", e.line_no, "eval_accuracy", f"accuracy {e.value} equals the target {inp.target}; a pass needs strictly more",
+                "a run stopped here did not converge; treating it as a pass understates time-to-train")
+        for e in inp.log.find("eval_accuracy") if _is_number(e.value) and e.value == inp.target
+    ]
+
+
+def eval_values(inp: LintInput) -> list[Finding]:
+    """``eval_accuracy`` value null, not a number, not finite, or outside [0, 1]."""
+    out = []
+    for e in inp.log.find("eval_accuracy"):
+        v = e.value
+        if v is None:
+            problem = "value is null"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            problem = f"value {v!r} is not a number"
+        elif not math.isfinite(v):
+            problem = f"value {v} is not finite"
+        elif not 0.0 <= v <= 1.0:
+            problem = f"value {v} is outside [0, 1]"
+        else:
+            continue
+        out.append(Finding("eval-value", e.line_no, "eval_accuracy", problem,
+                           "the compliance check of the value fails or crashes, and the RCP checker and pass test read garbage"))
+    return out
+
+
+def eval_pairing(inp: LintInput) -> list[Finding]:
+    """``eval_start``/``eval_stop`` unpaired, or naming another checkpoint than their ``eval_accuracy``.
+
+    Events are paired by ``samples_count``: each evaluation is ``eval_start``, then
+    ``eval_accuracy``, then ``eval_stop``, all with the same ``samples_count`` (and
+    ``step`` when logged). Interleaved evaluations are allowed.
+    """
+    out: list[Finding] = []
+    impact = "the eval interval no longer says which checkpoint was evaluated when; a result may belong to another step"
+    open_: dict[Any, LogEvent] = {}
+    accuracy_of: dict[Any, LogEvent] = {}
+    for e in inp.log.events:
+        if e.key not in EVAL_KEYS:
+            continue
+        sc = _sc(e)
+        sc = sc if isinstance(sc, (int, float, str)) and not isinstance(sc, bool) else repr(sc)
+        if e.key == "eval_start":
+            if sc in open_:
+                out.append(Finding("eval-pairing", open_[sc].line_no, "eval_start", f"eval_start at samples_count {sc} has no eval_stop before the next one (line {e.line_no})", impact))
+            open_[sc] = e
+            accuracy_of.pop(sc, None)
+            continue
+        start = open_.get(sc)
+        if start is None:
+            out.append(Finding("eval-pairing", e.line_no, e.key, f"{e.key} at samples_count {sc} has no open eval_start with that samples_count", impact))
+            continue
+        if start.metadata.get("step") != e.metadata.get("step"):
+            out.append(Finding("eval-pairing", e.line_no, e.key,
+                               f"step {e.metadata.get('step')!r} differs from its eval_start's step {start.metadata.get('step')!r} (line {start.line_no})", impact))
+        if e.key == "eval_accuracy":
+            accuracy_of[sc] = e
+        else:
+            if sc not in accuracy_of:
+                out.append(Finding("eval-pairing", e.line_no, "eval_stop", f"eval_stop at samples_count {sc} without an eval_accuracy since its eval_start (line {start.line_no})", impact))
+            del open_[sc]
+            accuracy_of.pop(sc, None)
+    for sc, start in open_.items():
+        out.append(Finding("eval-pairing", start.line_no, "eval_start", f"eval_start at samples_count {sc} has no eval_stop", impact))
+    return out
+
+
+def _training_infos(run_dir: Path | None) -> dict[int, tuple[Path, int]]:
+    """samples_count -> (record path, weight-update time) from the checkpoints still on disk."""
+    from mlperf_grpo.checkpoint import INFO_FILE, CheckpointError, read_training_info
+
+    found: dict[int, tuple[Path, int]] = {}
+    root = run_dir / "checkpoints" if run_dir else None
+    if root is None or not root.is_dir():
+        return found
+    for d in sorted(root.glob("step_*")):
+        try:
+            info = read_training_info(d)
+        except CheckpointError:
+            continue
+        found[info.samples_count] = (d / INFO_FILE, info.training_step_end_time_ms)
+    return found
+
+
+def run_stop_time(inp: LintInput) -> list[Finding]:
+    """``run_stop.time_ms`` is not the weight-update time of its checkpoint.
+
+    The checkpoint is the one at the run_stop's ``samples_count`` (else at the last
+    ``eval_accuracy`` before it). Compared with ``training_info.json``'s
+    ``training_step_end_time_ms`` when the run's checkpoints are still on disk, and with
+    the ``block_start``/``block_stop`` of that step in the log (the weight update happens
+    inside the step's block).
+    """
+    log, out = inp.log, []
+    stops = log.find("run_stop")
+    if not stops or not _is_number(stops[0].time_ms):
+        return out
+    stop = stops[0]
+    sc = _sc(stop)
+    if not _is_int(sc):
+        before = [e for e in log.find("eval_accuracy") if e.line_no < stop.line_no and _is_int(_sc(e))]
+        sc = _sc(before[-1]) if before else None
+    if sc is None:
+        inp.notes.append("run_stop time not checked: no samples_count on run_stop and no evaluation before it")
+        return out
+    blocks = {(e.key, _sc(e)): e for e in log.events if e.key in ("block_start", "block_stop")}
+    block_stop = blocks.get(("block_stop", sc))
+    gbs = _gbs(log)
+    block_start = blocks.get(("block_start", sc - gbs)) if gbs else None
+    if block_stop is not None and _is_number(block_stop.time_ms) and stop.time_ms > block_stop.time_ms:
+        out.append(Finding("run-stop-time", stop.line_no, "run_stop",
+                           f"time_ms {stop.time_ms} is {stop.time_ms - block_stop.time_ms:g} ms after the block_stop at "
+                           f"samples_count {sc} (line {block_stop.line_no})",
+                           "the weight update ends inside the step's block; a later run_stop adds checkpoint or "
+                           "evaluation time to time-to-train"))
+    if block_start is not None and _is_number(block_start.time_ms) and stop.time_ms < block_start.time_ms:
+        out.append(Finding("run-stop-time", stop.line_no, "run_stop",
+                           f"time_ms {stop.time_ms} is before that step's block_start (line {block_start.line_no}, {block_start.time_ms})",
+                           "time-to-train is understated: the checkpoint's weights did not exist yet"))
+    infos = _training_infos(inp.run_dir)
+    if sc in infos:
+        path, t_update = infos[sc]
+        if stop.time_ms != t_update:
+            out.append(Finding("run-stop-time", stop.line_no, "run_stop",
+                               f"time_ms {stop.time_ms} differs from the weight-update time {t_update} in {path}",
+                               f"time-to-train is off by {stop.time_ms - t_update:g} ms"))
+    elif inp.run_dir is not None:
+        inp.notes.append(f"run_stop not compared with a weight-update time: no training_info.json at samples_count {sc} "
+                         f"under {inp.run_dir / 'checkpoints'} (deleted at teardown?)")
+    return out
+
+
+def substring_keys(inp: LintInput) -> list[Finding]:
+    """Lines that contain a key the RCP checker matches as a substring, without being that key."""
+    out = []
+    for e in inp.log.events:
+        try:
+            raw = inp.lines[e.line_no - 1]
+        except IndexError:
+            continue
+        for needle, impact in RCP_SUBSTRINGS.items():
+            if e.key != needle and needle in raw:
+                where = f"key {e.key!r} contains" if needle in e.key else f"the {e.key} line's value or metadata contains"
+                out.append(Finding("substring-key", e.line_no, e.key, f"{where} '{needle}'", impact))
+    return out
+
+
+def duplicate_global_batch_size(inp: LintInput) -> list[Finding]:
+    """``global_batch_size`` logged more than once."""
+    found = inp.log.find("global_batch_size")
+    return [
+        Finding("duplicate-gbs", e.line_no, "global_batch_size",
+                f"global_batch_size logged again (value {e.value!r}; first at line {found[0].line_no} with {found[0].value!r})",
+                "the compliance checker only warns when the values agree, but the closed checker resets its expected "
+                "eval samples_count on every such line and the RCP checker keeps the last value")
+        for e in found[1:]
+    ]
+
+
+def eval_samples(inp: LintInput) -> list[Finding]:
+    """``eval_samples`` differs from the number of validation tasks evaluated.
+
+    The number evaluated is read from ``<run>/eval/step_N.jsonl`` (a header line, then
+    one line per task) when the run directory is known.
+    """
+    logged = inp.log.find("eval_samples")
+    eval_dir = inp.run_dir / "eval" if inp.run_dir else None
+    if not logged or eval_dir is None or not eval_dir.is_dir():
+        if inp.run_dir is not None:
+            inp.notes.append("eval_samples not compared with the tasks evaluated: no eval/ results in the run directory")
+        return []
+    out = []
+    for path in sorted(eval_dir.glob("step_*.jsonl")):
+        try:
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            continue
+        tasks = max(len(lines) - 1, 0)
+        if tasks != logged[0].value:
+            out.append(Finding("eval-samples", logged[0].line_no, "eval_samples",
+                               f"eval_samples is {logged[0].value!r} but {path} has {tasks} tasks",
+                               "the accuracy was computed on another validation set than the one the log declares"))
+    return out
+
+
+RULES: list[Callable[[LintInput], list[Finding]]] = [
+    invalid_lines,
+    multiple_run_stops,
+    run_stop_status,
+    run_stop_order,
+    evals_after_pass,
+    eval_series,
+    eval_at_target,
+    eval_values,
+    eval_pairing,
+    run_stop_time,
+    substring_keys,
+    duplicate_global_batch_size,
+    eval_samples,
+]
+
+
+def lint(inp: LintInput) -> list[Finding]:
+    """Run every rule; findings sorted by line (file-level ones first). Never raises."""
+    findings: list[Finding] = []
+    for rule in RULES:
+        findings.extend(rule(inp))
+    return sorted(findings, key=lambda f: (f.line or 0))

@@ -1,0 +1,163 @@
+"""The official ``mlperf-logging`` checkers, called through their Python API.
+
+* compliance: ``mlp_compliance.make_checker`` + ``mlp_compliance.main`` with
+  ``training_6.1.0/common.yaml``; the division config (closed/open) is chosen by the
+  checker itself from the log's ``submission_division``.
+* summarizer time-to-train: ``result_summarizer._read_result_file`` and
+  ``_query_run_start_stop`` (what ``compute_score`` does per file). ``compute_score``
+  itself crashes on 6.1.0: ``_compute_strong_score_standalone(return_full_scores=True)``
+  returns 5 values and its ``__main__`` unpacks 4.
+* RCP samples to converge: ``rcp_checker.read_submission_file``.
+
+The checkers log through the root ``logging`` logger and can raise on odd input; every
+function here captures the messages and turns a crash into a result, never an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+USAGE = "training"
+RULESET = "6.1.0"
+_SEPARATOR = "\n" + "-" * 30 + "\n"
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _captured_logging():
+    """Route the root logger's records into a list (and nowhere else) for the duration."""
+    root = logging.getLogger()
+    capture = _Capture()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    root.handlers = [capture]
+    root.setLevel(logging.INFO)
+    try:
+        yield capture
+    finally:
+        root.handlers = saved_handlers
+        root.setLevel(saved_level)
+
+
+@dataclass
+class ComplianceResult:
+    """The compliance checker's verdict on one log.
+
+    ``valid`` is its SUCCESS/FAILED; ``messages`` its warnings and errors, one string
+    each; ``configs`` the rule files it applied (the division shows there);
+    ``crashed`` the exception text when the checker itself raised (then ``valid`` is False).
+    """
+
+    valid: bool
+    messages: list[str] = field(default_factory=list)
+    configs: list[str] = field(default_factory=list)
+    crashed: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "SUCCESS" if self.valid else ("CRASHED" if self.crashed else "FAILED")
+
+    @property
+    def division(self) -> str | None:
+        for c in self.configs:
+            name = Path(c).name
+            for division in ("closed", "open"):
+                if name.startswith(f"{division}_") and name != f"{division}_common.yaml":
+                    return division
+        return None
+
+
+def run_compliance(path: Path, ruleset: str = RULESET) -> ComplianceResult:
+    """Run the official compliance checker (training, ``ruleset``) on one log file."""
+    from mlperf_logging.compliance_checker import mlp_compliance
+
+    mlp_compliance.enqueued_configs.clear()  # module-global queue; a crashed run may leave entries
+    with _captured_logging() as capture:
+        try:
+            checker = mlp_compliance.make_checker(USAGE, ruleset, False, False)
+            valid, *_ = mlp_compliance.main(str(path), f"{USAGE}_{ruleset}/common.yaml", checker)
+            crashed = None
+        except Exception as err:  # noqa: BLE001  (the checker raises on some malformed lines)
+            valid, crashed = False, f"{type(err).__name__}: {err}"
+    mlp_compliance.enqueued_configs.clear()
+    messages, configs = [], []
+    for record in capture.records:
+        text = record.getMessage().strip()
+        if record.levelno >= logging.WARNING:
+            messages.extend(m.strip() for m in text.split(_SEPARATOR.strip()) if m.strip())
+        elif text.startswith("Compliance checks:"):
+            configs.append(text.split(":", 1)[1].strip())
+    if crashed:
+        messages.append(f"the compliance checker crashed: {crashed}")
+    return ComplianceResult(valid=bool(valid), messages=messages, configs=configs, crashed=crashed)
+
+
+@dataclass
+class SummarizerResult:
+    """Time-to-train as the result summarizer computes it, or why it drops the run."""
+
+    minutes: float | None
+    note: str | None = None
+
+
+def summarizer_time_to_train(path: Path, ruleset: str = RULESET) -> SummarizerResult:
+    """Minutes from run_start to run_stop as ``result_summarizer`` scores one result file.
+
+    The summarizer first re-runs the compliance checker and drops the run (no score)
+    when it fails or when any line does not parse; then it takes the first ``run_stop``
+    and the last ``run_start`` before it, ``(stop - start) / 60000``.
+    """
+    from mlperf_logging.compliance_checker import mlp_compliance
+    from mlperf_logging.result_summarizer import result_summarizer as rs
+
+    mlp_compliance.enqueued_configs.clear()
+    with _captured_logging():
+        try:
+            loglines = rs._read_result_file(str(path), USAGE, ruleset)
+            start, stop = rs._query_run_start_stop(loglines)
+        except ValueError as err:
+            return SummarizerResult(None, f"dropped by the summarizer: {err}")
+        except Exception as err:  # noqa: BLE001
+            return SummarizerResult(None, f"the summarizer crashed: {type(err).__name__}: {err}")
+        finally:
+            mlp_compliance.enqueued_configs.clear()
+    return SummarizerResult((stop - start) / 60 / 1000)
+
+
+@dataclass
+class RCPResult:
+    """Samples to converge as the RCP checker reads one log.
+
+    ``converged`` False means the RCP checker marks the run infinite (status not success).
+    """
+
+    samples: float | int | None
+    converged: bool | None
+    global_batch_size: object = None
+    benchmark: object = None
+    note: str | None = None
+
+
+def rcp_samples_to_converge(path: Path, ruleset: str = RULESET) -> RCPResult:
+    """``rcp_checker.read_submission_file``: the samples_count of the last line containing
+    ``eval_accuracy`` before a ``run_stop`` with status success."""
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    with _captured_logging():
+        try:
+            not_converged, samples, gbs, benchmark = rcp_checker.read_submission_file(str(path), ruleset, False)
+        except Exception as err:  # noqa: BLE001  (it crashes on null values, missing metadata, run_stop first)
+            return RCPResult(None, None, note=f"the RCP checker crashed: {type(err).__name__}: {err}")
+    if not_converged:
+        return RCPResult(None, False, gbs, benchmark, "RCP checker: run incomplete or did not converge (counted as infinite)")
+    return RCPResult(samples, True, gbs, benchmark)

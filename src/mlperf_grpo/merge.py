@@ -1,0 +1,197 @@
+"""``mlperf-grpo merge``: append an evaluator's own log to the training log.
+
+For setups where the offline evaluator logs to its own file (post-processing a log is
+allowed). The output is the training log, byte for byte, followed by the evaluator's
+``eval_start``/``eval_accuracy``/``eval_stop`` lines grouped per checkpoint in ascending
+``samples_count`` (the order the closed checker needs), then its ``run_stop``. Time stamps
+are kept as written and nothing is re-sorted by time: a backdated ``run_stop`` stays last.
+
+Refused (:class:`MergeError`, nothing written): two ``run_stop``s in the result, a gap or
+overlap in the evaluation series, two different evaluations of one checkpoint, a
+successful ``run_stop`` that does not name the first passing checkpoint, invalid JSON in
+the evaluator's log. Evaluations after the first passing one are dropped (the RCP checker
+would take the last one as the convergence point) and reported.
+
+Idempotent: merging again, or merging the output with the same evaluator log, gives the
+same bytes (events already in the training log are skipped). Written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlperf_grpo import rules
+from mlperf_grpo.check import UnreadableLog, load_log_text
+from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number
+from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, parse_log_text
+
+MERGED_KEYS = (*EVAL_KEYS, "run_stop")
+_KEY_ORDER = {k: i for i, k in enumerate(MERGED_KEYS)}
+
+
+class MergeError(ValueError):
+    """The logs cannot be merged into a correct log; the message says why (one line)."""
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge_logs` did.
+
+    ``appended``: lines added after the training log; ``already_present``: evaluator
+    events found in the training log already; ``ignored_keys``: evaluator lines with
+    other keys (not copied); ``dropped_steps``: evaluations after the first pass, not
+    copied; ``changed``: False when the output already had exactly these bytes.
+    """
+
+    output: Path
+    appended: int = 0
+    already_present: int = 0
+    ignored_keys: list[str] = field(default_factory=list)
+    dropped_steps: list[int] = field(default_factory=list)
+    changed: bool = True
+
+
+def _read(path: Path, role: str) -> tuple[str, ParsedLog, list[str]]:
+    try:
+        text = load_log_text(path)
+    except UnreadableLog as err:
+        raise MergeError(f"{role} log {err}") from None
+    return text, parse_log_text(text), text.splitlines()
+
+
+def _canonical(lines: list[str], e: LogEvent) -> str:
+    line = lines[e.line_no - 1]
+    return json.dumps(json.loads(line[line.find(PREFIX) + len(PREFIX):]), sort_keys=True)
+
+
+def _mllog_part(lines: list[str], e: LogEvent) -> str:
+    line = lines[e.line_no - 1]
+    return line[line.find(PREFIX):].rstrip()
+
+
+def _passes(e: LogEvent) -> bool:
+    return _is_number(e.value) and rules.is_passing(e.value)
+
+
+def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
+    """Merge ``eval_log`` into ``train_log`` and write ``output`` atomically.
+
+    ``output`` may be ``train_log`` itself (merging in place).
+    Raises:
+        MergeError: see the module docstring; also an unreadable input.
+        OSError: the output cannot be written.
+    """
+    output = Path(output)
+    result = MergeResult(output=output)
+    train_text, train, train_lines = _read(Path(train_log), "training")
+    _, ev, ev_lines = _read(Path(eval_log), "evaluation")
+    if ev.bad_lines:
+        line_no, reason = ev.bad_lines[0]
+        raise MergeError(f"evaluation log {eval_log} line {line_no}: {reason}")
+    if not train.find("run_start"):
+        raise MergeError(f"training log {train_log} has no run_start")
+    gbs = _gbs(train)
+    if gbs is None:
+        raise MergeError(f"training log {train_log} has no positive integer global_batch_size")
+
+    present = {_canonical(train_lines, e) for e in train.events if e.key in MERGED_KEYS}
+    groups: dict[int, list[LogEvent]] = {}
+    new_stops: list[LogEvent] = []
+    for e in ev.events:
+        if e.key not in MERGED_KEYS:
+            result.ignored_keys.append(e.key)
+            continue
+        if _canonical(ev_lines, e) in present:
+            result.already_present += 1
+            continue
+        if e.key == "run_stop":
+            new_stops.append(e)
+            continue
+        sc = e.metadata.get("samples_count")
+        if not _is_int(sc):
+            raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {e.key} has no integer samples_count")
+        groups.setdefault(sc, []).append(e)
+    for sc, events in groups.items():
+        accuracies = [e for e in events if e.key == "eval_accuracy"]
+        if len(accuracies) != 1 or len(events) > 3:
+            raise MergeError(f"evaluation log {eval_log}: {len(accuracies)} eval_accuracy and {len(events)} eval lines "
+                             f"at samples_count {sc} (step {sc // gbs}); expected one evaluation")
+        events.sort(key=lambda e: _KEY_ORDER[e.key])  # stable: start, accuracy, stop
+
+    existing = [e for e in train.find("eval_accuracy")]
+    series = [e.metadata.get("samples_count") for e in existing] + sorted(groups)
+    s0_samples = rules.first_eval_step(gbs) * gbs
+    expected = list(range(s0_samples, s0_samples + gbs * len(series), gbs))
+    if series != expected:
+        wrong = next(i for i, (a, b) in enumerate(zip(series, expected)) if a != b)
+        if wrong < len(existing):
+            raise MergeError(f"training log {train_log}: its evaluations are not contiguous from samples_count {s0_samples}")
+        raise MergeError(f"the evaluations would have a gap or an overlap: expected samples_count {expected[wrong]} "
+                         f"(step {expected[wrong] // gbs}), next available is {series[wrong]} (step {series[wrong] / gbs:g})")
+
+    first_pass = next((e.metadata.get("samples_count") for e in existing if _passes(e)), None)
+    kept: list[list[LogEvent]] = []
+    for sc in sorted(groups):
+        if first_pass is not None:
+            result.dropped_steps.append(sc // gbs)
+            continue
+        kept.append(groups[sc])
+        if any(_passes(e) for e in groups[sc] if e.key == "eval_accuracy"):
+            first_pass = sc
+
+    old_stops = train.find("run_stop")
+    if len(old_stops) + len(new_stops) > 1:
+        where = [f"{train_log}:{e.line_no}" for e in old_stops] + [f"{eval_log}:{e.line_no}" for e in new_stops]
+        raise MergeError(f"the result would have {len(where)} run_stops ({', '.join(where)}); a log needs exactly one")
+    for stop in new_stops:
+        sc = stop.metadata.get("samples_count")
+        if stop.metadata.get("status") == "success" and _is_int(sc) and sc != first_pass:
+            raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at samples_count {sc}, but the first "
+                             f"passing evaluation is at {first_pass}")
+
+    new_lines = [_mllog_part(ev_lines, e) for group in kept for e in group] + [_mllog_part(ev_lines, e) for e in new_stops]
+    result.appended = len(new_lines)
+    body = train_text if train_text.endswith("\n") else train_text + "\n"
+    body += "".join(line + "\n" for line in new_lines)
+    data = body.encode()
+    try:
+        if output.read_bytes() == data:
+            result.changed = False
+            return result
+    except OSError:
+        pass
+    write_atomic(output, data)
+    return result
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file next to ``path``, fsync, then rename over ``path``.
+
+    Raises:
+        OSError: the directory is not writable or the disk is full; ``path`` is untouched.
+    """
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
