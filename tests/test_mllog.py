@@ -1,0 +1,37 @@
+"""The log writer commits whole groups of lines; the reader never crashes."""
+
+import json
+
+from mlperf_grpo.mllog import MLLogWriter, parse_log_text, read_log, time_to_train_ms
+
+
+def test_lines_reach_the_file_only_on_commit(tmp_path):
+    path = tmp_path / "log.txt"
+    w = MLLogWriter(path)
+    w.start("run_start", time_ms=1000)
+    w.event("eval_accuracy", 0.5, metadata={"samples_count": 256}, time_ms=1500)
+    assert path.read_text() == ""
+    w.commit()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    d = json.loads(lines[1].removeprefix(":::MLLOG "))
+    assert d["key"] == "eval_accuracy" and d["value"] == 0.5 and d["time_ms"] == 1500
+    assert d["metadata"]["samples_count"] == 256
+    assert d["metadata"]["file"].endswith("test_mllog.py")  # the caller, not our wrapper
+
+
+def test_reader_and_time_to_train(tmp_path):
+    path = tmp_path / "log.txt"
+    w = MLLogWriter(path)
+    w.start("run_start", time_ms=1000)
+    w.end("run_stop", metadata={"status": "success"}, time_ms=61000)
+    w.commit()
+    log = read_log(path)
+    assert [e.key for e in log.events] == ["run_start", "run_stop"]
+    assert time_to_train_ms(log) == 60000
+
+
+def test_reader_reports_bad_json_lines():
+    log = parse_log_text('noise\n:::MLLOG {"key": "a", "value": 1}\n:::MLLOG {broken\n')
+    assert [e.key for e in log.events] == ["a"]
+    assert log.bad_lines[0][0] == 3
