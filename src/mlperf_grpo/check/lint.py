@@ -303,19 +303,23 @@ def eval_pairing(inp: LintInput) -> list[Finding]:
 
 
 def _training_infos(run_dir: Path | None) -> dict[int, tuple[Path, int]]:
-    """samples_count -> (record path, weight-update time) from the checkpoints still on disk."""
-    from mlperf_grpo.checkpoint import INFO_FILE, CheckpointError, read_training_info
+    """samples_count -> (record path, weight-update time) from the checkpoints still on disk.
 
+    Reads only the two fields needed from each ``checkpoints/step_N/training_info.json``
+    (not :func:`mlperf_grpo.checkpoint.read_training_info`, which rejects records of
+    other format versions); unreadable records are skipped.
+    """
     found: dict[int, tuple[Path, int]] = {}
     root = run_dir / "checkpoints" if run_dir else None
     if root is None or not root.is_dir():
         return found
-    for d in sorted(root.glob("step_*")):
+    for path in sorted(root.glob("step_*/training_info.json")):
         try:
-            info = read_training_info(d)
-        except CheckpointError:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
             continue
-        found[info.samples_count] = (d / INFO_FILE, info.training_step_end_time_ms)
+        if isinstance(record, dict) and _is_int(record.get("samples_count")) and _is_int(record.get("training_step_end_time_ms")):
+            found[record["samples_count"]] = (path, record["training_step_end_time_ms"])
     return found
 
 
