@@ -6,7 +6,8 @@ allowed). The output is the training log, byte for byte, followed by the evaluat
 ``samples_count`` (the order the closed checker needs), then its ``run_stop``. Time stamps
 are kept as written and nothing is re-sorted by time: a backdated ``run_stop`` stays last.
 
-Refused (:class:`MergeError`, nothing written): two ``run_stop``s in the result, a gap or
+Refused (:class:`MergeError`, nothing written): two ``run_stop``s in the result, evaluations
+after the training log's own ``run_stop``, a gap or
 overlap in the evaluation series, two different evaluations of one checkpoint, a
 successful ``run_stop`` that does not name the first passing checkpoint, invalid JSON in
 the evaluator's log. Evaluations after the first passing one are dropped (the RCP checker
@@ -148,6 +149,9 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     if len(old_stops) + len(new_stops) > 1:
         where = [f"{train_log}:{e.line_no}" for e in old_stops] + [f"{eval_log}:{e.line_no}" for e in new_stops]
         raise MergeError(f"the result would have {len(where)} run_stops ({', '.join(where)}); a log needs exactly one")
+    if old_stops and kept:
+        raise MergeError(f"training log {train_log} already has a run_stop (line {old_stops[0].line_no}); the evaluations "
+                         "would come after it and the RCP checker would find no convergence point")
     for stop in new_stops:
         sc = stop.metadata.get("samples_count")
         if stop.metadata.get("status") == "success" and _is_int(sc) and sc != first_pass:

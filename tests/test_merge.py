@@ -1,0 +1,103 @@
+"""`mlperf-grpo merge`: eval events after the training lines in step order, no re-sorting,
+idempotent, atomic, and refusing two run_stops or a gap."""
+
+import random
+
+import pytest
+from logtools_helpers import DATA
+
+from mlperf_grpo.check import check_log
+from mlperf_grpo.cli import main
+from mlperf_grpo.merge import MergeError, merge_logs
+
+REAL = (DATA / "mlperf.log").read_text()
+
+
+def split(text=REAL):
+    """(training lines, [eval triples], run_stop line) of a real log."""
+    lines = text.splitlines()
+    first = next(i for i, ln in enumerate(lines) if '"eval_start"' in ln)
+    train, rest = lines[:first], lines[first:]
+    stop = [ln for ln in rest if '"run_stop"' in ln]
+    evals = [ln for ln in rest if '"run_stop"' not in ln]
+    return train, [evals[i:i + 3] for i in range(0, len(evals), 3)], stop
+
+
+def write(path, lines):
+    path.write_text("".join(ln + "\n" for ln in lines))
+    return path
+
+
+def test_merge_of_a_shuffled_evaluator_log_rebuilds_the_real_log(tmp_path):
+    train, triples, stop = split()
+    random.Random(0).shuffle(triples)  # evaluated in parallel, logged in completion order
+    ev_lines = [ln for t in triples for ln in (t[2], t[0], t[1])] + stop  # even the triple's lines out of order
+    result = merge_logs(write(tmp_path / "train.log", train), write(tmp_path / "eval.log", ev_lines), tmp_path / "out.log")
+    assert result.changed and result.appended == len(triples) * 3 + 1
+    assert (tmp_path / "out.log").read_text() == REAL  # step order; the backdated run_stop stays last
+    report = check_log(tmp_path / "out.log", auto_run_dir=False)
+    assert report.official.verdict == "SUCCESS" and report.findings == [] and report.clean
+
+
+def test_merge_is_idempotent(tmp_path):
+    train, triples, stop = split()
+    t, e, out = write(tmp_path / "train.log", train), write(tmp_path / "eval.log", [ln for x in triples for ln in x] + stop), tmp_path / "out.log"
+    merge_logs(t, e, out)
+    first = out.read_bytes()
+    assert not merge_logs(t, e, out).changed and out.read_bytes() == first
+    again = merge_logs(out, e, out)  # merging the merged log with the same evaluator log
+    assert not again.changed and again.already_present == len(triples) * 3 + 1 and out.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.log", "out.log", "train.log"]  # no temp files left
+
+
+def test_refuses_two_run_stops(tmp_path):
+    train, triples, stop = split()
+    e = [ln for x in triples for ln in x] + stop
+    with pytest.raises(MergeError, match="2 run_stops"):
+        aborted = stop[0].replace('"success"', '"aborted"')  # e.g. training crashed and logged its own run_stop
+        merge_logs(write(tmp_path / "t.log", train + [aborted]), write(tmp_path / "e.log", e), tmp_path / "o.log")
+    with pytest.raises(MergeError, match="2 run_stops"):
+        merge_logs(write(tmp_path / "t.log", train), write(tmp_path / "e.log", e + [stop[0].replace('"lineno": 130', '"lineno": 131')]), tmp_path / "o.log")
+    with pytest.raises(MergeError, match="already has a run_stop"):
+        merge_logs(write(tmp_path / "t.log", train + stop), write(tmp_path / "e.log", e), tmp_path / "o.log")
+    assert not (tmp_path / "o.log").exists()
+
+
+def test_refuses_a_gap(tmp_path, capsys):
+    train, triples, stop = split()
+    e = [ln for x in triples[:1] + triples[2:] for ln in x] + stop
+    args = ["merge", "--train", str(write(tmp_path / "t.log", train)), "--eval", str(write(tmp_path / "e.log", e)), "--output", str(tmp_path / "o.log")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "gap" in err and err.count("\n") == 1
+    assert not (tmp_path / "o.log").exists()
+
+
+def test_refuses_two_evaluations_of_one_checkpoint(tmp_path):
+    train, triples, stop = split()
+    dup = [ln.replace("0.66135", "0.66") for ln in triples[0]]
+    e = [ln for x in triples for ln in x] + dup + stop
+    with pytest.raises(MergeError, match="one evaluation"):
+        merge_logs(write(tmp_path / "t.log", train), write(tmp_path / "e.log", e), tmp_path / "o.log")
+
+
+def test_drops_evaluations_after_the_first_pass(tmp_path):
+    train, triples, stop = split()
+    extra = [ln.replace('"samples_count": 5888, "step": 23', '"samples_count": 6144, "step": 24') for ln in triples[-1]]
+    e = [ln for x in triples for ln in x] + extra + stop
+    result = merge_logs(write(tmp_path / "t.log", train), write(tmp_path / "e.log", e), tmp_path / "o.log")
+    assert result.dropped_steps == [24]
+    assert (tmp_path / "o.log").read_text() == REAL
+
+
+def test_merge_cli_and_check_pass_on_output(tmp_path, capsys):
+    train, triples, stop = split()
+    t, e = write(tmp_path / "t.log", train), write(tmp_path / "e.log", [ln for x in triples for ln in x] + stop)
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(tmp_path / "o.log")]) == 0
+    assert "written" in capsys.readouterr().out
+    assert main(["check", "--no-run-dir", str(tmp_path / "o.log")]) == 0
+
+
+def test_missing_input_exits_2(tmp_path, capsys):
+    assert main(["merge", "--train", str(tmp_path / "nope.log"), "--eval", str(tmp_path / "nope2.log"), "-o", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

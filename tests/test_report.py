@@ -1,0 +1,101 @@
+"""`mlperf-grpo report`: the timeline facts, a valid PNG of sensible size, HTML, bad input."""
+
+import base64
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from logtools_helpers import DATA, synth, to_text
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.mllog import parse_log_text
+from mlperf_grpo.report import build_timeline, render_png, title_of
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_timeline_of_the_real_log():
+    tl = build_timeline(parse_log_text((DATA / "mlperf.log").read_text()))
+    summary = json.loads((DATA / "eval" / "summary.json").read_text())
+    assert len(tl.steps) == 30 and [s for s, _, _ in tl.checkpoint_writes] == list(range(18, 31))
+    assert [e.step for e in tl.evals] == [int(k) for k in summary["accuracies"]]
+    assert tl.passing.step == summary["passing_step"] == tl.run_stop_step
+    assert tl.time_to_train_ms == summary["time_to_train_ms"] and tl.status == "success"
+    assert all(e.start_ms > tl.steps[-1][2] for e in tl.evals)  # evaluation after training
+    assert "qwen35_397b_grpo" in title_of(tl) and "success" in title_of(tl) and "open division" in title_of(tl)
+
+
+def test_png_report_is_a_valid_image_of_sensible_size(tmp_path, capsys):
+    out = tmp_path / "timeline.png"
+    assert main(["report", str(DATA / "mlperf.log"), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    w, h = png_size(data)
+    assert 1000 <= w <= 2500 and 600 <= h <= 1600 and len(data) > 30_000
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(out)
+    assert pixels.shape[:2] == (h, w) and pixels.std() > 0.05  # not blank
+
+
+def test_html_report_embeds_the_png(tmp_path):
+    out = tmp_path / "timeline.html"
+    assert main(["report", str(DATA / "mlperf.log"), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("<!doctype html>") and "status: success" in text and "<td>23</td>" in text
+    b64 = text.split("data:image/png;base64,")[1].split('"')[0]
+    png_size(base64.b64decode(b64))
+
+
+def test_report_of_an_aborted_log(tmp_path):
+    path = tmp_path / "aborted.log"
+    path.write_text(to_text(synth(accs=(0.5, 0.6, 0.65), status="aborted")))
+    assert main(["report", str(path), "-o", str(tmp_path / "a.png")]) == 0
+    png_size((tmp_path / "a.png").read_bytes())
+
+
+@pytest.mark.parametrize("content,out", [(None, "x.png"), (b"", "x.png"), (b"\x00\x01", "x.png"), (b"hello\n", "x.png"),
+                                         (":::MLLOG {}".encode(), "x.png")])
+def test_bad_input_exits_2(tmp_path, capsys, content, out):
+    path = tmp_path / "in.log"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["report", str(path), "-o", str(tmp_path / out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / out).exists()
+
+
+def test_unknown_output_type_exits_2(tmp_path, capsys):
+    assert main(["report", str(DATA / "mlperf.log"), "-o", str(tmp_path / "x.pdf")]) == 2
+    assert ".png or .html" in capsys.readouterr().err
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10_000), st.sampled_from(["", "x", "null", "}", "-1", "1e999", "NaN"])),
+                min_size=1, max_size=5))
+def test_timeline_never_crashes_on_mutated_real_logs(ops):
+    lines = (DATA / "mlperf.log").read_text().splitlines()
+    for op, i, txt in ops:
+        i %= len(lines)
+        if op == 0:
+            del lines[i]
+        elif op == 1:
+            lines.insert(0, lines[i])
+        else:
+            k = (i * 7) % max(len(lines[i]), 1)
+            lines[i] = lines[i][:k] + txt + lines[i][k + 1:]
+    build_timeline(parse_log_text("\n".join(lines)))
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=4))
+def test_png_renders_after_mutation(drop):
+    lines = (DATA / "mlperf.log").read_text().splitlines()
+    for i in sorted(set(drop), reverse=True):
+        del lines[i % len(lines)]
+    png_size(render_png(build_timeline(parse_log_text("\n".join(lines)))))
