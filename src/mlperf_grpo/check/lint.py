@@ -115,16 +115,21 @@ def _raw_json(inp: LintInput, line_no: int) -> Any:
         return None
 
 
+def _repeats(inp: LintInput, key: str, rule: str, impact: str) -> list[Finding]:
+    """One finding for every ``key`` line after the first."""
+    found = inp.log.find(key)
+    return [
+        Finding(rule, e.line_no, key, f"{key} logged again (value {e.value!r}; the first, at line {found[0].line_no}, "
+                f"has {found[0].value!r})", impact)
+        for e in found[1:]
+    ]
+
+
 def multiple_run_stops(inp: LintInput) -> list[Finding]:
     """More than one ``run_stop``: the compliance checker only warns when they are alike."""
-    stops = inp.log.find("run_stop")
-    return [
-        Finding("multiple-run-stop", e.line_no, "run_stop",
-                f"another run_stop (the first is at line {stops[0].line_no})",
-                "the summarizer times the run to the first run_stop while the RCP checker takes the status "
-                "and convergence point of the last one; the score depends on which you believe")
-        for e in stops[1:]
-    ]
+    return _repeats(inp, "run_stop", "multiple-run-stop",
+                    "the summarizer times the run to the first run_stop while the RCP checker takes the status "
+                    "and convergence point of the last one; the score depends on which you believe")
 
 
 def run_stop_status(inp: LintInput) -> list[Finding]:
@@ -388,14 +393,9 @@ def substring_keys(inp: LintInput) -> list[Finding]:
 
 def duplicate_global_batch_size(inp: LintInput) -> list[Finding]:
     """``global_batch_size`` logged more than once."""
-    found = inp.log.find("global_batch_size")
-    return [
-        Finding("duplicate-gbs", e.line_no, "global_batch_size",
-                f"global_batch_size logged again (value {e.value!r}; first at line {found[0].line_no} with {found[0].value!r})",
-                "the compliance checker only warns when the values agree, but the closed checker resets its expected "
-                "eval samples_count on every such line and the RCP checker keeps the last value")
-        for e in found[1:]
-    ]
+    return _repeats(inp, "global_batch_size", "duplicate-gbs",
+                    "the compliance checker only warns when the values agree, but the closed checker resets its expected "
+                    "eval samples_count on every such line and the RCP checker keeps the last value")
 
 
 def eval_samples(inp: LintInput) -> list[Finding]:
