@@ -35,12 +35,35 @@ def _print_outcome(outcome, run_dir: Path) -> int:
     return EXIT_OK if status == "success" else EXIT_ABORTED
 
 
+def _deferred() -> bool:
+    """``DEFERRED_OFFLINE_EVAL`` (1 by default; 0 = evaluate inline during training)."""
+    from mlperf_grpo.evaluate.inline import deferred_requested
+
+    try:
+        return deferred_requested()
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def _note_open_differences(config) -> None:
+    from mlperf_grpo.plan import format_differences
+
+    if config.division == "open" and (text := format_differences(config)):
+        print(f"note: {text}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train and write deferred checkpoints; no run_stop."""
+    """Train and write deferred checkpoints; no run_stop. DEFERRED_OFFLINE_EVAL=0: inline eval."""
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train.loop import train
 
     config = _config(args)
+    _note_open_differences(config)
+    if not _deferred():
+        from mlperf_grpo.evaluate.inline import train_with_inline_eval
+
+        outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+        return _print_outcome(outcome, args.output)
     result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default")
     print(f"trained {len(result.steps)} steps; checkpoints {result.checkpoint_steps[:1]}..{result.checkpoint_steps[-1:]} in {args.output}/checkpoints")
     return EXIT_OK
@@ -58,6 +81,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Train, then evaluate offline: the whole benchmark run."""
     from mlperf_grpo.evaluate.offline import evaluate_run
 
+    if not _deferred():
+        return cmd_train(args)  # inline evaluation: training writes run_stop itself
     cmd_train(args)
     outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.output)
@@ -106,6 +131,57 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _parse_gbs(text: str) -> int:
+    from mlperf_grpo.rules import check_closed_global_batch_size
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadInput(f"--global-batch-size must be an integer, got {text!r}") from None
+    try:
+        return check_closed_global_batch_size(value)
+    except ValueError as err:
+        raise BadInput(f"--global-batch-size: {err}") from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Closed-division values derived from a GBS (or a config's GBS, with its differences)."""
+    import json
+
+    from mlperf_grpo.plan import build_plan, format_differences, format_plan
+
+    if (args.global_batch_size is None) == (args.config is None):
+        raise BadInput("give exactly one of --global-batch-size N and --config FILE")
+    config = _config(args) if args.config else None
+    gbs = _parse_gbs(args.global_batch_size) if config is None else config.global_batch_size
+    try:
+        plan = build_plan(gbs)
+    except ValueError as err:
+        raise BadInput(f"{args.config}: {err}") from None
+    if config is not None:
+        plan["config"] = {"file": args.config, "division": config.division,
+                          "differences_from_closed": [vars(v) for v in config.closed_violations()]}
+    if args.json:
+        print(json.dumps(plan, indent=2, default=str))
+        return EXIT_OK
+    print(format_plan(plan))
+    if config is not None:
+        print(format_differences(config) or f"{args.config}: every value matches the closed rules")
+    return EXIT_OK
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    """Submission layout for >= 3 runs, then package_checker, rcp_checker, summarizer."""
+    from mlperf_grpo.package import PackageError, build_package, format_result
+
+    try:
+        result = build_package(args.run_dirs, args.system, args.output)
+    except PackageError as err:
+        raise BadInput(str(err)) from None
+    print(format_result(result))
+    return EXIT_OK if result.passed else EXIT_FAILURE
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlperf-grpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", type=Path, metavar="LOG")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.png or FILE.html")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="closed-division values derived from the global batch size")
+    p.add_argument("--global-batch-size", metavar="N", help="a positive multiple of 16")
+    p.add_argument("--config", help="a run config: its GBS, and which of its values differ from closed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    p.add_argument("--system", required=True, help="system name (systems/<system>.json)")
+    p.add_argument("--output", type=Path, required=True, help="new folder for the submission")
+    p.set_defaults(func=cmd_package)
     return parser
 
 

@@ -17,12 +17,29 @@ from mlperf_grpo import rules
 BUILTIN_MODEL = "builtin:arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
+BUILTIN_CLOSED_MODEL = "builtin:arithmetic-tiny-closed"
+"""The built-in model after 21 open-division GRPO steps: the starting weights of the
+shipped closed configs (made by ``scripts/make_closed_model.py``)."""
+
 
 DEFAULT_LEARNING_RATE = 4e-6
 
 
 class ConfigError(ValueError):
     """A config file or value is wrong; the message is one line naming field and fix."""
+
+
+class ClosedDivisionError(ConfigError):
+    """A ``division: closed`` config departs from the closed rules: one line per value."""
+
+    def __init__(self, source: str, violations: list[rules.Violation]) -> None:
+        self.violations = violations
+        lines = "".join(f"\n  {v}" for v in violations)
+        n = len(violations)
+        super().__init__(
+            f"{source}: division closed, but {n} {'value departs' if n == 1 else 'values depart'} from the closed rules "
+            f"(the run does not start):{lines}"
+        )
 
 
 class _Strict(BaseModel):
@@ -66,6 +83,8 @@ class GRPOConfig(_Strict):
     rollout_top_p: float = Field(rules.ROLLOUT_TOP_P, gt=0, le=1)
     ratio_clip_eps: float = Field(0.2, gt=0)
     """PPO clip range: the ratio is clipped to ``[1 - eps, 1 + eps]``."""
+    first_eval_step: int | None = Field(None, gt=0)
+    """``null``: derived, ``ceil(2.5 + 3840/GBS)``. Open division only may set a step."""
 
     @property
     def global_batch_size(self) -> int:
@@ -137,7 +156,32 @@ class RunConfig(_Strict):
 
     @property
     def first_eval_step(self) -> int:
-        return rules.first_eval_step(self.global_batch_size)
+        """``grpo.first_eval_step`` when set (open division), else ``ceil(2.5 + 3840/GBS)``."""
+        s0 = self.grpo.first_eval_step
+        return rules.first_eval_step(self.global_batch_size) if s0 is None else s0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _closed_learning_rate_is_derived(cls, data: object) -> object:
+        """In a closed config an omitted ``optimizer.learning_rate`` means derived (null).
+
+        (The open default is :data:`DEFAULT_LEARNING_RATE`.) An explicit value stays, so
+        :func:`rules.closed_violations` can refuse it.
+        """
+        if not isinstance(data, dict) or data.get("division") != "closed":
+            return data
+        optimizer = data.get("optimizer")
+        if optimizer is None:
+            optimizer = {}
+        if isinstance(optimizer, dict) and "learning_rate" not in optimizer:
+            return {**data, "optimizer": {**optimizer, "learning_rate": None}}
+        if isinstance(optimizer, OptimizerConfig) and "learning_rate" not in optimizer.model_fields_set:
+            return {**data, "optimizer": optimizer.model_copy(update={"learning_rate": None})}
+        return data
+
+    def closed_violations(self) -> list[rules.Violation]:
+        """Values departing from the closed rules (see :func:`rules.closed_violations`)."""
+        return rules.closed_violations(self)
 
 
 def _format_error(err: ValidationError, source: str) -> str:
@@ -155,17 +199,25 @@ def _format_error(err: ValidationError, source: str) -> str:
 def parse_config(data: object, source: str = "config") -> RunConfig:
     """Validate a mapping into a :class:`RunConfig`.
 
+    A ``division: closed`` config is also checked against the closed rules.
+
     Raises:
         ConfigError: one line naming the first wrong field.
+        ClosedDivisionError: closed config with departing values, one line per value.
     """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
+    if config.division == "closed":
+        violations = config.closed_violations()
+        if violations:
+            raise ClosedDivisionError(source, violations)
+    return config
 
 
 def load_config(path: str | Path | None) -> RunConfig:

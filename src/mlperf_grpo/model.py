@@ -20,9 +20,20 @@ class ModelLoadError(ValueError):
     """The model directory is missing or is not a loadable Hugging Face causal LM."""
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
 def resolve_model_path(path: str) -> Path:
-    """``builtin:arithmetic-tiny`` -> the shipped directory; anything else is a local path."""
-    return BUILTIN_MODEL_DIR if path == BUILTIN_MODEL else Path(path)
+    """``builtin:NAME`` -> the shipped ``assets/NAME`` directory; anything else is a local path.
+
+    Shipped: ``arithmetic-tiny`` (the default) and ``arithmetic-tiny-closed`` (its
+    starting weights for closed-division runs, README "Closed division and plan").
+    """
+    if path == BUILTIN_MODEL:
+        return BUILTIN_MODEL_DIR
+    if path.startswith(BUILTIN_PREFIX):
+        return ASSETS / path.removeprefix(BUILTIN_PREFIX)
+    return Path(path)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

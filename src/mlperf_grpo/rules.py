@@ -7,6 +7,8 @@ closed_qwen35_397b_grpo.yaml`` and summarized in ``shared/DESIGN.md``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 BENCHMARK = "qwen35_397b_grpo"
 RULESET = "6.1.0"
 
@@ -113,8 +115,168 @@ def pass_at_k(rewards_per_task: list[list[float]]) -> float:
     return passed / len(rewards_per_task)
 
 
-def is_contiguous_eval_series(steps: list[int], global_batch_size: int) -> bool:
-    """True when ``steps`` is ``S0, S0+1, ..., S0+n-1`` (what the closed checker expects)."""
-    s0 = first_eval_step(global_batch_size)
+def is_contiguous_eval_series(steps: list[int], global_batch_size: int, first_step: int | None = None) -> bool:
+    """True when ``steps`` is ``S0, S0+1, ..., S0+n-1`` (what the closed checker expects).
+
+    ``first_step`` overrides ``S0`` (an open-division ``grpo.first_eval_step``).
+    """
+    s0 = first_eval_step(global_batch_size) if first_step is None else first_step
     return steps == list(range(s0, s0 + len(steps)))
 
+
+
+# --- Closed-division conformance -------------------------------------------------------
+
+PROMPT_GROUP = NUM_GENERATIONS_PER_PROMPT
+"""A closed GBS is ``num_prompts_per_step * 16``, so it must be a positive multiple of 16."""
+
+
+def check_closed_global_batch_size(global_batch_size: object) -> int:
+    """Return ``global_batch_size`` if it can be a closed-division GBS.
+
+    Raises:
+        ValueError: not an integer, not positive, or not a multiple of 16 (one line).
+    """
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+        raise ValueError(f"global batch size must be an integer, got {global_batch_size!r}")
+    if global_batch_size <= 0:
+        raise ValueError(f"global batch size must be positive, got {global_batch_size}")
+    if global_batch_size % PROMPT_GROUP:
+        raise ValueError(
+            f"global batch size must be a multiple of {PROMPT_GROUP} (num_prompts_per_step x "
+            f"{PROMPT_GROUP} generations), got {global_batch_size}"
+        )
+    return global_batch_size
+
+
+FIRST_EVAL_STEP_FORMULA = "ceil(2.5 + 3840/GBS)"
+LEARNING_RATE_FORMULA = "1e-6*sqrt(GBS/256)"
+GRADIENT_CLIP_FORMULA = "0.125*sqrt(256/GBS)"
+DERIVED_TOLERANCE = 1e-9
+"""The 6.1.0 compliance checker accepts a derived float within this absolute distance."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One value that departs from the closed-division rules.
+
+    ``field`` is the config key path, ``given`` the value in the config, ``required`` the
+    closed value, ``formula`` where the required value comes from.
+    """
+
+    field: str
+    given: object
+    required: object
+    formula: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: given {self.given!r}, required {self.required!r} ({self.formula})"
+
+
+def _fixed_rules(config) -> list[tuple[str, object, object, str]]:
+    """``(field, given, required, source)`` for every fixed closed value of a RunConfig."""
+    g, o, v = config.grpo, config.optimizer, config.validation
+    return [
+        ("grpo.num_generations_per_prompt", g.num_generations_per_prompt, NUM_GENERATIONS_PER_PROMPT, "fixed"),
+        ("grpo.max_sequence_length", g.max_sequence_length, MAX_SEQUENCE_LENGTH, "fixed"),
+        ("grpo.rollout_temperature", g.rollout_temperature, ROLLOUT_TEMPERATURE, "fixed: training rollouts"),
+        ("grpo.rollout_top_p", g.rollout_top_p, ROLLOUT_TOP_P, "fixed: training rollouts"),
+        ("optimizer.beta_1", o.beta_1, ADAMW_BETA_1, "fixed: AdamW"),
+        ("optimizer.beta_2", o.beta_2, ADAMW_BETA_2, "fixed: AdamW"),
+        ("optimizer.epsilon", o.epsilon, ADAMW_EPSILON, "fixed: AdamW"),
+        ("optimizer.weight_decay", o.weight_decay, ADAMW_WEIGHT_DECAY, "fixed: AdamW"),
+        ("validation.num_tasks", v.num_tasks, EVAL_SAMPLES, "fixed: eval_samples"),
+        ("validation.generations_per_task", v.generations_per_task, EVAL_GENERATIONS_PER_TASK, "fixed: pass@4"),
+        ("validation.temperature", v.temperature, VALIDATION_TEMPERATURE, "fixed: validation rollouts"),
+        ("validation.top_p", v.top_p, VALIDATION_TOP_P, "fixed: validation rollouts"),
+        ("validation.target_accuracy", v.target_accuracy, TARGET_ACCURACY, "fixed: eval_accuracy > 0.69"),
+    ]
+
+
+def _derived_rules(config) -> list[tuple[str, object, object, str]]:
+    """``(field, typed value or None, derived value, formula)`` of the GBS-derived values."""
+    gbs = config.global_batch_size
+    return [
+        ("grpo.first_eval_step", config.grpo.first_eval_step, first_eval_step(gbs), FIRST_EVAL_STEP_FORMULA),
+        ("optimizer.learning_rate", config.optimizer.learning_rate, closed_learning_rate(gbs), LEARNING_RATE_FORMULA),
+        ("optimizer.gradient_clip_norm", config.optimizer.gradient_clip_norm, closed_gradient_clip_norm(gbs), GRADIENT_CLIP_FORMULA),
+    ]
+
+
+def closed_violations(config) -> list[Violation]:
+    """Every value of a run config that departs from the closed-division rules.
+
+    Args:
+        config: a :class:`mlperf_grpo.config.RunConfig` (read only; any division).
+    Returns:
+        One :class:`Violation` per departing value, in config order; empty when the
+        config conforms. Derived values (first eval step, learning rate, gradient clip)
+        are never typed in a closed config: any explicit value, even an equal one, is a
+        violation there (the config must omit the key or write ``null``). For an open
+        config the same list tells which values differ from closed, a derived value
+        counting when it differs from the formula by more than 1e-9.
+    Source: ``mlperf_logging/compliance_checker/training_6.1.0/closed_qwen35_397b_grpo.yaml``
+    (and the GBS rule: ``num_generations_per_prompt`` 16, ``GBS = prompts x 16``).
+    """
+    closed = config.division == "closed"
+    found = [Violation(f, given, req, src) for f, given, req, src in _fixed_rules(config) if given != req]
+    gbs = config.global_batch_size
+    for field, typed, derived, formula in _derived_rules(config):
+        if typed is None:
+            continue
+        if closed:
+            found.append(Violation(field, typed, derived, f"derived: {formula} at GBS {gbs}; omit the key or write null"))
+        elif abs(typed - derived) > DERIVED_TOLERANCE:
+            found.append(Violation(field, typed, derived, f"derived: {formula} at GBS {gbs}"))
+    s0 = config.first_eval_step
+    if config.grpo.max_steps < s0:
+        found.append(Violation("grpo.max_steps", config.grpo.max_steps, f">= {s0}", "first eval step: no checkpoint is evaluated before it"))
+    return found
+
+
+def closed_plan(global_batch_size: int, num_later_evals: int = 5) -> dict[str, object]:
+    """Every closed-division value for one GBS, in the order ``mlperf-grpo plan`` prints.
+
+    Args:
+        global_batch_size: a positive multiple of 16.
+        num_later_evals: how many eval ``samples_count`` values after the first to list.
+    Returns:
+        name -> value (JSON-serializable).
+    Raises:
+        ValueError: the GBS is not a positive multiple of 16.
+    """
+    gbs = check_closed_global_batch_size(global_batch_size)
+    s0 = first_eval_step(gbs)
+    return {
+        "benchmark": BENCHMARK,
+        "ruleset": RULESET,
+        "global_batch_size": gbs,
+        "num_prompts_per_step": gbs // NUM_GENERATIONS_PER_PROMPT,
+        "num_generations_per_prompt": NUM_GENERATIONS_PER_PROMPT,
+        "first_eval_step": s0,
+        "first_eval_step_formula": FIRST_EVAL_STEP_FORMULA,
+        "first_eval_samples_count": samples_count(s0, gbs),
+        "later_eval_samples_count": [samples_count(s0 + i, gbs) for i in range(1, num_later_evals + 1)],
+        "eval_samples_count_rule": "step * GBS; each next eval + GBS, contiguous, in step order",
+        "opt_name": "adamw",
+        "opt_base_learning_rate": closed_learning_rate(gbs),
+        "opt_base_learning_rate_formula": LEARNING_RATE_FORMULA,
+        "opt_gradient_clip_norm": closed_gradient_clip_norm(gbs),
+        "opt_gradient_clip_norm_formula": GRADIENT_CLIP_FORMULA,
+        "opt_adamw_beta_1": ADAMW_BETA_1,
+        "opt_adamw_beta_2": ADAMW_BETA_2,
+        "opt_adamw_epsilon": ADAMW_EPSILON,
+        "opt_adamw_weight_decay": ADAMW_WEIGHT_DECAY,
+        "opt_learning_rate_warmup_steps": LEARNING_RATE_WARMUP_STEPS,
+        "opt_learning_rate_decay_schedule": LEARNING_RATE_DECAY_SCHEDULE,
+        "generation_training_rollout_temperature": ROLLOUT_TEMPERATURE,
+        "generation_training_rollout_top_p": ROLLOUT_TOP_P,
+        "generation_validation_rollout_temperature": VALIDATION_TEMPERATURE,
+        "generation_validation_rollout_top_p": VALIDATION_TOP_P,
+        "eval_samples": EVAL_SAMPLES,
+        "eval_generations_per_task": EVAL_GENERATIONS_PER_TASK,
+        "max_sequence_length": MAX_SEQUENCE_LENGTH,
+        "init_checkpoint_step": INIT_CHECKPOINT_STEP,
+        "target": f"eval_accuracy > {TARGET_ACCURACY}",
+        "runs_per_submission": 3,
+    }

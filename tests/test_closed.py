@@ -1,0 +1,120 @@
+"""Closed-division config checks: each rule, one value off, refused with the right message."""
+
+import pytest
+import yaml
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.config import ClosedDivisionError, ConfigError, RunConfig, parse_config
+
+def _with(section, key, value):
+    data = {"division": "closed", "grpo": {"num_prompts_per_step": 16, "max_steps": 40}}
+    data.setdefault(section, {})[key] = value
+    return data
+
+
+OFF_BY_ONE = [
+    # section, key, value, required, formula words in the message
+    ("grpo", "num_generations_per_prompt", 8, "16", "fixed"),
+    ("grpo", "max_sequence_length", 4096, "65536", "fixed"),
+    ("grpo", "rollout_temperature", 0.9, "1.0", "training rollouts"),
+    ("grpo", "rollout_top_p", 0.9, "1.0", "training rollouts"),
+    ("grpo", "first_eval_step", 20, "18", "ceil(2.5 + 3840/GBS) at GBS 256; omit the key or write null"),
+    ("grpo", "max_steps", 10, "'>= 18'", "first eval step"),
+    ("optimizer", "learning_rate", 4e-6, "1e-06", "1e-6*sqrt(GBS/256) at GBS 256; omit the key or write null"),
+    ("optimizer", "gradient_clip_norm", 1.0, "0.125", "0.125*sqrt(256/GBS) at GBS 256; omit the key or write null"),
+    ("optimizer", "beta_1", 0.8, "0.9", "AdamW"),
+    ("optimizer", "beta_2", 0.99, "0.999", "AdamW"),
+    ("optimizer", "epsilon", 1e-6, "1e-08", "AdamW"),
+    ("optimizer", "weight_decay", 0.01, "0.0", "AdamW"),
+    ("validation", "num_tasks", 250, "251", "eval_samples"),
+    ("validation", "generations_per_task", 8, "4", "pass@4"),
+    ("validation", "temperature", 0.2, "0.1", "validation rollouts"),
+    ("validation", "top_p", 1.0, "0.95", "validation rollouts"),
+    ("validation", "target_accuracy", 0.6, "0.69", "eval_accuracy > 0.69"),
+]
+
+
+@pytest.mark.parametrize("section,key,value,required,formula", OFF_BY_ONE, ids=[f"{s}.{k}" for s, k, *_ in OFF_BY_ONE])
+def test_one_value_off_is_refused(section, key, value, required, formula):
+    with pytest.raises(ClosedDivisionError) as info:
+        parse_config(_with(section, key, value), source="c.yaml")
+    err = info.value
+    assert [v.field for v in err.violations] == [f"{section}.{key}"]
+    line = str(err).splitlines()[1].strip()
+    assert line.startswith(f"{section}.{key}: given {value!r}, required {required} (")
+    assert formula in line
+    assert str(err).startswith("c.yaml: division closed, but 1 value departs from the closed rules")
+
+
+@pytest.mark.parametrize("key,value", [("learning_rate", 1e-6), ("gradient_clip_norm", 0.125)])
+def test_derived_value_typed_even_when_equal_is_refused(key, value):
+    with pytest.raises(ClosedDivisionError, match=f"optimizer.{key}: given {value!r}.*omit the key or write null"):
+        parse_config(_with("optimizer", key, value))
+
+
+def test_closed_first_eval_step_equal_to_formula_is_refused():
+    with pytest.raises(ClosedDivisionError, match="grpo.first_eval_step: given 18, required 18"):
+        parse_config(_with("grpo", "first_eval_step", 18))
+
+
+@pytest.mark.parametrize("gbs,lr,clip,s0", [(256, 1e-6, 0.125, 18), (512, 2**0.5 * 1e-6, 0.125 / 2**0.5, 10), (1024, 2e-6, 0.0625, 7)])
+def test_omitted_or_null_means_derived(gbs, lr, clip, s0):
+    for optimizer in ({}, {"learning_rate": None, "gradient_clip_norm": None}):
+        c = parse_config({"division": "closed", "grpo": {"num_prompts_per_step": gbs // 16, "max_steps": 30}, "optimizer": optimizer})
+        assert c.closed_violations() == []
+        assert c.learning_rate == pytest.approx(lr, rel=1e-12)
+        assert c.gradient_clip_norm == pytest.approx(clip, rel=1e-12)
+        assert c.first_eval_step == s0
+
+
+def test_python_construction_of_closed_config_derives_learning_rate():
+    assert RunConfig(division="closed").learning_rate == 1e-6
+    assert RunConfig().learning_rate == 4e-6  # open default
+
+
+def test_every_violation_is_listed_one_line_each():
+    data = {"division": "closed", "grpo": {"num_prompts_per_step": 16, "first_eval_step": 20},
+            "optimizer": {"learning_rate": 4e-6, "beta_1": 0.8}}
+    with pytest.raises(ClosedDivisionError) as info:
+        parse_config(data)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4 and "3 values depart" in lines[0]
+    assert [ln.split(":")[0].strip() for ln in lines[1:]] == ["optimizer.beta_1", "grpo.first_eval_step", "optimizer.learning_rate"]
+
+
+def test_open_division_allows_departures_and_names_them():
+    c = parse_config({"division": "open", "grpo": {"first_eval_step": 20}, "optimizer": {"learning_rate": 4e-6}})
+    assert c.first_eval_step == 20
+    assert [v.field for v in c.closed_violations()] == ["grpo.first_eval_step", "optimizer.learning_rate"]
+    assert RunConfig(division="open", optimizer={"learning_rate": 1e-6}).closed_violations() == []
+
+
+def test_unknown_division_is_a_one_line_config_error():
+    with pytest.raises(ConfigError) as info:
+        parse_config({"division": "semi-closed"})
+    assert "division" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_refuses_a_closed_config_before_anything_starts(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({"division": "closed", "optimizer": {"learning_rate": 2e-6}}))
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(cfg), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.learning_rate: given 2e-06, required 1e-06" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_unknown_division_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("division: secret\n")
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "division" in err
+
+
+def test_bad_deferred_env_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DEFERRED_OFFLINE_EVAL", "maybe")
+    assert main(["run", "--output", str(tmp_path / "r")]) == 2
+    assert "DEFERRED_OFFLINE_EVAL must be 0" in capsys.readouterr().err

@@ -1,0 +1,89 @@
+"""`mlperf-grpo plan`: values, JSON, RCP figures, shipped configs and bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.config import load_config
+from mlperf_grpo.plan import build_plan, load_rcp_means, rcp_convergence
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_plan_256_prints_every_value(capsys):
+    assert main(["plan", "--global-batch-size", "256"]) == 0
+    out = capsys.readouterr().out
+    for line in [
+        "num_prompts_per_step: 16",
+        "first_eval_step: 18   = ceil(2.5 + 3840/GBS)",
+        "first_eval_samples_count: 4608",
+        "later_eval_samples_count: 4864, 5120, 5376",
+        "opt_base_learning_rate: 1e-06   = 1e-6*sqrt(GBS/256)",
+        "opt_gradient_clip_norm: 0.125   = 0.125*sqrt(256/GBS)",
+        "opt_adamw_beta_1: 0.9", "opt_adamw_beta_2: 0.999", "opt_adamw_epsilon: 1e-08",
+        "opt_adamw_weight_decay: 0.0", "opt_learning_rate_warmup_steps: 0",
+        "opt_learning_rate_decay_schedule: constant",
+        "generation_training_rollout_temperature: 1.0", "generation_training_rollout_top_p: 1.0",
+        "generation_validation_rollout_temperature: 0.1", "generation_validation_rollout_top_p: 0.95",
+        "num_generations_per_prompt: 16", "eval_samples: 251", "max_sequence_length: 65536",
+        "target: eval_accuracy > 0.69",
+        "rcp_samples_to_converge: 4608 samples (exact",
+    ]:
+        assert line in out, line
+
+
+def test_plan_json(capsys):
+    assert main(["plan", "--global-batch-size", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["first_eval_step"] == 7 and plan["first_eval_samples_count"] == 7168
+    assert plan["opt_base_learning_rate"] == 2e-6 and plan["opt_gradient_clip_norm"] == 0.0625
+    assert plan["rcp"]["kind"] == "exact" and plan["rcp"]["samples_count"] == 7168
+
+
+def test_rcp_figures_follow_the_rcp_checker():
+    means = load_rcp_means()
+    assert means == {256: 4608, 512: 5120, 1024: 7168}
+    assert rcp_convergence(384, means) == {"kind": "interpolated", "samples_count": 4864.0,
+                                           "note": "interpolated between GBS 256 and 512"}
+    assert rcp_convergence(16, means)["kind"] == "below" and rcp_convergence(16, means)["samples_count"] == 4608
+    assert rcp_convergence(4096, means)["samples_count"] is None
+    assert build_plan(16)["rcp"]["first_eval_passes_rcp"] is False  # 243 * 16 = 3888 < 4608
+    assert build_plan(512)["rcp"]["first_eval_passes_rcp"] is True
+
+
+@pytest.mark.parametrize("arg,msg", [
+    ("17", "multiple of 16"), ("0", "must be positive"), ("-16", "must be positive"),
+    ("abc", "must be an integer"), ("25.6", "must be an integer"),
+])
+def test_bad_gbs_is_one_line_exit_2(arg, msg, capsys):
+    assert main(["plan", f"--global-batch-size={arg}"]) == 2
+    captured = capsys.readouterr()
+    assert msg in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_plan_needs_gbs_or_config(capsys):
+    assert main(["plan"]) == 2
+    assert "exactly one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["closed-gbs256.yaml", "closed-gbs512.yaml", "closed-gbs1024.yaml", "open-default.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    if config.division == "closed":
+        assert config.closed_violations() == []
+        assert config.grpo.max_steps >= config.first_eval_step
+
+
+def test_plan_with_open_config_names_the_differences(capsys):
+    assert main(["plan", "--config", str(CONFIGS / "open-default.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "open division: 1 value(s) differ from closed:" in out
+    assert "optimizer.learning_rate: given 4e-06, required 1e-06" in out
+
+
+def test_plan_with_closed_config(capsys):
+    assert main(["plan", "--config", str(CONFIGS / "closed-gbs512.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "first_eval_step: 10" in out and "every value matches the closed rules" in out
