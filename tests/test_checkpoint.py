@@ -8,7 +8,7 @@ from mlperf_grpo.checkpoint import TrainingInfo, discover_checkpoints, sha256_fi
 
 
 def _info(step):
-    return TrainingInfo(step, step * 16, 1_000 + step, step * 256, 256, 16, "float32", {})
+    return TrainingInfo(step, step * 16, 1_000 + step, step * 256, 256, 16, "float32", {}, [0.5] * 4)
 
 
 def test_write_then_discover(tmp_path):

@@ -32,6 +32,11 @@ class CheckpointError(ValueError):
     """A checkpoint or the checkpoint series is missing, incomplete or inconsistent."""
 
 
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, I/O error); the message names the path
+    and the bytes the checkpoint needs. Published ``step_N/`` directories are untouched."""
+
+
 @dataclass(frozen=True)
 class TrainingInfo:
     """Contents of ``training_info.json``.
@@ -41,6 +46,8 @@ class TrainingInfo:
     ``training_step_end_time_ms`` is the weight-update time: Unix ms taken right after
     the optimizer step returned, before any refit or checkpoint write.
     ``weights`` maps file name -> ``{"sha256": hex, "bytes": size}``.
+    ``canary_logits`` are the rollout engine's logits on the canary input with these
+    weights (see fingerprint.py), which the evaluator's engine must reproduce.
     """
 
     current_step: int
@@ -51,6 +58,7 @@ class TrainingInfo:
     num_generations_per_prompt: int
     dtype: str
     weights: dict
+    canary_logits: list
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
@@ -100,16 +108,30 @@ def write_checkpoint(
         state_dict: the policy weights, already in the checkpoint dtype.
         info: the record to store; its ``weights`` field is filled in here.
     Raises:
-        OSError: the write failed; ``tmp_step_N/`` may remain and is never evaluated.
+        CheckpointWriteError: the write failed (e.g. ENOSPC); ``tmp_step_N/`` is removed
+            as far as possible, and one left behind is never evaluated.
     """
+    tensors = _without_aliases(state_dict)
+    needed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    tmp = checkpoint_root / f"tmp_step_{info.current_step}"
+    try:
+        return _write_and_publish(checkpoint_root, tmp, tensors, info)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(checkpoint_root).free if checkpoint_root.exists() else 0
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {tmp}: {err.strerror or err}; it needs about "
+            f"{needed_bytes} bytes and {free} bytes are free"
+        ) from None
+
+
+def _write_and_publish(checkpoint_root: Path, tmp: Path, tensors: dict[str, torch.Tensor], info: TrainingInfo) -> Path:
     checkpoint_root.mkdir(parents=True, exist_ok=True)
     final = step_dir(checkpoint_root, info.current_step)
-    tmp = checkpoint_root / f"tmp_step_{info.current_step}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     weights_path = tmp / WEIGHTS_FILE
-    tensors = _without_aliases(state_dict)
     save_file(tensors, str(weights_path), metadata={"format": "pt"})
     _fsync_path(weights_path)
     record = asdict(info)

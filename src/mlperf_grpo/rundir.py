@@ -6,10 +6,12 @@
     <run>/checkpoints/       deferred checkpoints, step_N/ (see checkpoint.py)
     <run>/eval/step_N.jsonl  per-task validation results of each evaluated checkpoint
     <run>/eval/summary.json  the offline evaluation's outcome
+    <run>/.lock              held (flock) by the one process writing to the run
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -23,6 +25,49 @@ MLLOG_ENV = "MLPERF_MLLOG_FILE"
 
 class RunDirError(ValueError):
     """The run directory is missing or is not a run made by ``mlperf-grpo train``."""
+
+
+class RunLockedError(RunDirError):
+    """Another process (trainer or evaluator) is writing to this run."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run>/.lock`` for as long as the context is open.
+
+    One writer per run: a trainer and an evaluator, or two evaluators, never write the
+    same run at once. The kernel drops the lock when the holder exits, even on SIGKILL,
+    so a killed process never leaves a stale lock.
+
+    Raises:
+        RunLockedError: on entry, when another process holds the lock.
+    """
+
+    def __init__(self, root: Path, role: str) -> None:
+        self.path = Path(root) / ".lock"
+        self.role = role
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunLockedError(
+                f"run {self.path.parent} is being written by {holder}; wait for it to finish "
+                f"(one trainer or evaluator per run)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"the {self.role} (pid {os.getpid()})".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
+import torch
 from tqdm import tqdm
 
 from mlperf_grpo import rules
@@ -30,7 +32,8 @@ from mlperf_grpo.evaluate.validator import TaskResult, validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, read_log, time_to_train_ms
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
+from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.tasks import SUITES
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
@@ -39,6 +42,10 @@ RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
 
 class EvaluationError(ValueError):
     """The run cannot be evaluated as it is (bad series, bad log); nothing was logged."""
+
+
+class RefitError(RuntimeError):
+    """After a refit the engine does not run the checkpoint's weights; evaluation stops."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLo
     steps = [c.step for c in checkpoints]
     if steps[0] != s0:
         raise EvaluationError(f"first checkpoint is step_{steps[0]}, but the first eval step is {s0}")
-    if not rules.is_contiguous_eval_series(steps, config.global_batch_size):
+    if not rules.is_contiguous_eval_series(steps, config.global_batch_size, first_step=s0):
         missing = sorted(set(range(s0, steps[-1] + 1)) - set(steps))
         raise EvaluationError(f"checkpoint series has a gap: missing step_{missing[0]}")
     run_starts = log.find(C.RUN_START)
@@ -106,12 +113,16 @@ def _logged_evals(log: ParsedLog) -> list[tuple[int, float]]:
     return [(e.metadata.get("step"), e.value) for e in log.find(C.EVAL_ACCURACY)]
 
 
-def _write_results(run: RunDir, step: int, results: list[TaskResult], params: SamplingParams) -> None:
+def write_results(
+    run: RunDir, step: int, results: list[TaskResult], params: SamplingParams, seed: int, engine: dict
+) -> None:
+    """``<run>/eval/step_N.jsonl``: a header (sampling, seed, engine), then one line per
+    task; written to a temp file and renamed, so it is whole or absent."""
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     path = run.eval_dir / f"step_{step}.jsonl"
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps({"sampling": asdict(params)}) + "\n")
+        f.write(json.dumps({"step": step, "sampling": asdict(params), "seed": seed, "engine": engine}) + "\n")
         for r in results:
             f.write(json.dumps(asdict(r)) + "\n")
         f.flush()
@@ -119,22 +130,25 @@ def _write_results(run: RunDir, step: int, results: list[TaskResult], params: Sa
     os.replace(tmp, path)
 
 
-def _log_eval(log: MLLogWriter, step: int, gbs: int, accuracy: float, start_ms: int, stop_ms: int) -> None:
+def log_eval(log: MLLogWriter, step: int, gbs: int, accuracy: float, start_ms: int, stop_ms: int) -> None:
     md = {C.SAMPLES_COUNT: rules.samples_count(step, gbs), "step": step}
     log.start(C.EVAL_START, metadata=md, time_ms=start_ms)
     log.event(C.EVAL_ACCURACY, accuracy, metadata=md, time_ms=stop_ms)
     log.end(C.EVAL_STOP, metadata=md, time_ms=stop_ms)
 
 
+def log_run_stop(log: MLLogWriter, status: str, step: int, samples_count: int, time_ms: int) -> None:
+    """Queue the run's single ``run_stop`` (shared by the offline and inline evaluators)."""
+    log.end(C.RUN_STOP, metadata={C.STATUS: status, C.SAMPLES_COUNT: samples_count, "step": step}, time_ms=time_ms)
+
+
 def _log_run_stop(log: MLLogWriter, status: str, checkpoint: Checkpoint) -> None:
-    log.end(
-        C.RUN_STOP,
-        metadata={C.STATUS: status, C.SAMPLES_COUNT: checkpoint.info.samples_count, "step": checkpoint.step},
-        time_ms=checkpoint.info.training_step_end_time_ms,
-    )
+    info = checkpoint.info
+    log_run_stop(log, status, checkpoint.step, info.samples_count, info.training_step_end_time_ms)
 
 
-def _outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
+def read_outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
+    """The outcome as read back from the log (its first ``run_stop``)."""
     log = read_log(mllog_file)
     stop = log.find(C.RUN_STOP)[0]
     status = stop.metadata.get(C.STATUS)
@@ -158,29 +172,70 @@ def retain_requested(flag: bool) -> bool:
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
-    Idempotent: evaluations already in the log are not repeated, and a log that already
-    has its ``run_stop`` is only read back.
+    Holds the run's lock throughout (one writer per run). Resumable and idempotent:
+    evaluations already in the log are not repeated, and a log that already has its
+    ``run_stop`` is only read back (and an unfinished teardown completed).
 
     Raises:
-        RunDirError, ConfigError: the run directory is not usable.
-        EvaluationError: the checkpoint series or the log is not evaluable.
+        RunDirError, ConfigError: the run directory is not usable (RunLockedError: another
+            process is writing to it).
+        EvaluationError: the checkpoint series or the log is not evaluable; nothing logged.
+        RefitError: the engine does not hold the checkpoint's weights after a refit.
+        VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    with RunLock(run.root, "evaluator"):
+        log = _read_checked_log(mllog_file)
+        if not log.find(C.RUN_STOP):
+            _evaluate_checkpoints(run, config, mllog_file, log, show_progress)
+        if not retain_requested(retain_checkpoints):
+            remove_checkpoints(run.checkpoints)
+        outcome = read_outcome(run, mllog_file)
+        run.eval_dir.mkdir(parents=True, exist_ok=True)
+        (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
+    return outcome
+
+
+def _read_checked_log(mllog_file: Path) -> ParsedLog:
     try:
         log = read_log(mllog_file)
     except OSError as err:
         raise EvaluationError(f"cannot read the MLPerf log {mllog_file}: {err.strerror}") from None
-    if log.find(C.RUN_STOP):
-        return _outcome(run, mllog_file)
+    if log.bad_lines:
+        line_no, reason = log.bad_lines[0]
+        raise EvaluationError(f"{mllog_file}:{line_no}: not a valid MLPerf line ({reason}); was a writer killed mid-line? repair the log first")
+    if len(log.find(C.RUN_STOP)) > 1:
+        raise EvaluationError(f"{mllog_file} already has {len(log.find(C.RUN_STOP))} run_stop lines; it cannot be scored")
+    return log
 
+
+def verify_refit(engine: HFEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
+    """Prove the engine runs ``checkpoint`` after a refit.
+
+    Raises:
+        RefitError: the engine's tensors differ from the checkpoint's (fingerprint), or its
+            canary logits differ from those recorded when the checkpoint was written.
+    """
+    want = weights_fingerprint({n: t.to(engine.model.dtype) for n, t in weights.items()})
+    if engine.weights_fingerprint(list(weights)) != want:
+        raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
+    worst = canary_mismatch(checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype)
+    if worst is not None:
+        raise RefitError(
+            f"{checkpoint.path.name}: the engine's canary logits differ from the checkpoint's by {worst:.3g}; "
+            "the engine is not running these weights"
+        )
+
+
+def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
     try:
         checkpoints, ignored = discover_checkpoints(run.checkpoints)
     except CheckpointError as err:
         raise EvaluationError(str(err)) from None
     for path in ignored:
-        print(f"note: ignoring unfinished checkpoint {path}")
+        print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
     check_series(checkpoints, config, log)
     done = _logged_evals(log)
     if [s for s, _ in done] != [c.step for c in checkpoints[: len(done)]]:
@@ -190,20 +245,21 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     suite = SUITES[config.task.name]
     tasks = suite.validation_tasks(config.validation.num_tasks)
     v = config.validation
-    params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens, seed=config.seed)
+    params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     gbs = config.global_batch_size
     engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
-    todo = checkpoints[len(done):]
     bar = tqdm(total=len(checkpoints), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
     passing = None
     try:
-        for checkpoint in todo:
+        for checkpoint in checkpoints[len(done):]:
             start_ms = now_ms()
-            engine.load_weights(checkpoint.load_weights())  # refit, no optimizer state
-            accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params)
+            weights = checkpoint.load_weights()
+            engine.load_weights(weights)  # refit, no optimizer state
+            verify_refit(engine, checkpoint, weights)
+            accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
             stop_ms = now_ms()
-            _write_results(run, checkpoint.step, results, params)
-            _log_eval(writer, checkpoint.step, gbs, accuracy, start_ms, stop_ms)
+            write_results(run, checkpoint.step, results, params, seed=config.seed, engine=engine.describe())
+            log_eval(writer, checkpoint.step, gbs, accuracy, start_ms, stop_ms)
             if rules.is_passing(accuracy, v.target_accuracy):
                 passing = checkpoint
                 _log_run_stop(writer, C.SUCCESS, checkpoint)
@@ -217,8 +273,3 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
             writer.commit()
     finally:
         bar.close()
-    if not retain_requested(retain_checkpoints):
-        remove_checkpoints(run.checkpoints)
-    outcome = _outcome(run, mllog_file)
-    (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
-    return outcome

@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from mlperf_grpo import rules
-from mlperf_grpo.inference.base import InferenceEngine, SamplingParams
+from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, derive_seed
 from mlperf_grpo.tasks import Task
+
+
+REWARD_TIMEOUT_S = 30.0
+"""Seconds one reward call may take before it counts as a verifier error."""
+
+
+class VerifierError(RuntimeError):
+    """The reward function raised or timed out; the checkpoint's accuracy is unknown
+    (an error is never counted as a wrong answer)."""
+
+
+def score(reward_fn, items: list, timeout_s: float = REWARD_TIMEOUT_S) -> list[float]:
+    """``[reward_fn(text, task) for text, task in items]`` in worker threads.
+
+    Raises:
+        VerifierError: any call raised or took longer than ``timeout_s`` seconds; the
+            message counts errors and timeouts and quotes the first.
+    """
+    errors, timeouts, first = 0, 0, ""
+    rewards: list[float] = []
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+    try:
+        futures = [pool.submit(reward_fn, text, task) for text, task in items]
+        for (text, task), fut in zip(items, futures):
+            try:
+                rewards.append(float(fut.result(timeout=timeout_s)))
+            except FutureTimeout:
+                timeouts += 1
+                first = first or f"timed out after {timeout_s} s on task {task.task_id}"
+            except Exception as err:  # noqa: BLE001  (any verifier failure is reported, not scored)
+                errors += 1
+                first = first or f"{type(err).__name__}: {err} on task {task.task_id}"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if errors or timeouts:
+        raise VerifierError(f"reward function failed on {errors + timeouts} of {len(items)} completions ({timeouts} timeouts); first: {first}")
+    return rewards
 
 
 @dataclass(frozen=True)
@@ -25,7 +64,12 @@ class TaskResult:
 
 
 def validate(
-    engine: InferenceEngine, tasks: list[Task], reward_fn, generations_per_task: int, params: SamplingParams
+    engine: InferenceEngine,
+    tasks: list[Task],
+    reward_fn,
+    generations_per_task: int,
+    params: SamplingParams,
+    seed: int,
 ) -> tuple[float, list[TaskResult]]:
     """pass@k of the engine's current weights over ``tasks``.
 
@@ -35,15 +79,20 @@ def validate(
         reward_fn: ``(completion_text, task) -> float``; a reward > 0 is a pass.
         generations_per_task: k.
         params: validation sampling (temperature 0.1, top_p 0.95 in the rules).
+        seed: generation ``j`` of a task uses ``derive_seed("validation", seed, task_id, j)``,
+            so re-validating the same weights gives the same completions.
     Returns:
         ``(accuracy, per-task results)``; accuracy = mean over tasks of any reward > 0.
+    Raises:
+        VerifierError: a reward call raised or timed out (no accuracy is computed).
     """
     k = generations_per_task
-    completions = engine.generate([t.prompt for t in tasks for _ in range(k)], params)
+    flat_tasks = [t for t in tasks for _ in range(k)]
+    seeds = [derive_seed("validation", seed, t.task_id, j) for t in tasks for j in range(k)]
+    completions = engine.generate([t.prompt for t in flat_tasks], params, seeds)
+    rewards = score(reward_fn, [(c.text, t) for c, t in zip(completions, flat_tasks)])
     results = []
     for i, task in enumerate(tasks):
         texts = [c.text for c in completions[i * k:(i + 1) * k]]
-        results.append(
-            TaskResult(task.task_id, task.prompt, task.answer, texts, [reward_fn(t, task) for t in texts])
-        )
+        results.append(TaskResult(task.task_id, task.prompt, task.answer, texts, rewards[i * k:(i + 1) * k]))
     return rules.pass_at_k([r.rewards for r in results]), results

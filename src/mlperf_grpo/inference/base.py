@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -10,15 +11,11 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample: ``temperature`` > 0, ``top_p`` in (0, 1], ``max_new_tokens`` > 0.
-
-    ``seed`` makes a call reproducible on the same machine and software.
-    """
+    """How to sample: ``temperature`` > 0, ``top_p`` in (0, 1], ``max_new_tokens`` > 0."""
 
     temperature: float
     top_p: float
     max_new_tokens: int
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -44,5 +41,16 @@ class InferenceEngine(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: copy these weights (names as in the policy's ``state_dict``) in place."""
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in prompt order (repeat a prompt for more)."""
+    def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """One completion per prompt, in prompt order (repeat a prompt for more).
+
+        Row ``i`` is sampled with its own RNG seeded by ``seeds[i]``, so the same prompt,
+        seed and weights give the same completion whatever else is in the batch.
+        """
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from any values (e.g. run seed, task id, generation index):
+    the first 8 bytes of sha256 of their ``repr``, stable across processes."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1

@@ -1,11 +1,48 @@
-"""Generation with Hugging Face ``transformers``: batched, KV-cached ``generate``."""
+"""Generation with Hugging Face ``transformers``: batched, KV-cached ``generate``.
+
+Sampling is seeded per row: each completion draws its tokens from its own
+``random.Random(seed)``, so a completion depends on its prompt, its seed and the
+weights, not on which other prompts share its batch. ``generate`` runs greedily over
+logits that :class:`RowSeededSampler` has reduced to the one sampled token.
+"""
 
 from __future__ import annotations
 
-import torch
+import random
 
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.model import load_model, load_tokenizer
+
+
+class RowSeededSampler(LogitsProcessor):
+    """Samples each row from ``softmax(logits / temperature)`` truncated to ``top_p``
+    with that row's own RNG, and returns logits that keep only the sampled token.
+
+    Args:
+        seeds: one integer seed per batch row.
+        temperature, top_p: as in :class:`SamplingParams`.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float) -> None:
+        self._rngs = [random.Random(s) for s in seeds]
+        self._temperature = TemperatureLogitsWarper(temperature)
+        self._top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = self._temperature(input_ids, scores.float())
+        if self._top_p is not None:
+            scores = self._top_p(input_ids, scores)
+        cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)  # [B, V]
+        u = torch.tensor([[rng.random()] for rng in self._rngs], dtype=cdf.dtype)  # [B, 1]
+        u = u * cdf[:, -1:]  # guard against the CDF ending a hair below 1
+        chosen = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)  # [B, 1]
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(1, chosen, 0.0)
 
 
 class HFEngine:
@@ -23,6 +60,7 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype)
         self.batch_size = batch_size
+        self.model_path = model_path
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit in place. Every parameter must be given, except names tied to a given one
@@ -40,6 +78,30 @@ class HFEngine:
                 f"unexpected {sorted(result.unexpected_keys)[:5]}"
             )
 
+    def describe(self) -> dict:
+        """Engine settings stored with evaluation results (for reproducing them)."""
+        import transformers
+
+        return {
+            "engine": "transformers.generate",
+            "model": self.model_path,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "batch_size": self.batch_size,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "sampler": "RowSeededSampler (per-row random.Random)",
+        }
+
+    def weights_fingerprint(self, names: list[str]) -> str:
+        """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
+        with these names, in the engine's dtype."""
+        own = self.model.state_dict()
+        return weights_fingerprint({n: own[n] for n in names})
+
+    def canary_logits(self) -> list[float]:
+        """The engine model's logits on the fixed canary input (see fingerprint.py)."""
+        return canary_logits(self.model, self.model.config.vocab_size)
+
     def _tied_names(self, given: dict[str, torch.Tensor]) -> set[str]:
         """Names in the model that share storage with a name in ``given``."""
         own = self.model.state_dict()
@@ -47,28 +109,25 @@ class HFEngine:
         return {n for n, t in own.items() if n not in given and t.data_ptr() in given_ptrs}
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
-        """Sample one completion per prompt; see :class:`InferenceEngine`.
-
-        The global torch RNG is seeded with ``params.seed`` inside a forked RNG state, so
-        the caller's random state is untouched.
+    def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """Sample one completion per prompt, row ``i`` with ``seeds[i]``; see
+        :class:`InferenceEngine`. The global torch RNG is not used.
         """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         out: list[Completion] = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(params.seed)
-            for start in range(0, len(prompts), self.batch_size):
-                out.extend(self._generate_batch(prompts[start:start + self.batch_size], params))
+        for start in range(0, len(prompts), self.batch_size):
+            end = start + self.batch_size
+            out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end]))
         return out
 
-    def _generate_batch(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         tok = self.tokenizer
         enc = tok(prompts, padding=True, return_tensors="pt")
         result = self.model.generate(
             **enc,
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([RowSeededSampler(seeds, params.temperature, params.top_p)]),
             max_new_tokens=params.max_new_tokens,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,

@@ -15,6 +15,7 @@ Reads top to bottom like the lifecycle it runs::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,14 +25,16 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter
 from mlperf_grpo.model import DTYPES, load_model
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.tasks import SUITES
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
+from mlperf_grpo.train.stop import GracefulStop
 from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch, generate_rollouts
 
 
@@ -96,7 +99,13 @@ def optimize_step(
     return loss_total, float(grad_norm)
 
 
-def train(config: RunConfig, run: RunDir, config_filename: str, show_progress: bool = True) -> TrainResult:
+def train(
+    config: RunConfig,
+    run: RunDir,
+    config_filename: str,
+    show_progress: bool = True,
+    inline_eval: Callable[[int, torch.nn.Module], bool] | None = None,
+) -> TrainResult:
     """Run GRPO training with deferred checkpoints; see the module docstring.
 
     Args:
@@ -104,10 +113,26 @@ def train(config: RunConfig, run: RunDir, config_filename: str, show_progress: b
         run: the run directory (created here).
         config_filename: logged as ``config_filename``.
         show_progress: draw a tqdm bar on stderr.
+        inline_eval: ``DEFERRED_OFFLINE_EVAL=0``: called as ``inline_eval(step, policy)``
+            after each step from the first eval step on, instead of writing a deferred
+            checkpoint; training stops when it returns True (it logged ``run_stop``).
     Raises:
         ModelLoadError, LogWriteError, OSError: setup or I/O failed. Any failure after
         ``run_start`` first logs ``run_stop`` with status ``aborted``.
     """
+    run.root.mkdir(parents=True, exist_ok=True)
+    with RunLock(run.root, "trainer"), GracefulStop() as stopper:
+        return _train(config, run, config_filename, show_progress, inline_eval, stopper)
+
+
+def _train(
+    config: RunConfig,
+    run: RunDir,
+    config_filename: str,
+    show_progress: bool,
+    inline_eval: Callable[[int, torch.nn.Module], bool] | None,
+    stopper: GracefulStop,
+) -> TrainResult:
     log = MLLogWriter(run.create(config))
     log_submission_and_init_start(log, config)
 
@@ -144,16 +169,17 @@ def train(config: RunConfig, run: RunDir, config_filename: str, show_progress: b
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
             tasks = sampler.sample(g.num_prompts_per_step)
-            engine.load_weights(policy.state_dict())  # refit
-            params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens, seed=config.seed * 100_003 + step)
-            completions = generate_rollouts(engine, tasks, g.num_generations_per_prompt, params)
-            rewards = torch.tensor([[suite.reward(c.text, t) for c in group] for t, group in zip(tasks, completions)])
+            params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
+            completions = generate_rollouts(engine, tasks, g.num_generations_per_prompt, params, config.seed, step)
+            scored = score(suite.reward, [(c.text, t) for t, group in zip(tasks, completions) for c in group])
+            rewards = torch.tensor(scored).view(len(tasks), g.num_generations_per_prompt)  # [P, G]
             advantages = group_advantages(rewards)  # [P, G]
             batch = build_batch(completions, rewards, advantages, pad_id)
             loss, grad_norm = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, g.ratio_clip_eps, config.gradient_clip_norm
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
+            engine.load_weights(policy.state_dict())  # refit for the next rollouts
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step})
             log.commit()
             stats = StepStats(
@@ -165,7 +191,7 @@ def train(config: RunConfig, run: RunDir, config_filename: str, show_progress: b
                 weight_update_time_ms=weight_update_time_ms,
             )
             result.steps.append(stats)
-            if step >= first_eval_step:
+            if step >= first_eval_step and inline_eval is None:
                 info = TrainingInfo(
                     current_step=step,
                     consumed_samples=step * g.num_prompts_per_step,
@@ -175,12 +201,16 @@ def train(config: RunConfig, run: RunDir, config_filename: str, show_progress: b
                     num_generations_per_prompt=g.num_generations_per_prompt,
                     dtype=config.model.dtype,
                     weights={},
+                    canary_logits=engine.canary_logits(),
                 )
                 state = {k: v.to(checkpoint_dtype) for k, v in policy.state_dict().items()}
-                write_checkpoint(run.checkpoints, state, info)
+                with stopper.deferred():  # SIGTERM waits for the checkpoint to be published
+                    write_checkpoint(run.checkpoints, state, info)
                 result.checkpoint_steps.append(step)
             bar.set_postfix(reward=f"{stats.reward_mean:.3f}", acc=f"{stats.rollout_pass_rate:.3f}", refresh=False)
             bar.update(1)
+            if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
+                break
     except BaseException:
         log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
         log.commit()

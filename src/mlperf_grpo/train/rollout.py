@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, derive_seed
 from mlperf_grpo.tasks import Task
 
 
@@ -54,12 +54,17 @@ class RolloutBatch:
 
 
 def generate_rollouts(
-    engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams
+    engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int
 ) -> list[list[Completion]]:
-    """``generations_per_prompt`` completions of each task: ``[P][G]``."""
-    prompts = [t.prompt for t in tasks for _ in range(generations_per_prompt)]
-    flat = engine.generate(prompts, params)
+    """``generations_per_prompt`` completions of each task: ``[P][G]``.
+
+    Completion ``j`` of the ``i``-th prompt of ``step`` is sampled with
+    ``derive_seed("rollout", seed, step, i, j)``.
+    """
     g = generations_per_prompt
+    prompts = [t.prompt for t in tasks for _ in range(g)]
+    seeds = [derive_seed("rollout", seed, step, i, j) for i in range(len(tasks)) for j in range(g)]
+    flat = engine.generate(prompts, params, seeds)
     return [flat[i * g:(i + 1) * g] for i in range(len(tasks))]
 
 

@@ -1,0 +1,49 @@
+"""Proof that an engine holds the weights it claims: a tensor fingerprint and a canary.
+
+After every refit the evaluator compares (1) the sha256 fingerprint of the engine's
+tensors with that of the checkpoint's tensors and (2) the engine's logits on a fixed
+canary input with the logits the trainer recorded for that checkpoint when it wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+CANARY_LENGTH = 16
+CANARY_LOGITS = 32
+"""How many last-position logits are recorded (the first ``CANARY_LOGITS`` of the vocab)."""
+
+CANARY_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+"""Max absolute difference allowed per canary logit, relative to ``max(1, |logit|)``."""
+
+
+def weights_fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
+    """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def canary_input_ids(vocab_size: int) -> torch.Tensor:
+    """``[1, CANARY_LENGTH]`` fixed token ids, every id < ``vocab_size``."""
+    return (torch.arange(CANARY_LENGTH) * 7 % vocab_size).unsqueeze(0)
+
+
+@torch.no_grad()
+def canary_logits(model: torch.nn.Module, vocab_size: int) -> list[float]:
+    """The model's first ``CANARY_LOGITS`` last-position logits on the canary input."""
+    logits = model(input_ids=canary_input_ids(vocab_size)).logits[0, -1, :CANARY_LOGITS]
+    return [float(x) for x in logits.float()]
+
+
+def canary_mismatch(expected: list[float], got: list[float], dtype: str) -> float | None:
+    """The largest relative difference when it exceeds the dtype's tolerance, else None."""
+    if len(expected) != len(got):
+        return float("inf")
+    worst = max((abs(a - b) / max(1.0, abs(a)) for a, b in zip(expected, got)), default=0.0)
+    return worst if worst > CANARY_TOLERANCE[dtype] else None
