@@ -18,7 +18,7 @@ BUILTIN_MODEL = "builtin:arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
 BUILTIN_CLOSED_MODEL = "builtin:arithmetic-tiny-closed"
-"""The built-in model after 21 open-division GRPO steps: the starting weights of the
+"""The built-in model after 18 open-division GRPO steps: the starting weights of the
 shipped closed configs (made by ``scripts/make_closed_model.py``)."""
 
 

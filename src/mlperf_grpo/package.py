@@ -120,20 +120,20 @@ def _read_run(run_dir: Path) -> tuple[Path, dict]:
 def _system_description(system: str, org: str, division: str) -> dict[str, object]:
     """A ``systems/<system>.json`` with every field the 6.1.0 checker requires.
 
-    Values known on this machine are filled in; the rest read ``FILL IN``. Numbers the
-    result summarizer multiplies (nodes, processors, accelerators per node) are set to
-    this machine's values so the summarizer runs; correct them for a real system.
+    Values known on this machine are filled in; the rest read ``FILL IN``. Every value is
+    a string (the checker joins them); the counts the result summarizer multiplies
+    (nodes, processors, accelerators per node) hold this machine's values so it runs.
     """
     return {
         "submitter": org,
         "division": division,
         "status": "Available on-premise",
         "system_name": system,
-        "number_of_nodes": 1,
-        "host_processors_per_node": 1,
+        "number_of_nodes": "1",
+        "host_processors_per_node": "1",
         "host_processor_model_name": platform.processor() or FILL_IN,
-        "host_processor_core_count": os.cpu_count() or 1,
-        "host_processor_vcpu_count": os.cpu_count() or 1,
+        "host_processor_core_count": str(os.cpu_count() or 1),
+        "host_processor_vcpu_count": str(os.cpu_count() or 1),
         "host_processor_frequency": FILL_IN,
         "host_processor_caches": FILL_IN,
         "host_processor_interconnect": FILL_IN,
@@ -143,7 +143,7 @@ def _system_description(system: str, org: str, division: str) -> dict[str, objec
         "host_networking": FILL_IN,
         "host_networking_topology": FILL_IN,
         "host_memory_configuration": FILL_IN,
-        "accelerators_per_node": 0,
+        "accelerators_per_node": "0",
         "accelerator_model_name": FILL_IN,
         "accelerator_host_interconnect": FILL_IN,
         "accelerator_frequency": FILL_IN,
@@ -183,7 +183,7 @@ def run_package_checker(out: Path, logs: Path) -> CheckerResult:
     log = logs / "package_checker.txt"
     rc, text = _run_module(["mlperf_logging.package_checker", str(out), USAGE, rules.RULESET,
                             "--log_output", str(logs / "package_checker.log")], log, out)
-    errors = _lines(text, "ERROR")
+    errors = [ln.strip() for ln in text.splitlines() if ln.startswith(("ERROR", "CRITICAL"))]
     passed = rc == 0 and "PACKAGE CHECKER FOUND NO ERRORS" in text and not errors
     summary = errors or _lines(text, "FOUND NO ERRORS", "RCP Test Passed")
     if "Traceback" in text:

@@ -1,0 +1,131 @@
+"""Inline evaluation during training: what ``DEFERRED_OFFLINE_EVAL=0`` selects.
+
+The reference launcher's switch: ``1`` (our default) trains with deferred checkpoints
+and evaluates them afterwards (:mod:`mlperf_grpo.evaluate.offline`); ``0`` evaluates the
+policy in the training process after every step from the first eval step on, so
+evaluation time counts toward time-to-train and ``run_stop`` carries the passing
+evaluation's end time. No checkpoints are written. The same validator, results files
+and log events as the offline evaluator are used::
+
+    train step N >= S0 -> refit engine <- policy -> validate (pass@k) -> eval/step_N.jsonl
+        -> eval_start, eval_accuracy, eval_stop (+ run_stop success at the eval's end)
+    no pass by max_steps -> run_stop aborted at the last eval's end
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+import torch
+from mlperf_logging.mllog import constants as C  # noqa: N812
+
+from mlperf_grpo import rules
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.evaluate.offline import (
+    EvalOutcome,
+    EvaluationError,
+    log_eval,
+    log_run_stop,
+    read_outcome,
+    write_results,
+)
+from mlperf_grpo.evaluate.validator import validate
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.mllog import MLLogWriter, read_log
+from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.tasks import SUITES
+
+DEFERRED_ENV = "DEFERRED_OFFLINE_EVAL"
+"""Environment variable of the reference launcher: ``1`` deferred (default), ``0`` inline."""
+
+
+def deferred_requested() -> bool:
+    """``DEFERRED_OFFLINE_EVAL``: unset or ``1`` -> True, ``0`` -> False.
+
+    Raises:
+        ValueError: any other value (one line).
+    """
+    value = os.environ.get(DEFERRED_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{DEFERRED_ENV} must be 0 (inline evaluation) or 1 (deferred), got {value!r}")
+    return value == "1"
+
+
+class InlineEvaluator:
+    """``inline_eval`` callback of :func:`mlperf_grpo.train.loop.train`.
+
+    Args:
+        config: the run config (validation settings, GBS, target).
+        run: the run directory (``eval/step_N.jsonl`` results go there).
+        mllog_file: the run's MLPerf log (the trainer's file; lines are appended).
+    """
+
+    def __init__(self, config: RunConfig, run: RunDir, mllog_file) -> None:
+        self.config = config
+        self.run = run
+        self.writer = MLLogWriter(mllog_file)
+        self.suite = SUITES[config.task.name]
+        v = config.validation
+        self.tasks = self.suite.validation_tasks(v.num_tasks)
+        self.params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
+        self.engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
+        self.last_step: int | None = None
+        self.last_stop_ms: int | None = None
+
+    def __call__(self, step: int, policy: torch.nn.Module) -> bool:
+        """Validate the current policy as step ``step``; True when it passed (run_stop logged)."""
+        v, gbs = self.config.validation, self.config.global_batch_size
+        start_ms = int(time.time() * 1000)
+        self.engine.load_weights(policy.state_dict())  # refit
+        accuracy, results = validate(
+            self.engine, self.tasks, self.suite.reward, v.generations_per_task, self.params, seed=self.config.seed
+        )
+        stop_ms = int(time.time() * 1000)
+        write_results(self.run, step, results, self.params, seed=self.config.seed, engine=self.engine.describe())
+        log_eval(self.writer, step, gbs, accuracy, start_ms, stop_ms)
+        passed = rules.is_passing(accuracy, v.target_accuracy)
+        if passed:
+            log_run_stop(self.writer, C.SUCCESS, step, rules.samples_count(step, gbs), stop_ms)
+        self.writer.commit()  # the eval triple (and run_stop on a pass) in one write
+        self.last_step, self.last_stop_ms = step, stop_ms
+        return passed
+
+    def finish(self) -> None:
+        """After training: ``run_stop`` aborted at the last evaluation's end, when none passed."""
+        if self.last_step is None:
+            return
+        gbs = self.config.global_batch_size
+        log_run_stop(self.writer, C.ABORTED, self.last_step, rules.samples_count(self.last_step, gbs), self.last_stop_ms)
+        self.writer.commit()
+
+
+def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str) -> EvalOutcome:
+    """Train with :class:`InlineEvaluator`; returns the outcome read back from the log.
+
+    Raises:
+        EvaluationError: training ended before the first eval step (nothing evaluated).
+        The errors of :func:`mlperf_grpo.train.loop.train`.
+    """
+    from mlperf_grpo.train.loop import train
+
+    evaluator: InlineEvaluator | None = None
+
+    def inline_eval(step: int, policy: torch.nn.Module) -> bool:
+        nonlocal evaluator
+        if evaluator is None:  # built lazily: the trainer creates the run directory and log
+            evaluator = InlineEvaluator(config, run, run.load()[1])
+        return evaluator(step, policy)
+
+    train(config, run, config_filename, inline_eval=inline_eval)
+    _, mllog_file = run.load()
+    if not read_log(mllog_file).find(C.RUN_STOP):
+        if evaluator is None:
+            raise EvaluationError(f"grpo.max_steps {config.grpo.max_steps} ends before the first eval step {config.first_eval_step}")
+        evaluator.finish()
+    outcome = read_outcome(run, mllog_file)
+    (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
+    return outcome

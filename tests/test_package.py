@@ -1,0 +1,77 @@
+"""`mlperf-grpo package`: refusals (fast) and three closed runs packaged end to end (slow)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.package import olympic_score_min
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_fewer_than_three_runs_is_refused(tmp_path, capsys):
+    assert main(["package", str(tmp_path / "a"), str(tmp_path / "b"), "--system", "s", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "needs 3 runs; got 2" in err and err.count("\n") == 1
+
+
+def test_run_dir_without_log_is_refused(tmp_path, capsys):
+    runs = []
+    for i in range(3):
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        (d / "config.yaml").write_text("division: open\n")
+        (d / "run.json").write_text(f'{{"mllog_file": "{d / "mlperf.log"}"}}\n')
+        runs.append(str(d))
+    assert main(["package", *runs, "--system", "s", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no MLPerf log at" in err and err.count("\n") == 1
+    assert main(["package", str(tmp_path), *runs[:2], "--system", "s", "--output", str(tmp_path / "o")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_olympic_score_drops_fastest_and_slowest():
+    assert olympic_score_min([60000, 120000, 600000]) == 2.0
+    assert olympic_score_min([60000, None, 120000]) == 2.0  # unconverged run counts as slowest
+    assert olympic_score_min([60000, None, None]) is None
+    assert olympic_score_min([60000, 120000, 180000], scaling_factor=1.5) == 3.0
+
+
+@pytest.mark.slow
+def test_three_closed_runs_pass_the_official_checkers(tmp_path, capsys, monkeypatch):
+    """Closed runs of the built-in pipeline: run 0 deferred (the default), runs 1-2 inline
+    (DEFERRED_OFFLINE_EVAL=0). Each log must be accepted as closed by the compliance
+    checker; the package must pass package_checker and rcp_checker; the scores must match."""
+    base = yaml.safe_load((CONFIGS / "closed-gbs256.yaml").read_text())
+    runs = []
+    for i, seed in enumerate((1, 2, 3)):
+        cfg = tmp_path / f"closed{seed}.yaml"
+        cfg.write_text(yaml.safe_dump({**base, "seed": seed, "grpo": {**base["grpo"], "max_steps": 22}}))
+        run = tmp_path / f"run{seed}"
+        monkeypatch.setenv("DEFERRED_OFFLINE_EVAL", "1" if i == 0 else "0")
+        assert main(["run", "--config", str(cfg), "--output", str(run)]) == 0
+        runs.append(str(run))
+    capsys.readouterr()
+    check = subprocess.run(
+        [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "6.1.0",
+         "--log_output", str(tmp_path / "cc.log"), str(Path(runs[1]) / "mlperf.log")],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert "closed_qwen35_397b_grpo.yaml" in check.stdout + check.stderr
+    assert "SUCCESS" in check.stdout + check.stderr
+
+    out = tmp_path / "submission"
+    code = main(["package", *runs, "--system", "tiny_cpu", "--output", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "package_checker: PASS" in text and "rcp_checker: PASS" in text and "result_summarizer: PASS" in text
+    assert (out / "results/tiny_cpu/qwen35_397b_grpo/result_2.txt").is_file()
+    assert (out / "systems/tiny_cpu.json").is_file()
+    ours, theirs = re.search(r"score \(olympic mean time-to-train\): ([\d.]+) min; summarizer: ([\d.]+) min \(match\)", text).groups()
+    assert abs(float(ours) - float(theirs)) < 1e-6
+    assert len(re.findall(r"result_\d\.txt: success, samples_count \d+", text)) == 3
