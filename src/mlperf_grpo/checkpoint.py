@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 WEIGHTS_FILE = "model.safetensors"
@@ -116,13 +117,17 @@ def write_checkpoint(
     tmp = checkpoint_root / f"tmp_step_{info.current_step}"
     try:
         return _write_and_publish(checkpoint_root, tmp, tensors, info)
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # safetensors reports ENOSPC as SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(checkpoint_root).free if checkpoint_root.exists() else 0
+        reason = getattr(err, "strerror", None) or str(err).removeprefix("Error while serializing: ")
         raise CheckpointWriteError(
-            f"cannot write checkpoint {tmp}: {err.strerror or err}; it needs about "
+            f"cannot write checkpoint {tmp}: {reason}; it needs about "
             f"{needed_bytes} bytes and {free} bytes are free"
         ) from None
+    except BaseException:  # Ctrl-C or a stop signal mid-write: discard the partial checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_and_publish(checkpoint_root: Path, tmp: Path, tensors: dict[str, torch.Tensor], info: TrainingInfo) -> Path:
