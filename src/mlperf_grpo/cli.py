@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("mlperf-grpo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM during training (TrainingStopped)
+        print(f"mlperf-grpo: {err or 'interrupted'}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
