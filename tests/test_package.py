@@ -65,8 +65,9 @@ def test_three_closed_runs_pass_the_official_checkers(tmp_path, capsys, monkeypa
     assert "closed_qwen35_397b_grpo.yaml" in check.stdout + check.stderr
     assert "SUCCESS" in check.stdout + check.stderr
 
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
     out = tmp_path / "submission"
-    code = main(["package", *runs, "--system", "tiny_cpu", "--output", str(out)])
+    code = main(["package", *[Path(r).name for r in runs], "--system", "tiny_cpu", "--output", "submission"])
     text = capsys.readouterr().out
     assert code == 0, text
     assert "package_checker: PASS" in text and "rcp_checker: PASS" in text and "result_summarizer: PASS" in text

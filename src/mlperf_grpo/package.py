@@ -265,6 +265,7 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
             ``output`` folder that exists and is not empty.
     """
     need = 3
+    output = output.resolve()  # the checkers run with another working directory
     if len(run_dirs) < need:
         raise PackageError(f"a {rules.BENCHMARK} submission needs {need} runs; got {len(run_dirs)}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", system):

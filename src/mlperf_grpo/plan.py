@@ -104,7 +104,8 @@ def format_plan(plan: dict[str, object]) -> str:
     figure = "none" if rcp["samples_count"] is None else f"{rcp['samples_count']:g} samples"
     lines.append(f"  rcp_samples_to_converge: {figure} ({rcp['kind']}: {rcp['note']})")
     if "first_eval_passes_rcp" in rcp:
-        verdict = "passes" if rcp["first_eval_passes_rcp"] else "is faster than the RCP: rcp_checker fails"
+        verdict = "passes the RCP check" if rcp["first_eval_passes_rcp"] else (
+            f"would be faster than the RCP: rcp_checker fails unless runs converge at >= {rcp['samples_count']:g}")
         lines.append(f"  converging at the first eval ({plan['first_eval_samples_count']} samples) {verdict}")
     return "\n".join(lines)
 
