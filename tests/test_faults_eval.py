@@ -1,0 +1,462 @@
+"""Fault injection on the offline evaluator (issue 5, evaluator side).
+
+One default run (trained and evaluated, checkpoints retained) is made once per module;
+each test copies it. The "trained" copy is that run as training left it: the log cut
+before the first ``eval_start`` (the evaluator only appends) and no ``eval/``. Kills are
+real ``SIGKILL``s of ``python -m mlperf_grpo.cli evaluate`` subprocesses.
+"""
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from mlperf_grpo.checkpoint import discover_checkpoints
+from mlperf_grpo.cli import main
+from mlperf_grpo.config import load_config
+from mlperf_grpo.evaluate import offline, validator
+from mlperf_grpo.evaluate.offline import RefitError, evaluate_run, verify_refit
+from mlperf_grpo.evaluate.validator import VerifierError, score, validate
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.mllog import PREFIX, read_log
+from mlperf_grpo.rundir import RunLock
+from mlperf_grpo.tasks import arithmetic
+from mlperf_grpo.tasks.verify import verify_answer
+
+pytestmark = pytest.mark.slow
+
+EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop", "run_stop")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def copy_run(src, dst):
+    """Copy a run directory and point its run.json at the copy's own log."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock"))
+    (dst / "run.json").write_text(json.dumps({"mllog_file": str(dst / "mlperf.log")}) + "\n")
+    return dst
+
+
+def normalized(log_path):
+    """Every line of the log, MLLOG lines parsed with time_ms dropped (all else kept)."""
+    out = []
+    for line in log_path.read_text().splitlines():
+        if PREFIX in line:
+            d = json.loads(line.split(PREFIX, 1)[1])
+            d.pop("time_ms")
+            out.append(d)
+        else:
+            out.append(line)
+    return out
+
+
+def eval_steps(log_path):
+    return [e.metadata["step"] for e in read_log(log_path).find("eval_accuracy")]
+
+
+def has_eval_events(log_path):
+    return any(e.key in EVAL_KEYS for e in read_log(log_path).events)
+
+
+def error_lines(err):
+    """The CLI's error lines; asserts there is exactly one and no traceback."""
+    lines = [l for l in err.splitlines() if l.startswith("mlperf-grpo:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def spawn_evaluate(run, out_name):
+    out = open(run.parent / f"{out_name}.out", "w")
+    err = open(run.parent / f"{out_name}.err", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run), "--retain-checkpoints"],
+        stdout=out, stderr=err,
+    )
+    out.close()
+    err.close()
+    return proc
+
+
+def wait_for(predicate, proc, timeout_s=120.0):
+    """Poll every 10 ms until ``predicate()``; False if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    raise AssertionError("timed out waiting for the evaluator")
+
+
+def lock_held_by(run, pid):
+    lock = run / ".lock"
+    return lock.is_file() and f"pid {pid})" in lock.read_text()
+
+
+def count_evals(run):
+    log = run / "mlperf.log"
+    return log.read_text().count('"key": "eval_stop"')
+
+
+def read_results(path):
+    lines = path.read_text().splitlines()
+    return json.loads(lines[0]), [json.loads(l) for l in lines[1:]]
+
+
+def set_info(run, step, **fields):
+    path = run / "checkpoints" / f"step_{step}" / "training_info.json"
+    info = json.loads(path.read_text())
+    info.update(fields)
+    path.write_text(json.dumps(info, indent=2))
+
+
+def info_of(run, step):
+    return json.loads((run / "checkpoints" / f"step_{step}" / "training_info.json").read_text())
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """An uninterrupted default run: train, then evaluate, checkpoints retained."""
+    run = tmp_path_factory.mktemp("faults_eval") / "finished"
+    assert main(["run", "--output", str(run), "--retain-checkpoints"]) == 0
+    assert eval_steps(run / "mlperf.log") == [18, 19, 20, 21]
+    return run
+
+
+@pytest.fixture(scope="module")
+def trained(finished, tmp_path_factory):
+    """The same run as training left it (log up to the first eval_start, no eval/)."""
+    run = copy_run(finished, tmp_path_factory.mktemp("faults_eval") / "trained")
+    shutil.rmtree(run / "eval")
+    lines = (run / "mlperf.log").read_text().splitlines(keepends=True)
+    cut = next(i for i, l in enumerate(lines) if '"key": "eval_start"' in l)
+    (run / "mlperf.log").write_text("".join(lines[:cut]))
+    assert not has_eval_events(run / "mlperf.log")
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    return copy_run(trained, tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def engine_results(trained):
+    """Library-level evaluation: steps 18 then 19 in one engine, and 19 in a fresh one."""
+    config = load_config(trained / "config.yaml")
+    checkpoints = {c.step: c for c in discover_checkpoints(trained / "checkpoints")[0]}
+    v = config.validation
+    tasks = arithmetic.validation_tasks(v.num_tasks)
+    params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
+
+    def new_engine():
+        return HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
+
+    def evaluate(engine, step):
+        weights = checkpoints[step].load_weights()
+        engine.load_weights(weights)
+        verify_refit(engine, checkpoints[step], weights)
+        return validate(engine, tasks, arithmetic.reward, v.generations_per_task, params, seed=config.seed)
+
+    shared = new_engine()
+    results = {"shared_18": evaluate(shared, 18), "shared_19": evaluate(shared, 19)}
+    results["fresh_19"] = evaluate(new_engine(), 19)
+    return types.SimpleNamespace(shared=shared, checkpoints=checkpoints, config=config, **results)
+
+
+# --------------------------------------------------------------------------- 1. resumable, idempotent
+
+def test_sigkilled_evaluator_resumes_to_the_uninterrupted_log(run, finished):
+    """SIGKILL at two startup delays, once the lock is held (0 evals logged), and right
+    after the 1st and 2nd eval triples; then run to completion. A leftover tmp_step_31/
+    is ignored with a note each time."""
+    shutil.copytree(run / "checkpoints" / "step_30", run / "checkpoints" / "tmp_step_31")
+    (run / "checkpoints" / "tmp_step_31" / "model.safetensors").write_bytes(b"half-written")
+    kill_points = [
+        ("0.5 s after start", lambda proc, t0: time.monotonic() - t0 >= 0.5),
+        ("1.5 s after start", lambda proc, t0: time.monotonic() - t0 >= 1.5),
+        ("lock taken, no eval logged", lambda proc, t0: lock_held_by(run, proc.pid)),
+        ("after the 1st eval triple", lambda proc, t0: count_evals(run) >= 1),
+        ("after the 2nd eval triple", lambda proc, t0: count_evals(run) >= 2),
+    ]
+    logged = []
+    for i, (name, ready) in enumerate(kill_points):
+        t0 = time.monotonic()
+        proc = spawn_evaluate(run, f"killed{i}")
+        assert wait_for(lambda: ready(proc, t0), proc), f"{name}: evaluator exited before the kill point"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, name
+        log = read_log(run / "mlperf.log")
+        assert not log.bad_lines and not log.find("run_stop"), name
+        steps = eval_steps(run / "mlperf.log")
+        assert steps == list(range(18, 18 + len(steps))), name  # a contiguous prefix, no duplicates
+        logged.append(len(steps))
+    # 0.5 s is still in start-up; each later kill point is at or past the previous one
+    assert logged[0] == 0 and logged == sorted(logged) and logged[3] >= 1 and logged[4] >= 2, logged
+
+    proc = spawn_evaluate(run, "final")
+    assert proc.wait() == 0
+    assert "note: ignoring unfinished checkpoint" in (run.parent / "final.err").read_text()
+    assert "status: success" in (run.parent / "final.out").read_text()
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+    log = read_log(run / "mlperf.log")
+    assert len(log.find("run_stop")) == 1
+    assert log.find("run_stop")[0].time_ms == read_log(finished / "mlperf.log").find("run_stop")[0].time_ms
+    for key in ("eval_start", "eval_accuracy", "eval_stop"):
+        assert [e.metadata["step"] for e in log.find(key)] == [18, 19, 20, 21]
+    for step in (18, 19, 20, 21):  # per-task results too, whichever process wrote them
+        assert read_results(run / "eval" / f"step_{step}.jsonl") == read_results(finished / "eval" / f"step_{step}.jsonl")
+
+
+def test_evaluate_on_a_finished_run_reports_and_writes_nothing(finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path / "run")
+    before = (run / "mlperf.log").read_bytes()
+    assert main(["evaluate", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "status: success" in out and "passing step: 21" in out
+    assert (run / "mlperf.log").read_bytes() == before
+
+
+# --------------------------------------------------------------------------- 2. one writer
+
+def test_second_evaluator_is_refused_while_one_runs(run, capsys):
+    holder = spawn_evaluate(run, "holder")
+    try:
+        assert wait_for(lambda: lock_held_by(run, holder.pid), holder)
+        assert main(["evaluate", str(run), "--retain-checkpoints"]) == 2
+        line = error_lines(capsys.readouterr().err)
+        assert f"the evaluator (pid {holder.pid})" in line and "being written" in line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_evaluator_is_refused_while_the_trainer_holds_the_run(run, capsys):
+    before = (run / "mlperf.log").read_bytes()
+    with RunLock(run, "trainer"):
+        assert main(["evaluate", str(run)]) == 2
+    line = error_lines(capsys.readouterr().err)
+    assert f"the trainer (pid {os.getpid()})" in line
+    assert (run / "mlperf.log").read_bytes() == before
+    assert (run / "checkpoints" / "step_18").is_dir()  # no teardown either
+
+
+# --------------------------------------------------------------------------- 3. the series is checked first
+
+def _drop(step):
+    def damage(run):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
+    return damage
+
+
+def _tmp_instead_of_step_18(run):
+    os.rename(run / "checkpoints" / "step_18", run / "checkpoints" / "tmp_step_18")
+
+
+def _wrong_current_step(run):
+    set_info(run, 19, current_step=20)
+
+
+def _time_not_increasing(run):
+    set_info(run, 20, training_step_end_time_ms=info_of(run, 19)["training_step_end_time_ms"])
+
+
+def _time_before_run_start(run):
+    run_start = read_log(run / "mlperf.log").find("run_start")[0].time_ms
+    set_info(run, 18, training_step_end_time_ms=int(run_start) - 1)
+
+
+def _flip_byte(run):
+    path = run / "checkpoints" / "step_20" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _info_missing(run):
+    (run / "checkpoints" / "step_19" / "training_info.json").unlink()
+
+
+def _info_malformed(run):
+    path = run / "checkpoints" / "step_19" / "training_info.json"
+    path.write_text(path.read_text()[:-40])
+
+
+SERIES_FAULTS = {
+    "first-not-at-s0": (_drop(18), "first checkpoint is step_19, but the first eval step is 18"),
+    "gap": (_drop(20), "gap: missing step_20"),
+    "tmp-dir-is-not-a-checkpoint": (_tmp_instead_of_step_18, "first checkpoint is step_19"),
+    "current-step": (_wrong_current_step, "step_19: training_info.json says current_step 20"),
+    "time-not-increasing": (_time_not_increasing, "step_20: weight-update time"),
+    "time-before-run-start": (_time_before_run_start, "step_18: weight-update time"),
+    "corrupt-weights": (_flip_byte, "step_20/model.safetensors: sha256 differs"),
+    "info-missing": (_info_missing, "step_19/training_info.json is missing"),
+    "info-malformed": (_info_malformed, "step_19/training_info.json is not readable JSON"),
+}
+
+
+@pytest.mark.parametrize("fault", list(SERIES_FAULTS))
+def test_bad_series_is_refused_before_anything_is_evaluated(run, fault, capsys):
+    damage, message = SERIES_FAULTS[fault]
+    damage(run)
+    before = (run / "mlperf.log").read_bytes()
+    assert main(["evaluate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert message in error_lines(err)
+    assert (run / "mlperf.log").read_bytes() == before
+    assert not (run / "eval").exists()
+    assert (run / "checkpoints").is_dir()  # refused before teardown
+    if fault == "tmp-dir-is-not-a-checkpoint":
+        assert "note: ignoring unfinished checkpoint" in err and "tmp_step_18" in err
+
+
+# --------------------------------------------------------------------------- 4. the engine holds the weights it claims
+
+def test_one_engine_across_checkpoints_equals_fresh_engines(engine_results):
+    assert engine_results.shared_19 == engine_results.fresh_19
+    assert engine_results.shared_18 != engine_results.shared_19  # the refit changed something
+
+
+def test_verify_refit_catches_stale_weights_and_a_wrong_canary(engine_results):
+    engine, checkpoints = engine_results.shared, engine_results.checkpoints
+    w18, w19 = checkpoints[18].load_weights(), checkpoints[19].load_weights()
+    engine.load_weights(w18)
+    with pytest.raises(RefitError, match="step_19: the engine's weights differ"):
+        verify_refit(engine, checkpoints[19], w19)  # the refit to step 19 "did not happen"
+    engine.load_weights(w19)
+    verify_refit(engine, checkpoints[19], w19)
+    info = checkpoints[19].info
+    bad = dataclasses.replace(checkpoints[19], info=dataclasses.replace(info, canary_logits=[x + 0.01 for x in info.canary_logits]))
+    with pytest.raises(RefitError, match="canary logits differ"):
+        verify_refit(engine, bad, w19)
+
+
+def test_wrong_canary_in_training_info_stops_evaluation(run, capsys):
+    logits = info_of(run, 19)["canary_logits"]
+    set_info(run, 19, canary_logits=[logits[0] + 0.5] + logits[1:])
+    assert main(["evaluate", str(run), "--retain-checkpoints"]) == 1
+    assert "step_19: the engine's canary logits differ" in error_lines(capsys.readouterr().err)
+    assert eval_steps(run / "mlperf.log") == [18]  # step 18 committed, nothing for step 19
+    log = read_log(run / "mlperf.log")
+    assert [e.metadata["step"] for e in log.find("eval_start")] == [18] and not log.find("run_stop")
+
+
+# --------------------------------------------------------------------------- 5. verifier errors are not wrong answers
+
+def test_reward_that_raises_fails_the_checkpoint(run, monkeypatch):
+    bad_task = arithmetic.validation_tasks(251)[7].task_id
+
+    def reward(completion, task):
+        if task.task_id == bad_task:
+            raise RuntimeError("sandbox crashed")
+        return arithmetic.reward(completion, task)
+
+    suite = types.SimpleNamespace(validation_tasks=arithmetic.validation_tasks, train_tasks=arithmetic.train_tasks, reward=reward)
+    monkeypatch.setitem(offline.SUITES, "arithmetic", suite)
+    before = (run / "mlperf.log").read_bytes()
+    with pytest.raises(VerifierError, match=f"failed on 4 of 1004 completions \\(0 timeouts\\).*sandbox crashed on task {bad_task}"):
+        evaluate_run(run, retain_checkpoints=True, show_progress=False)
+    assert (run / "mlperf.log").read_bytes() == before
+    assert not (run / "eval" / "step_18.jsonl").exists()
+
+
+def test_reward_timeout_uses_the_module_setting_and_counts_as_timeout(monkeypatch):
+    monkeypatch.setattr(validator, "REWARD_TIMEOUT_S", 0.2)
+    tasks = arithmetic.validation_tasks(6)
+    slow = tasks[2].task_id
+
+    def reward(completion, task):
+        if task.task_id == slow:
+            time.sleep(1.5)
+        return arithmetic.reward(completion, task)
+
+    t0 = time.monotonic()
+    with pytest.raises(VerifierError, match=f"failed on 1 of 6 completions \\(1 timeouts\\); first: timed out after 0.2 s on task {slow}"):
+        score(reward, [(t.answer, t) for t in tasks])
+    assert time.monotonic() - t0 < 1.4
+
+
+HUNG_VERIFIER = """
+import sys, time
+from mlperf_grpo.evaluate.validator import VerifierError, score
+from mlperf_grpo.tasks import arithmetic
+tasks = arithmetic.validation_tasks(10)
+def reward(completion, task):
+    if task.task_id == tasks[0].task_id:
+        time.sleep(3600)  # a verifier that never returns
+    return arithmetic.reward(completion, task)
+t0 = time.monotonic()
+try:
+    score(reward, [(t.answer, t) for t in tasks for _ in range(4)], timeout_s=0.3)
+except VerifierError as err:
+    print(err)
+    print(f"seconds: {time.monotonic() - t0:.2f}")
+"""
+
+
+def test_hung_verifier_fails_in_seconds_and_lets_the_process_exit():
+    """All 4 workers stuck on one task's generations: the rest are not scored, the error
+    comes after ~timeout_s (not 40 x timeout_s), and the process exits despite the
+    threads still sleeping."""
+    proc = subprocess.run([sys.executable, "-c", HUNG_VERIFIER], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "failed on 40 of 40 completions (4 timeouts, 36 not scored: every worker was stuck)" in proc.stdout
+    assert float(proc.stdout.split("seconds: ")[1]) < 3.0
+
+
+VERIFY_CASES = [("154", "154", True), ("the answer is 48", "48", True), ("144", "154", False),
+                ("", "5", False), ("\\frac{1}{2}", "0.5", True), ("12 then 13", "13", True)]
+
+
+def test_verify_answer_from_threads_and_spawned_processes():
+    completions, golds, want = zip(*VERIFY_CASES)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(verify_answer, completions * 4, golds * 4)) == list(want) * 4
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert list(pool.map(verify_answer, completions, golds)) == list(want)
+
+
+# --------------------------------------------------------------------------- 6. deterministic
+
+def test_reevaluation_in_a_fresh_engine_is_identical(engine_results, finished):
+    """The module's fresh engine on step 18 vs the `run` command's own evaluation."""
+    header, rows = read_results(finished / "eval" / "step_18.jsonl")
+    accuracy, results = engine_results.shared_18
+    assert [(r["task_id"], r["completions"], r["rewards"]) for r in rows] == [
+        (r.task_id, r.completions, r.rewards) for r in results
+    ]
+    assert accuracy == read_log(finished / "mlperf.log").find("eval_accuracy")[0].value
+    config = engine_results.config
+    assert header["seed"] == config.seed
+    assert header["sampling"] == {"temperature": 0.1, "top_p": 0.95, "max_new_tokens": config.grpo.max_new_tokens}
+    assert header["engine"] == engine_results.shared.describe()
+    assert {"model", "dtype", "batch_size", "torch", "transformers", "sampler"} <= set(header["engine"])
+
+
+# --------------------------------------------------------------------------- 7. strict target
+
+def test_accuracy_equal_to_the_target_is_not_a_pass(run, finished):
+    step18 = read_log(finished / "mlperf.log").find("eval_accuracy")[0].value
+    assert step18 == 170 / 251
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["validation"]["target_accuracy"] = step18
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    assert load_config(run / "config.yaml").validation.target_accuracy == step18
+    outcome = evaluate_run(run, retain_checkpoints=True, show_progress=False)
+    assert outcome.accuracies[18] == step18
+    assert outcome.status == "success" and outcome.passing_step == 19
+    assert eval_steps(run / "mlperf.log") == [18, 19]
