@@ -1,6 +1,7 @@
 """End to end: train, evaluate offline, and the official compliance checker on the log."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -79,9 +80,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     cfg.write_text("grpo: {max_stepz: 3}\n")
     assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
     assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
-    # A run directory whose training wrote no checkpoints (stopped before step 18).
-    cfg.write_text("grpo: {max_steps: 2}\n")
+    # A run directory whose checkpoints are gone.
+    cfg.write_text("grpo: {max_steps: 18}\n")
     assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "short")]) == 0
+    shutil.rmtree(tmp_path / "short" / "checkpoints")
     assert main(["evaluate", str(tmp_path / "short")]) == 2
     # A log path that cannot be written.
     blocker = tmp_path / "file"
@@ -94,3 +96,64 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert "unknown key 'grpo.max_stepz'" in errors[0]
     assert "no step_N checkpoints" in errors[2]
     assert "cannot write MLPerf log" in errors[3]
+
+
+def test_output_that_already_holds_a_run_is_refused(default_run, tmp_path, capsys):
+    before = (default_run / "mlperf.log").read_bytes()
+    assert main(["train", "--output", str(default_run)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (default_run / "mlperf.log").read_bytes() == before
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert main(["train", "--output", str(not_a_dir)]) == 2
+    assert "cannot create run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("grpo: {max_steps: 2}\n", "below the first eval step 18"),
+        ("grpo: {max_steps: true}\n", "field 'grpo.max_steps'"),
+        ("grpo: {max_steps: '30'}\n", "field 'grpo.max_steps'"),
+    ],
+)
+def test_configs_that_cannot_make_a_scorable_run_are_refused(tmp_path, capsys, text, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_binary_config_is_bad_input(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(bytes(range(256)))
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert "not a text (UTF-8) YAML file" in capsys.readouterr().err
+
+
+def test_a_moved_run_is_evaluated_from_its_new_place(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("grpo: {max_steps: 18}\nvalidation: {target_accuracy: 0.99}\n")
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "a")]) == 0
+    (tmp_path / "a").rename(tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["mllog_file"] == "mlperf.log"
+    assert main(["evaluate", str(tmp_path / "b"), "--retain-checkpoints"]) == 3
+    assert len(read_log(tmp_path / "b" / "mlperf.log").find("run_stop")) == 1
+    # Asking a finished run again reports it and deletes nothing, even without retain.
+    assert main(["evaluate", str(tmp_path / "b")]) == 3
+    assert (tmp_path / "b" / "checkpoints" / "step_18").is_dir()
+
+
+def test_bad_retain_value_is_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RETAIN_GRPO_CHECKPOINTS", "yes")
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert "RETAIN_GRPO_CHECKPOINTS must be 0" in capsys.readouterr().err
+
+
+def test_missing_model_is_refused_before_anything_is_written(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'no-model'}}}\n")
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert "not a local Hugging Face model directory" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

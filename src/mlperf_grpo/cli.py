@@ -73,16 +73,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Offline evaluation of a trained run; writes run_stop."""
     from mlperf_grpo.evaluate.offline import evaluate_run
 
+    if not _deferred():
+        raise BadInput("DEFERRED_OFFLINE_EVAL=0 evaluates inline during training; 'evaluate' is the deferred driver: unset it or set it to 1")
     outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.run_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train, then evaluate offline: the whole benchmark run."""
-    from mlperf_grpo.evaluate.offline import evaluate_run
+    from mlperf_grpo.evaluate.offline import evaluate_run, retain_requested
 
     if not _deferred():
         return cmd_train(args)  # inline evaluation: training writes run_stop itself
+    retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
     cmd_train(args)
     outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.output)
@@ -93,6 +96,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     from mlperf_grpo.check import UnreadableLog, check_log
     from mlperf_grpo.check.render import format_reports, to_json
 
+    if args.run_dir is not None and args.no_run_dir:
+        raise BadInput("--run-dir and --no-run-dir contradict each other; pass one")
+    if args.run_dir is not None and not args.run_dir.is_dir():
+        raise BadInput(f"--run-dir {args.run_dir} is not a directory")
     try:
         reports = [check_log(path, run_dir=args.run_dir, auto_run_dir=not args.no_run_dir) for path in args.logs]
     except UnreadableLog as err:
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM during training (TrainingStopped)
-        print(f"mlperf-grpo: {err or 'interrupted'}", file=sys.stderr)
+        print(f"mlperf-grpo: {str(err) or 'interrupted'}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE

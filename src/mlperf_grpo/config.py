@@ -43,7 +43,9 @@ class ClosedDivisionError(ConfigError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no coercion (``max_steps: true`` or ``"5"`` is an error, not 1 or 5);
+    # an integer is still accepted where a float is expected.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class SubmissionConfig(_Strict):
@@ -179,6 +181,16 @@ class RunConfig(_Strict):
             return {**data, "optimizer": optimizer.model_copy(update={"learning_rate": None})}
         return data
 
+    @model_validator(mode="after")
+    def _reaches_first_eval_step(self) -> "RunConfig":
+        # (closed configs get this in their list of closed-rule violations instead)
+        if self.division == "open" and self.grpo.max_steps < self.first_eval_step:
+            raise ValueError(
+                f"grpo.max_steps={self.grpo.max_steps} is below the first eval step {self.first_eval_step}: "
+                "no checkpoint would be written or evaluated; raise max_steps"
+            )
+        return self
+
     def closed_violations(self) -> list[rules.Violation]:
         """Values departing from the closed rules (see :func:`rules.closed_violations`)."""
         return rules.closed_violations(self)
@@ -233,6 +245,8 @@ def load_config(path: str | Path | None) -> RunConfig:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -36,13 +36,28 @@ def resolve_model_path(path: str) -> Path:
     return Path(path)
 
 
+def check_model_path(path: str) -> Path:
+    """The model's local directory.
+
+    Raises:
+        ModelLoadError: it does not exist or has no ``config.json`` (nothing is downloaded).
+    """
+    directory = resolve_model_path(path)
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(
+            f"model.path {path!r}: {directory} is not a local Hugging Face model directory (no config.json); "
+            "models are never downloaded"
+        )
+    return directory
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Tokenizer of the model at ``path``, padding on the left (for batched generation).
 
     Raises:
         ModelLoadError: not found or not loadable (nothing is downloaded).
     """
-    directory = resolve_model_path(path)
+    directory = check_model_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -59,7 +74,7 @@ def load_model(path: str, dtype: str) -> PreTrainedModel:
     Raises:
         ModelLoadError: not found or not loadable (nothing is downloaded).
     """
-    directory = resolve_model_path(path)
+    directory = check_model_path(path)
     hf_logging.disable_progress_bar()  # our own bars show progress; keep stderr readable
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)

@@ -96,11 +96,30 @@ class RunDir:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.
 
         The log path is ``$MLPERF_MLLOG_FILE`` when set, else ``<run>/mlperf.log``.
+
+        Raises:
+            RunDirError: the directory already holds a run, or the log file already holds
+                MLPerf lines (a second run would corrupt both); nothing is written.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
+            raise RunDirError(f"{self.root} already holds a run; pass another --output or delete it")
         mllog_file = Path(os.environ.get(MLLOG_ENV) or self.root / "mlperf.log").resolve()
+        if mllog_file.is_file() and ":::MLLOG" in mllog_file.read_text(errors="replace"):
+            raise RunDirError(f"MLPerf log {mllog_file} already holds a run's lines; use a new log file")
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            mllog_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(mllog_file, "a"):
+                pass
+        except OSError as err:
+            raise RunDirError(f"cannot write MLPerf log {mllog_file}: {err.strerror}") from None
+        # A log inside the run is recorded relative to it, so the run can be moved or copied.
+        try:
+            recorded = str(mllog_file.relative_to(self.root.resolve()))
+        except ValueError:
+            recorded = str(mllog_file)
         self.config_file.write_text(dump_config(config))
-        self.info_file.write_text(json.dumps({"mllog_file": str(mllog_file)}, indent=2) + "\n")
+        self.info_file.write_text(json.dumps({"mllog_file": recorded}, indent=2) + "\n")
         return mllog_file
 
     def load(self) -> tuple[RunConfig, Path]:
@@ -115,7 +134,7 @@ class RunDir:
         if not self.info_file.is_file() or not self.config_file.is_file():
             raise RunDirError(f"{self.root} is not a run directory (no run.json/config.yaml); pass the --output of 'mlperf-grpo train'")
         try:
-            mllog_file = Path(json.loads(self.info_file.read_text())["mllog_file"])
+            mllog_file = self.root / json.loads(self.info_file.read_text())["mllog_file"]  # relative or absolute
         except (ValueError, KeyError, TypeError):
             raise RunDirError(f"{self.info_file} is malformed; expected {{\"mllog_file\": PATH}}") from None
         return load_config(self.config_file), mllog_file

@@ -342,6 +342,15 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     if not stops or not _is_number(stops[0].time_ms):
         return out
     stop = stops[0]
+    evals = [e for e in log.find("eval_accuracy") if e.line_no < stop.line_no]
+    block_stops = [e.line_no for e in log.find("block_stop")]
+    if not evals:
+        inp.notes.append("run_stop time not checked: no evaluation before it (training itself was aborted)")
+        return out
+    if block_stops and evals[0].line_no < max(block_stops):
+        inp.notes.append("run_stop time not checked: evaluations between training blocks (inline evaluation, "
+                         "DEFERRED_OFFLINE_EVAL=0) end the run at the passing eval's time")
+        return out
     sc = _sc(stop)
     if not _is_int(sc):
         before = [e for e in log.find("eval_accuracy") if e.line_no < stop.line_no and _is_int(_sc(e))]

@@ -165,16 +165,24 @@ def read_outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
 
 
 def retain_requested(flag: bool) -> bool:
-    """``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1``."""
-    return flag or os.environ.get(RETAIN_ENV, "0") == "1"
+    """``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1`` (unset or ``0``: delete).
+
+    Raises:
+        EvaluationError: ``RETAIN_GRPO_CHECKPOINTS`` is set to anything but 0 or 1.
+    """
+    value = os.environ.get(RETAIN_ENV, "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise EvaluationError(f"{RETAIN_ENV} must be 0 (delete checkpoints after evaluation) or 1 (keep them), got {value!r}")
+    return flag or value == "1"
 
 
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
-    evaluations already in the log are not repeated, and a log that already has its
-    ``run_stop`` is only read back (and an unfinished teardown completed).
+    evaluations already in the log are not repeated, and a finished run (its
+    ``eval/summary.json`` written) is only read back, its files untouched. A run whose
+    ``run_stop`` is logged but whose teardown was interrupted has the teardown finished.
 
     Raises:
         RunDirError, ConfigError: the run directory is not usable (RunLockedError: another
@@ -184,17 +192,21 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
+    retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    summary = run.eval_dir / "summary.json"
     with RunLock(run.root, "evaluator"):
         log = _read_checked_log(mllog_file)
+        if log.find(C.RUN_STOP) and summary.is_file():
+            return read_outcome(run, mllog_file)  # finished earlier: report, touch nothing
         if not log.find(C.RUN_STOP):
             _evaluate_checkpoints(run, config, mllog_file, log, show_progress)
-        if not retain_requested(retain_checkpoints):
+        if not retain:
             remove_checkpoints(run.checkpoints)
         outcome = read_outcome(run, mllog_file)
         run.eval_dir.mkdir(parents=True, exist_ok=True)
-        (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
+        summary.write_text(json.dumps(asdict(outcome), indent=2) + "\n")  # marks the run finished
     return outcome
 
 

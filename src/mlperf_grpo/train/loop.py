@@ -29,8 +29,8 @@ from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter
-from mlperf_grpo.model import DTYPES, load_model
-from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.model import DTYPES, check_model_path, load_model
+from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.tasks import SUITES
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
@@ -117,10 +117,17 @@ def train(
             after each step from the first eval step on, instead of writing a deferred
             checkpoint; training stops when it returns True (it logged ``run_stop``).
     Raises:
-        ModelLoadError, LogWriteError, OSError: setup or I/O failed. Any failure after
-        ``run_start`` first logs ``run_stop`` with status ``aborted``.
+        RunDirError: the output cannot be created or already holds a run (RunLockedError:
+            another process writes to it).
+        ModelLoadError, LogWriteError, CheckpointWriteError, OSError: setup or I/O failed.
+        TrainingStopped, KeyboardInterrupt: SIGTERM or Ctrl-C.
+        Any failure after ``run_start`` first logs ``run_stop`` with status ``aborted``.
     """
-    run.root.mkdir(parents=True, exist_ok=True)
+    check_model_path(config.model.path)  # before anything is written
+    try:
+        run.root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create run directory {run.root}: {err.strerror}") from None
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
         return _train(config, run, config_filename, show_progress, inline_eval, stopper)
 
@@ -163,7 +170,7 @@ def _train(
 
     result = TrainResult()
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
-    step = 0
+    completed = 0  # steps whose optimizer step has returned
     try:
         for step in range(1, g.max_steps + 1):
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
@@ -179,6 +186,7 @@ def _train(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, g.ratio_clip_eps, config.gradient_clip_norm
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
+            completed = step
             engine.load_weights(policy.state_dict())  # refit for the next rollouts
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step})
             log.commit()
@@ -212,7 +220,7 @@ def _train(
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
     except BaseException:
-        log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
+        log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed})
         log.commit()
         raise
     finally:
