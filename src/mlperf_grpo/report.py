@@ -256,7 +256,7 @@ def render_png(tl: Timeline) -> bytes:
     pad = max((hi - lo) * 0.25, 0.01)
     if not_evaluated:
         ax2.scatter(not_evaluated, [lo - pad * 0.6] * len(not_evaluated), marker="|", color="#999", s=60,
-                    label="checkpoint saved, not evaluated (after the pass)")
+                    label="checkpoint saved, not evaluated" + (" (after the pass)" if passing is not None else ""))
         ax2.legend(loc="upper left", fontsize=8)
     ax2.set_ylim(lo - pad, hi + pad)
     steps_all = [e.step for e in evals] + ckpt_steps

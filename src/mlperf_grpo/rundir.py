@@ -130,7 +130,7 @@ class RunDir:
             ConfigError: ``config.yaml`` is invalid.
         """
         if not self.root.is_dir():
-            raise RunDirError(f"run directory {self.root} does not exist")
+            raise RunDirError(f"run directory {self.root} does not exist or is not a directory")
         if not self.info_file.is_file() or not self.config_file.is_file():
             raise RunDirError(f"{self.root} is not a run directory (no run.json/config.yaml); pass the --output of 'mlperf-grpo train'")
         try:
