@@ -99,3 +99,14 @@ def test_png_renders_after_mutation(drop):
     for i in sorted(set(drop), reverse=True):
         del lines[i % len(lines)]
     png_size(render_png(build_timeline(parse_log_text("\n".join(lines)))))
+
+
+def test_unwritable_output_is_bad_input_naming_the_file(capsys):
+    from pathlib import Path
+
+    from mlperf_grpo.cli import main
+
+    log = Path(__file__).parent / "data" / "real_run" / "mlperf.log"
+    assert main(["report", str(log), "-o", "/proc/no/such/dir/r.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlperf-grpo: error: cannot write /proc/no/such/dir/r.png") and "\n" not in err

@@ -110,11 +110,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Append an evaluator's log to the training log, atomically and idempotently."""
-    from mlperf_grpo.merge import MergeError, merge_logs
+    from mlperf_grpo.merge import MergeError, OutputWriteError, merge_logs
 
     try:
         result = merge_logs(args.train, args.eval, args.output)
-    except MergeError as err:
+    except (MergeError, OutputWriteError) as err:
         raise BadInput(str(err)) from None
     state = "written" if result.changed else "unchanged (already merged)"
     print(f"{result.output}: {state}; {result.appended} eval line(s) after the training log, "
@@ -129,11 +129,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Timeline report of one log as PNG or HTML."""
     from mlperf_grpo.check import UnreadableLog
+    from mlperf_grpo.merge import OutputWriteError
     from mlperf_grpo.report import ReportError, write_report
 
     try:
         print(f"report: {write_report(args.log, args.output)}")
-    except (UnreadableLog, ReportError) as err:
+    except (UnreadableLog, ReportError, OutputWriteError) as err:
         raise BadInput(str(err)) from None
     return EXIT_OK
 
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (e.g. `check --json | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM during training (TrainingStopped)
         print(f"mlperf-grpo: {str(err) or 'interrupted'}", file=sys.stderr)
         return EXIT_FAILURE

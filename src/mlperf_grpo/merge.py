@@ -173,16 +173,24 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     return result
 
 
+class OutputWriteError(OSError):
+    """An output file cannot be written; the message names it."""
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file next to ``path``, fsync, then rename over ``path``.
 
     Raises:
-        OSError: the directory is not writable or the disk is full; ``path`` is untouched.
+        OutputWriteError: the directory is not writable or the disk is full (the message
+            names ``path``); ``path`` is untouched.
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise OutputWriteError(f"cannot write {path}: {err.strerror}") from None
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
