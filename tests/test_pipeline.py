@@ -157,3 +157,12 @@ def test_missing_model_is_refused_before_anything_is_written(tmp_path, capsys):
     assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
     assert "not a local Hugging Face model directory" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_device_is_bad_input(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {device: cuda}\n")
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

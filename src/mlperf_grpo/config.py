@@ -61,6 +61,9 @@ class ModelConfig(_Strict):
     path: str = Field(BUILTIN_MODEL, min_length=1)
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the policy for rollouts and of the checkpoint weights."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the policy trains and the engine generates (one device; ``cuda`` = the
+    current CUDA device). The built-in calibration is for ``cpu``."""
 
 
 class TaskConfig(_Strict):

@@ -37,7 +37,8 @@ def canary_input_ids(vocab_size: int) -> torch.Tensor:
 @torch.no_grad()
 def canary_logits(model: torch.nn.Module, vocab_size: int) -> list[float]:
     """The model's first ``CANARY_LOGITS`` last-position logits on the canary input."""
-    logits = model(input_ids=canary_input_ids(vocab_size)).logits[0, -1, :CANARY_LOGITS]
+    ids = canary_input_ids(vocab_size).to(next(model.parameters()).device)
+    logits = model(input_ids=ids).logits[0, -1, :CANARY_LOGITS]
     return [float(x) for x in logits.float()]
 
 

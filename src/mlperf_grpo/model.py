@@ -51,6 +51,12 @@ def check_model_path(path: str) -> Path:
     return directory
 
 
+def check_device(device: str) -> None:
+    """Raises ModelLoadError when ``device`` is ``cuda`` and no CUDA device is available."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device is cuda but no CUDA device is available; set model.device: cpu")
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Tokenizer of the model at ``path``, padding on the left (for batched generation).
 
@@ -68,16 +74,19 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(path: str, dtype: str) -> PreTrainedModel:
-    """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16"), in eval mode.
+def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
+    """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16") on ``device``
+    ("cpu" or "cuda"), in eval mode.
 
     Raises:
-        ModelLoadError: not found or not loadable (nothing is downloaded).
+        ModelLoadError: not found or not loadable (nothing is downloaded), or ``cuda``
+            asked for where no CUDA device is available.
     """
+    check_device(device)
     directory = check_model_path(path)
     hf_logging.disable_progress_bar()  # our own bars show progress; keep stderr readable
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model from {directory}: {str(err).splitlines()[0]}") from None
-    return model.eval()
+    return model.to(device).eval()

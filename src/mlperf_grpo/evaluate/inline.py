@@ -72,7 +72,7 @@ class InlineEvaluator:
         v = config.validation
         self.tasks = self.suite.validation_tasks(v.num_tasks)
         self.params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-        self.engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
+        self.engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size, device=config.model.device)
         self.last_step: int | None = None
         self.last_stop_ms: int | None = None
 

@@ -259,7 +259,7 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     gbs = config.global_batch_size
-    engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
+    engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size, device=config.model.device)
     bar = tqdm(total=len(checkpoints), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
     passing = None
     try:

@@ -38,7 +38,7 @@ class RowSeededSampler(LogitsProcessor):
         if self._top_p is not None:
             scores = self._top_p(input_ids, scores)
         cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)  # [B, V]
-        u = torch.tensor([[rng.random()] for rng in self._rngs], dtype=cdf.dtype)  # [B, 1]
+        u = torch.tensor([[rng.random()] for rng in self._rngs], dtype=cdf.dtype, device=cdf.device)  # [B, 1]
         u = u * cdf[:, -1:]  # guard against the CDF ending a hair below 1
         chosen = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)  # [B, 1]
         out = torch.full_like(scores, float("-inf"))
@@ -56,9 +56,9 @@ class HFEngine:
         ModelLoadError: the model cannot be loaded.
     """
 
-    def __init__(self, model_path: str, dtype: str, batch_size: int = 256) -> None:
+    def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> None:
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype)
+        self.model = load_model(model_path, dtype, device)
         self.batch_size = batch_size
         self.model_path = model_path
 
@@ -86,6 +86,7 @@ class HFEngine:
             "engine": "transformers.generate",
             "model": self.model_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
+            "device": str(self.model.device),
             "batch_size": self.batch_size,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -123,7 +124,7 @@ class HFEngine:
 
     def _generate_batch(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         tok = self.tokenizer
-        enc = tok(prompts, padding=True, return_tensors="pt")
+        enc = tok(prompts, padding=True, return_tensors="pt").to(self.model.device)
         result = self.model.generate(
             **enc,
             do_sample=False,

@@ -29,7 +29,7 @@ from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter
-from mlperf_grpo.model import DTYPES, check_model_path, load_model
+from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.tasks import SUITES
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
@@ -83,13 +83,19 @@ def optimize_step(
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     total_tokens = max(batch.num_tokens, 1)
+    device = next(policy.parameters()).device  # the batch is built on the CPU
     loss_total = 0.0
     for start in range(0, batch.input_ids.shape[0], micro_batch_size):
         sl = slice(start, start + micro_batch_size)
-        logits = policy(input_ids=batch.input_ids[sl], attention_mask=batch.attention_mask[sl]).logits
-        logprobs = token_logprobs(logits[:, :-1], batch.input_ids[sl, 1:], temperature)  # [mb, L-1]
+        ids = batch.input_ids[sl].to(device)
+        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
+        logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, L-1]
         loss = clipped_pg_loss_sum(
-            logprobs, batch.rollout_logprobs[sl], batch.advantages[sl], batch.completion_mask[sl], clip_eps
+            logprobs,
+            batch.rollout_logprobs[sl].to(device),
+            batch.advantages[sl].to(device),
+            batch.completion_mask[sl].to(device),
+            clip_eps,
         ) / total_tokens
         loss.backward()
         loss_total += loss.item()
@@ -124,6 +130,7 @@ def train(
         Any failure after ``run_start`` first logs ``run_stop`` with status ``aborted``.
     """
     check_model_path(config.model.path)  # before anything is written
+    check_device(config.model.device)
     try:
         run.root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -145,8 +152,8 @@ def _train(
 
     torch.manual_seed(config.seed)
     suite = SUITES[config.task.name]
-    policy = load_model(config.model.path, "float32")
-    engine = HFEngine(config.model.path, config.model.dtype)
+    policy = load_model(config.model.path, "float32", config.model.device)
+    engine = HFEngine(config.model.path, config.model.dtype, device=config.model.device)
     pad_id = engine.tokenizer.pad_token_id
     g = config.grpo
     optimizer = torch.optim.AdamW(
