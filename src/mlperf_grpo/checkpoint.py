@@ -94,6 +94,7 @@ def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def step_dir(checkpoint_root: Path, step: int) -> Path:
+    """``<checkpoint_root>/step_N``: where a published checkpoint of ``step`` lives."""
     return checkpoint_root / f"step_{step}"
 
 

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ from mlperf_logging.mllog.mllog import MLLogger
 
 PREFIX = ":::MLLOG "
 _logger_ids = itertools.count()
+
+
+def now_ms() -> int:
+    """Wall-clock Unix time in integer milliseconds: the MLPerf log's clock."""
+    return int(time.time() * 1000)
 
 
 class LogWriteError(OSError):

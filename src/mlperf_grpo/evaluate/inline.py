@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict
 
 import torch
@@ -35,7 +34,7 @@ from mlperf_grpo.evaluate.offline import (
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.mllog import MLLogWriter, read_log
+from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.tasks import SUITES
 
@@ -79,12 +78,12 @@ class InlineEvaluator:
     def __call__(self, step: int, policy: torch.nn.Module) -> bool:
         """Validate the current policy as step ``step``; True when it passed (run_stop logged)."""
         v, gbs = self.config.validation, self.config.global_batch_size
-        start_ms = int(time.time() * 1000)
+        start_ms = now_ms()
         self.engine.load_weights(policy.state_dict())  # refit
         accuracy, results = validate(
             self.engine, self.tasks, self.suite.reward, v.generations_per_task, self.params, seed=self.config.seed
         )
-        stop_ms = int(time.time() * 1000)
+        stop_ms = now_ms()
         write_results(self.run, step, results, self.params, seed=self.config.seed, engine=self.engine.describe())
         log_eval(self.writer, step, gbs, accuracy, start_ms, stop_ms)
         passed = rules.is_passing(accuracy, v.target_accuracy)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import TaskResult, validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.mllog import MLLogWriter, ParsedLog, read_log, time_to_train_ms
+from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.tasks import SUITES
@@ -62,10 +61,6 @@ class EvalOutcome:
     accuracies: dict[int, float]
     mllog_file: str
     time_to_train_ms: int
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> None:

@@ -14,7 +14,6 @@ Reads top to bottom like the lifecycle it runs::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.mllog import MLLogWriter
+from mlperf_grpo.mllog import MLLogWriter, now_ms
 from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.tasks import SUITES
@@ -36,11 +35,6 @@ from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
 from mlperf_grpo.train.stop import GracefulStop
 from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch, generate_rollouts
-
-
-def now_ms() -> int:
-    """Wall-clock Unix time in integer milliseconds (the MLPerf log's clock)."""
-    return int(time.time() * 1000)
 
 
 @dataclass
