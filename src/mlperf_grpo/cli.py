@@ -191,6 +191,7 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``mlperf-grpo`` argument parser: one subcommand per workflow."""
     parser = argparse.ArgumentParser(prog="mlperf-grpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

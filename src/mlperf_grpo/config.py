@@ -145,6 +145,7 @@ class RunConfig(_Strict):
 
     @property
     def global_batch_size(self) -> int:
+        """Completions per optimizer step (``grpo.num_prompts_per_step`` x generations)."""
         return self.grpo.global_batch_size
 
     @property

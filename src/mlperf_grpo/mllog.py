@@ -131,6 +131,7 @@ class ParsedLog:
         return [e for e in self.events if e.key == key]
 
     def first_value(self, key: str, default: Any = None) -> Any:
+        """The ``value`` of the first event with this key, or ``default`` if none."""
         found = self.find(key)
         return found[0].value if found else default
 

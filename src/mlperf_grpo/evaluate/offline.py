@@ -126,6 +126,8 @@ def write_results(
 
 
 def log_eval(log: MLLogWriter, step: int, gbs: int, accuracy: float, start_ms: int, stop_ms: int) -> None:
+    """Queue one checkpoint's ``eval_start``/``eval_accuracy``/``eval_stop`` (metadata
+    ``samples_count = step * gbs`` and ``step``; times in Unix ms); the caller commits."""
     md = {C.SAMPLES_COUNT: rules.samples_count(step, gbs), "step": step}
     log.start(C.EVAL_START, metadata=md, time_ms=start_ms)
     log.event(C.EVAL_ACCURACY, accuracy, metadata=md, time_ms=stop_ms)

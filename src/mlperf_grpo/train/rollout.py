@@ -21,6 +21,8 @@ class PromptSampler:
         self._order: list[Task] = []
 
     def sample(self, num_prompts: int) -> list[Task]:
+        """The next ``num_prompts`` tasks of the current shuffled pass (a new pass starts
+        when one runs out)."""
         out = []
         while len(out) < num_prompts:
             if not self._order:
