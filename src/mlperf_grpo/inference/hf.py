@@ -3,7 +3,9 @@
 Sampling is seeded per row: each completion draws its tokens from its own
 ``random.Random(seed)``, so a completion depends on its prompt, its seed and the
 weights, not on which other prompts share its batch. ``generate`` runs greedily over
-logits that :class:`RowSeededSampler` has reduced to the one sampled token.
+logits that :class:`RowSeededSampler` has reduced to the one sampled token; the sampler
+takes that token's log-probability at the same step, so no step's full-vocabulary
+logits outlive it (memory grows with tokens, not tokens x vocabulary).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
@@ -21,28 +23,78 @@ from mlperf_grpo.model import load_model, load_tokenizer
 
 class RowSeededSampler(LogitsProcessor):
     """Samples each row from ``softmax(logits / temperature)`` truncated to ``top_p``
-    with that row's own RNG, and returns logits that keep only the sampled token.
+    with that row's own RNG, records the sampled token's log-probability, and returns
+    logits that keep only the sampled token (so greedy ``generate`` picks it).
+
+    Row ``i``'s ``t``-th token is the inverse CDF of its truncated distribution at the
+    ``t``-th ``random()`` of ``random.Random(seeds[i])``. Uniforms are drawn
+    ``draw_chunk`` steps at a time and moved to the device once per chunk; the stream,
+    and so every completion, is the same as with one draw per step.
+
+    Memory: ``[B, max_new_tokens]`` float32 for the log-probabilities (allocated once,
+    written in place) and ``[B, draw_chunk]`` uniforms; full-vocabulary ``[B, V]``
+    tensors live for one step only.
 
     Args:
         seeds: one integer seed per batch row.
         temperature, top_p: as in :class:`SamplingParams`.
+        max_new_tokens: the most steps ``generate`` will take.
+        draw_chunk: uniforms drawn per row at a time (>= 1).
     """
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float) -> None:
+    def __init__(
+        self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int, draw_chunk: int = 64
+    ) -> None:
         self._rngs = [random.Random(s) for s in seeds]
         self._temperature = TemperatureLogitsWarper(temperature)
         self._top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self._max_new_tokens = max_new_tokens
+        self._draw_chunk = max(1, draw_chunk)
+        self._uniforms: torch.Tensor | None = None  # [B, chunk], the current chunk of draws
+        self._column = 0  # next unused column of _uniforms
+        self._logprobs: torch.Tensor | None = None  # [B, max_new_tokens + 1]
+        self.steps = 0
+
+    def token_logprobs(self) -> torch.Tensor:
+        """``[B, steps]`` float32 on the logits' device: ``log_softmax(logits / temperature)``
+        at each sampled token, before top-p (the rollout policy's log-probability).
+
+        Raises:
+            RuntimeError: the sampler has not been called yet.
+        """
+        if self._logprobs is None:
+            raise RuntimeError("the sampler has not been called")
+        return self._logprobs[:, : self.steps]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = self._temperature(input_ids, scores.float())
+        scores = self._temperature(input_ids, scores.float())  # [B, V]
+        logprobs = torch.log_softmax(scores, dim=-1)  # [B, V], the rollout policy (before top-p)
         if self._top_p is not None:
             scores = self._top_p(input_ids, scores)
-        cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)  # [B, V]
-        u = torch.tensor([[rng.random()] for rng in self._rngs], dtype=cdf.dtype, device=cdf.device)  # [B, 1]
-        u = u * cdf[:, -1:]  # guard against the CDF ending a hair below 1
-        chosen = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)  # [B, 1]
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter(1, chosen, 0.0)
+        cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)  # [B, V]
+        u = self._next_uniforms(cdf.dtype, cdf.device) * cdf[:, -1:]  # [B, 1]; the CDF may end a hair below 1
+        chosen = torch.searchsorted(cdf, u).clamp_(max=scores.shape[-1] - 1)  # [B, 1]
+        del cdf
+        if self._logprobs is None:
+            # Written in place: per-step small tensors kept alive would fragment the CPU
+            # heap between the [B, V] temporaries and grow RSS by about B x V per step.
+            # One spare column: a generate that checks for the end one step late calls once more.
+            self._logprobs = logprobs.new_zeros((logprobs.shape[0], self._max_new_tokens + 1))
+        self._logprobs[:, self.steps : self.steps + 1] = logprobs.gather(1, chosen)
+        self.steps += 1
+        del logprobs
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+
+    def _next_uniforms(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[B, 1]``: each row's next uniform in [0, 1)."""
+        if self._uniforms is None or self._column == self._uniforms.shape[1]:
+            chunk = max(1, min(self._draw_chunk, self._max_new_tokens - self.steps))  # no draws generation cannot use
+            draws = [[rng.random() for _ in range(chunk)] for rng in self._rngs]
+            self._uniforms = torch.tensor(draws, dtype=dtype).to(device, non_blocking=True)
+            self._column = 0
+        u = self._uniforms[:, self._column : self._column + 1]
+        self._column += 1
+        return u
 
 
 class HFEngine:
@@ -52,15 +104,44 @@ class HFEngine:
         model_path: local Hugging Face directory or ``builtin:...``.
         dtype: "float32" or "bfloat16" (the rollout dtype).
         batch_size: prompts per ``generate`` call (bounds memory).
+        device: "cpu" or "cuda".
     Raises:
         ModelLoadError: the model cannot be loaded.
+
+    :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
+    Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
+    for ids and log-probabilities, and full-vocabulary logits of one step at a time.
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> None:
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype, device)
+        self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path)
+
+    @classmethod
+    def from_model(
+        cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 256,
+        model_path: str = "in-memory",
+    ) -> HFEngine:
+        """An engine around ``model`` as it is (its dtype and device; put in eval mode).
+
+        Without a tokenizer only :meth:`generate_ids` works and completions have empty
+        ``text``; pad and EOS ids then come from ``model.generation_config`` (pad falls
+        back to 0; no EOS means every row runs to ``max_new_tokens``).
+        """
+        engine = cls.__new__(cls)
+        engine._init(model.eval(), tokenizer, batch_size, model_path)
+        return engine
+
+    def _init(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.model_path = model_path
+        source = tokenizer if tokenizer is not None else model.generation_config
+        self.eos_token_id: int | None = _single_id(source.eos_token_id)
+        pad = _single_id(source.pad_token_id)
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_id if tokenizer is not None else 0)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit in place. Every parameter must be given, except names tied to a given one
@@ -113,45 +194,61 @@ class HFEngine:
     def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """Sample one completion per prompt, row ``i`` with ``seeds[i]``; see
         :class:`InferenceEngine`. The global torch RNG is not used.
+
+        Raises:
+            ValueError: the engine has no tokenizer, or prompts and seeds differ in number.
         """
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids to generate_ids")
+        return self.generate_ids(self.tokenizer(prompts)["input_ids"], params, seeds)
+
+    @torch.no_grad()
+    def generate_ids(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
+        """:meth:`generate` for prompts given as token ids (unpadded), in batches of
+        ``batch_size``, each left-padded to its longest prompt.
+
+        Raises:
+            ValueError: prompts and seeds differ in number.
+        """
+        if len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(prompt_token_ids)} prompts but {len(seeds)} seeds")
         out: list[Completion] = []
-        for start in range(0, len(prompts), self.batch_size):
+        for start in range(0, len(prompt_token_ids), self.batch_size):
             end = start + self.batch_size
-            out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end]))
+            out.extend(self._generate_batch(prompt_token_ids[start:end], params, seeds[start:end]))
         return out
 
-    def _generate_batch(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        tok = self.tokenizer
-        enc = tok(prompts, padding=True, return_tensors="pt").to(self.model.device)
-        result = self.model.generate(
-            **enc,
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P], left-padded
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
+        sampler = RowSeededSampler(seeds, params.temperature, params.top_p, params.max_new_tokens)
+        sequences = self.model.generate(
+            input_ids=input_ids.to(self.model.device),
+            attention_mask=attention_mask.to(self.model.device),
             do_sample=False,
-            logits_processor=LogitsProcessorList([RowSeededSampler(seeds, params.temperature, params.top_p)]),
+            logits_processor=LogitsProcessorList([sampler]),
             max_new_tokens=params.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        prompt_len = enc["input_ids"].shape[1]
-        generated = result.sequences[:, prompt_len:]  # [B, T]
-        logits = torch.stack(result.logits, dim=1).float()  # [B, T, V], raw (unprocessed)
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-        token_logprobs = logprobs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # [B, T]
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id,
+        )  # [B, P + T]; stops once every row has produced EOS
+        generated = sequences[:, width:].cpu()  # [B, T]
+        token_logprobs = sampler.token_logprobs()[:, : generated.shape[1]].cpu()  # [B, T]
         completions = []
-        for i in range(len(prompts)):
-            ids = generated[i].tolist()
-            if tok.eos_token_id in ids:
-                ids = ids[: ids.index(tok.eos_token_id) + 1]
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+        for prompt, ids, logprobs in zip(prompts, generated.tolist(), token_logprobs.tolist()):
+            if self.eos_token_id in ids:
+                ids = ids[: ids.index(self.eos_token_id) + 1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
             completions.append(
-                Completion(
-                    prompt_token_ids=prompt_ids,
-                    token_ids=ids,
-                    logprobs=token_logprobs[i, : len(ids)].tolist(),
-                    text=tok.decode(ids, skip_special_tokens=True),
-                )
+                Completion(prompt_token_ids=list(prompt), token_ids=ids, logprobs=logprobs[: len(ids)], text=text)
             )
         return completions
+
+
+def _single_id(token_id: int | list[int] | None) -> int | None:
+    """The first id of a (possibly list-valued) special-token id, or None."""
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
