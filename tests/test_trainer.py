@@ -55,3 +55,20 @@ def test_a_step_changes_the_weights_and_rollout_logprobs_match_the_policy():
     torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], rtol=1e-4, atol=1e-4)
     after = _step(policy, batch, micro=16)
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_micro_batches_are_padded_to_their_own_longest_row():
+    from mlperf_grpo.inference.base import Completion
+
+    def comp(prompt_len, completion_len):
+        return Completion([5] * prompt_len, [6] * completion_len, [-0.5] * completion_len, "")
+
+    # 4 rows, micro-batches of 2: lengths 3+2, 3+1 | 2+40, 3+3; the global width is 42.
+    groups = [[comp(3, 2), comp(3, 1)], [comp(2, 40), comp(3, 3)]]
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    batch = build_batch(groups, rewards, group_advantages(rewards), pad_token_id=0)
+    assert batch.input_ids.shape == (4, 42)
+    assert batch.micro_batch_spans(2) == [(slice(0, 2), 5), (slice(2, 4), 42)]
+    assert batch.micro_batch_spans(3) == [(slice(0, 3), 42), (slice(3, 6), 6)]
+    for rows, width in batch.micro_batch_spans(1):  # nothing but padding is cut
+        assert batch.attention_mask[rows, width:].sum() == 0 and batch.completion_mask[rows, width - 1 :].sum() == 0

@@ -79,16 +79,15 @@ def optimize_step(
     total_tokens = max(batch.num_tokens, 1)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     loss_total = 0.0
-    for start in range(0, batch.input_ids.shape[0], micro_batch_size):
-        sl = slice(start, start + micro_batch_size)
-        ids = batch.input_ids[sl].to(device)
-        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
-        logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, L-1]
+    for sl, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
+        ids = batch.input_ids[sl, :width].to(device)
+        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl, :width].to(device)).logits
+        logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
         loss = clipped_pg_loss_sum(
             logprobs,
-            batch.rollout_logprobs[sl].to(device),
+            batch.rollout_logprobs[sl, : width - 1].to(device),
             batch.advantages[sl].to(device),
-            batch.completion_mask[sl].to(device),
+            batch.completion_mask[sl, : width - 1].to(device),
             clip_eps,
         ) / total_tokens
         loss.backward()

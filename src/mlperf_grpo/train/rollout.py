@@ -54,6 +54,19 @@ class RolloutBatch:
         """Valid completion tokens in the global batch (the loss normalizer)."""
         return int(self.completion_mask.sum().item())
 
+    def micro_batch_spans(self, micro_batch_size: int) -> list[tuple[slice, int]]:
+        """``(rows, width)`` per micro-batch, in row order: ``rows`` is the slice of
+        ``micro_batch_size`` rows, ``width`` the longest sequence among them. Rows are
+        right-padded, so ``input_ids[rows, :width]`` (and ``[rows, :width - 1]`` of the
+        shifted tensors) drops only padding: a micro-batch is padded to its own longest
+        row, not the global batch's."""
+        lengths = self.attention_mask.sum(dim=1)  # [B]
+        spans = []
+        for start in range(0, lengths.shape[0], micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            spans.append((rows, int(lengths[rows].max())))
+        return spans
+
 
 def generate_rollouts(
     engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int
