@@ -206,7 +206,11 @@ def test_real_log_is_clean_with_success_and_the_run_time_to_train(capsys):
     assert report.run_dir == run.resolve()
     assert report.official.verdict == "SUCCESS", report.official.messages
     assert report.findings == [] and report.score.disagreements == [] and report.clean
-    assert report.notes == []  # run_stop compared with training_info.json, eval_samples with eval/
+    # every check made (run_stop against training_info.json, eval_samples against eval/); the
+    # stored run is open division, so the note says which series rule applied
+    assert report.notes == ["eval series judged by the open-division rule (from the log's first evaluation, "
+                            "samples_count 4608); closed logs are judged from S0"]
+    assert report.mode.mode == "deferred"
     assert report.score.log_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.summarizer_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.rcp_samples == report.score.log_samples == summary["passing_step"] * GBS
