@@ -12,6 +12,7 @@ checkers from running (verdict ``SKIPPED``), and a checker run over the limit is
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,20 +103,39 @@ class CheckReport:
         }
 
 
+_MISSING = re.compile(r"Required \w+ occurrence of '([^']+)' but found 0")
+_FAILED_LINE = re.compile(r"CHECK for '([^']+)' failed in line (\d+).*?failed test:\s*(.+?)\s*(?:current context|$)", re.S)
+_FAILED_KEY = re.compile(r"Failed checks for (\S+)\s*:\s*(.+)")
+
+
 def official_summary(result: ComplianceResult, top: int = 3) -> str:
-    """``VERDICT``, then for a failed log the first ``top`` distinct reasons, each cut to
-    its first sentence, and how many more there are. One line."""
+    """The official verdict and its top reasons in one line a person can act on.
+
+    Missing required keys are counted and the first named; failed value checks name the
+    key, its line and the failing test; anything else contributes its first line.
+    """
     if result.valid:
         return "SUCCESS"
+    missing: list[str] = []
     reasons: list[str] = []
     for message in result.messages:
-        first = " ".join(message.split())
-        for cut in (" Fix:", " Rule:", "  "):
-            first = first.split(cut)[0]
-        if first and first not in reasons:
-            reasons.append(first[:160])
-    more = f"; and {len(reasons) - top} more" if len(reasons) > top else ""
-    return f"{result.verdict}: " + ("; ".join(reasons[:top]) or "no message") + more
+        if found := _MISSING.search(message):
+            missing.append(found.group(1))
+        elif found := _FAILED_LINE.search(message):
+            reasons.append(f"{found.group(1)} (line {found.group(2)}) fails {' '.join(found.group(3).split())}")
+        elif found := _FAILED_KEY.search(message):
+            reasons.append(f"{found.group(1)} fails {' '.join(found.group(2).split())}")
+        elif message.strip():
+            reasons.append(message.strip().splitlines()[0][:160])
+    if missing:
+        names = ", ".join(missing[:top]) + (f", +{len(missing) - top} more" if len(missing) > top else "")
+        reasons.insert(0, f"{len(missing)} required key(s) missing ({names})")
+    reasons = list(dict.fromkeys(reasons))
+    more = f"; +{len(reasons) - top} more" if len(reasons) > top else ""
+    fix = ""
+    if missing or any(" fails " in r for r in reasons):
+        fix = " -> log the missing keys and fix the failing values (all messages below), then check again"
+    return f"{result.verdict}: " + ("; ".join(reasons[:top]) or "no message") + more + fix
 
 
 def lint_text(text: str, run_dir: Path | None = None) -> tuple[ParsedLog, list[Finding], list[str]]:
