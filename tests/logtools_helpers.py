@@ -44,7 +44,7 @@ def ev(key, value=None, t=0, md=None, et="POINT_IN_TIME") -> dict:
 def synth(accs=(0.5, 0.6, 0.7), steps=22, status="success", gbs=GBS) -> list[dict]:
     """Events of a small log: training ``steps`` steps, then evaluations from S0 with
     accuracies ``accs``, then a run_stop backdated to the passing step's block_stop
-    (or the last step's, when none passes)."""
+    (or, when none passes, the final step's)."""
     s0 = -(-(5 * gbs + 7680) // (2 * gbs))
     events = [ev("submission_benchmark", "qwen35_397b_grpo"), ev("submission_division", "closed"),
               ev("global_batch_size", gbs), ev("eval_samples", 251), ev("run_start", t=1000, et="INTERVAL_START")]
@@ -63,8 +63,8 @@ def synth(accs=(0.5, 0.6, 0.7), steps=22, status="success", gbs=GBS) -> list[dic
         t += 20
         if acc > 0.69 and passing is None:
             passing = s
-    stop_step = passing if passing is not None else s0 + len(accs) - 1
-    events.append(ev("run_stop", t=stop_of[stop_step], md={"status": status, "samples_count": stop_step * gbs, "step": stop_step}, et="INTERVAL_END"))
+    stop_step = passing if passing is not None else steps  # aborted: the final checkpoint
+    events.append(ev("run_stop", t=stop_of.get(stop_step, t), md={"status": status, "samples_count": stop_step * gbs, "step": stop_step}, et="INTERVAL_END"))
     return events
 
 

@@ -517,14 +517,14 @@ def run_stop_step(inp: LintInput) -> list[Finding]:
 def eval_outside_run(inp: LintInput) -> list[Finding]:
     """Evaluation events before ``run_start`` or before ``init_stop``."""
     out = []
-    for key in ("init_stop", "run_start"):
+    for key in ("run_start", "init_stop"):
         found = inp.log.find(key)
         if not found:
             continue
         out += [Finding("eval-outside-run", e.line_no, e.key, f"{e.key} before {key} (line {found[0].line_no})",
                         "an evaluation outside the timed run: its result cannot count, and the lint cannot place it")
                 for e in inp.log.events if e.key in EVAL_KEYS and e.line_no < found[0].line_no]
-    unique = {(f.line, f.key): f for f in out}  # before both: one finding, naming the later key
+    unique = {(f.line, f.key): f for f in out}  # before both: one finding, naming init_stop
     return list(unique.values())
 
 
