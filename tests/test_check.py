@@ -425,10 +425,10 @@ def test_lint_never_crashes_on_deep_nesting(depth, opener):
                                                        max_leaves=6))),
                 max_size=25))
 def test_lint_never_crashes_on_non_scalar_metadata(events):
-    base = synth()[:5]
-    extra = [{"namespace": "", "time_ms": 5000 + i, "event_type": "POINT_IN_TIME", "key": k, "value": 0.7, "metadata": md}
+    base = synth()
+    extra = [{"namespace": "", "time_ms": 1000 + i, "event_type": "POINT_IN_TIME", "key": k, "value": 0.7, "metadata": md}
              for i, (k, md) in enumerate(events)]
-    lint_text(to_text(base + extra))
+    lint_text(to_text(base[:5] + extra + base[5:]))  # inside the run, before the real blocks and evaluations
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
