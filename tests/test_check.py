@@ -206,7 +206,11 @@ def test_real_log_is_clean_with_success_and_the_run_time_to_train(capsys):
     assert report.run_dir == run.resolve()
     assert report.official.verdict == "SUCCESS", report.official.messages
     assert report.findings == [] and report.score.disagreements == [] and report.clean
-    assert report.notes == []  # run_stop compared with training_info.json, eval_samples with eval/
+    # every check made (run_stop against training_info.json, eval_samples against eval/); the
+    # stored run is open division, so the note says which series rule applied
+    assert report.notes == ["eval series judged by the open-division rule (from the log's first evaluation, "
+                            "samples_count 4608); closed logs are judged from S0"]
+    assert report.mode.mode == "deferred"
     assert report.score.log_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.summarizer_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.rcp_samples == report.score.log_samples == summary["passing_step"] * GBS
@@ -324,3 +328,211 @@ def test_check_never_crashes_on_mutated_real_logs(tmp_path, ops):
 
     format_reports([report])
     json.loads(to_json([report]))
+
+
+# --- issue 19: a verdict in bounded time on any input ------------------------------------
+
+import time  # noqa: E402
+
+import importlib  # noqa: E402
+
+import mlperf_grpo.check as check_pkg  # noqa: E402
+
+lint_mod = importlib.import_module("mlperf_grpo.check.lint")  # the package's 'lint' name is the function
+
+
+def test_deeply_nested_json_is_a_finding_not_a_recursion_error(tmp_path, capsys):
+    lines = (DATA / "mlperf.log").read_text().splitlines()
+    lines.insert(3, ":::MLLOG " + "[" * 2000)
+    path = tmp_path / "nested.log"
+    path.write_text("\n".join(lines) + "\n")
+    report = check_log(path, auto_run_dir=False)
+    assert any(f.rule == "invalid-json" and f.line == 4 and "nested too deeply" in f.problem for f in report.findings)
+    assert main(["check", "--no-run-dir", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "result: NOT CLEAN" in out
+
+
+def test_non_scalar_samples_count_is_a_finding_about_its_line():
+    events = [ev for ev in synth()[:5]]
+    events += [{"namespace": "", "time_ms": 2000, "event_type": "INTERVAL_START", "key": "block_start", "value": None,
+                "metadata": {"samples_count": []}},
+               {"namespace": "", "time_ms": 2001, "event_type": "POINT_IN_TIME", "key": "eval_accuracy", "value": 0.7,
+                "metadata": {"samples_count": 1}},
+               {"namespace": "", "time_ms": 2002, "event_type": "INTERVAL_END", "key": "run_stop", "value": None,
+                "metadata": {"status": "success"}}]
+    hit, findings = rules_hit(events)  # the old lint raised TypeError: unhashable type: 'list'
+    assert any(f.rule == "metadata-type" and f.line == 6 and "samples_count []" in f.problem for f in findings)
+
+
+@pytest.mark.parametrize("bad", [[], {}, {"a": [1]}, "4608", 4608.0, -256, True])
+def test_any_wrong_typed_metadata_value_is_a_finding(bad):
+    events = synth()
+    events[find(events, "eval_accuracy", 19)]["metadata"]["samples_count"] = bad
+    hit, findings = rules_hit(events)
+    line = find(events, "eval_accuracy", 19) + 1
+    assert any(f.rule == "metadata-type" and f.line == line for f in findings), findings
+
+
+def test_a_very_long_line_is_a_finding_and_the_official_checkers_are_skipped(tmp_path, capsys):
+    lines = (DATA / "mlperf.log").read_text().splitlines()
+    lines.insert(3, ':::MLLOG {"key": "x", "value": "' + "v" * 1_000_000 + '", "time_ms": 1, "metadata": {}}')
+    path = tmp_path / "long.log"
+    path.write_text("\n".join(lines) + "\n")
+    t = time.perf_counter()
+    report = check_log(path, auto_run_dir=False)
+    assert time.perf_counter() - t < 30  # the old check did not finish in 45 s
+    assert report.official.verdict == "SKIPPED" and not report.clean
+    assert [f.line for f in report.findings if f.rule == "long-line"] == [4]
+    assert main(["check", "--no-run-dir", str(path)]) == 1
+    assert "SKIPPED" in capsys.readouterr().out
+
+
+def test_official_checkers_past_the_time_limit_give_a_timeout_verdict(tmp_path, monkeypatch, capsys):
+    """A 300 kB line under a raised length limit: the quadratic official checker is killed."""
+    monkeypatch.setattr(lint_mod, "MAX_LINE_CHARS", 10_000_000)
+    monkeypatch.setattr(check_pkg, "MAX_LINE_CHARS", 10_000_000)
+    lines = (DATA / "mlperf.log").read_text().splitlines()
+    lines.insert(3, ':::MLLOG {"key": "x", "value": "' + "v" * 300_000 + '", "time_ms": 1, "metadata": {}}')
+    path = tmp_path / "slow.log"
+    path.write_text("\n".join(lines) + "\n")
+    t = time.perf_counter()
+    report = check_log(path, auto_run_dir=False, time_limit_s=1.0)
+    assert time.perf_counter() - t < 20
+    assert report.official.verdict == "TIMEOUT" and not report.clean
+    assert "within 1 s" in report.official_summary()
+    assert report.score.summarizer_minutes is None and report.score.rcp_samples is None
+    assert main(["check", "--no-run-dir", "--time-limit-s", "1", str(path)]) == 1
+    assert "TIMEOUT" in capsys.readouterr().out
+
+
+def _nested(draw_depth):
+    return ":::MLLOG " + "[" * draw_depth
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(500, 6000), st.sampled_from(["[", '{"a":', '{"key": "x", "metadata": {"samples_count": [']))
+def test_lint_never_crashes_on_deep_nesting(depth, opener):
+    lint_text(to_text(synth()) + ":::MLLOG " + opener * depth + "\n")
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["block_start", "block_stop", "eval_start", "eval_accuracy", "eval_stop", "run_stop",
+                                           "tracked_stats", "global_batch_size"]),
+                          st.dictionaries(st.sampled_from(["samples_count", "step", "status"]),
+                                          st.recursive(st.one_of(st.none(), st.integers(-3, 9000), st.floats(), st.text(max_size=3)),
+                                                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=2),
+                                                       max_leaves=6))),
+                max_size=25))
+def test_lint_never_crashes_on_non_scalar_metadata(events):
+    base = synth()
+    extra = [{"namespace": "", "time_ms": 1000 + i, "event_type": "POINT_IN_TIME", "key": k, "value": 0.7, "metadata": md}
+             for i, (k, md) in enumerate(events)]
+    lint_text(to_text(base[:5] + extra + base[5:]))  # inside the run, before the real blocks and evaluations
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.integers(lint_mod.MAX_LINE_CHARS + 1, 400_000))
+def test_check_answers_quickly_on_long_lines(tmp_path, length):
+    path = tmp_path / "long.log"
+    path.write_text(to_text(synth()) + ':::MLLOG {"key": "x", "value": "' + "v" * length + '", "time_ms": 1, "metadata": {}}\n')
+    t = time.perf_counter()
+    report = check_log(path, auto_run_dir=False)
+    assert time.perf_counter() - t < 20 and report.official.verdict == "SKIPPED"
+
+
+# --- issue 8 part 3: check's blind spots ----------------------------------------------------
+
+
+def _open(events):
+    events[find(events, "submission_division")]["value"] = "open"
+    return events
+
+
+def _first_eval_at(events, step):
+    """Move every evaluation (and run_stop) so the series starts at ``step``."""
+    shift = step - 18
+    for x in events:
+        if x["key"] in EVAL or x["key"] == "run_stop":
+            x["metadata"]["step"] += shift
+            x["metadata"]["samples_count"] += shift * GBS
+    return events
+
+
+def test_open_logs_are_judged_by_their_own_series():
+    events = _open(_first_eval_at(synth(steps=22), 3))
+    events[-1]["time_ms"] = events[find(events, "block_stop", 5)]["time_ms"]
+    text = to_text(events)
+    _, findings, notes = lint_text(text)
+    assert findings == []  # the old lint: 'expected 4608 (step 18)' on every evaluation
+    assert any("open-division rule" in n for n in notes)
+    closed = _first_eval_at(synth(steps=22), 3)
+    closed[-1]["time_ms"] = closed[find(closed, "block_stop", 5)]["time_ms"]
+    hit, findings = rules_hit(closed)
+    assert "eval-series" in hit and "closed division" in next(f.impact for f in findings if f.rule == "eval-series")
+
+
+def test_open_logs_still_need_a_contiguous_series():
+    events = _open(_first_eval_at(synth(accs=(0.5, 0.6, 0.7)), 3))
+    del events[find(events, "eval_start", 4):find(events, "eval_start", 4) + 3]  # a gap at step 4
+    hit, findings = rules_hit(events)
+    assert any(f.rule == "eval-series" and "expected 1024 (step 4)" in f.problem and "open division" in f.impact for f in findings)
+
+
+def test_run_stop_success_must_name_the_first_passing_step():
+    events = synth()  # passes at step 20
+    events[-1]["metadata"].update(samples_count=21 * GBS, step=21)
+    events[-1]["time_ms"] = events[find(events, "block_stop", 21)]["time_ms"]
+    hit, findings = rules_hit(events)
+    assert any(f.rule == "run-stop-step" and "first passing evaluation's samples_count 5120" in f.problem for f in findings)
+
+
+def test_run_stop_success_must_be_a_trained_step():
+    events = synth(steps=19, accs=(0.5, 0.6, 0.7))  # evaluates 18-20 but trained to 19 only
+    hit, findings = rules_hit(events)
+    assert any(f.rule == "run-stop-step" and "never trained" in f.problem for f in findings), findings
+
+
+def test_run_stop_aborted_must_sit_at_the_final_trained_step():
+    events = synth(accs=(0.5, 0.6, 0.65), steps=22, status="aborted")
+    events[-1]["metadata"].update(samples_count=20 * GBS, step=20)  # final trained step is 22
+    events[-1]["time_ms"] = events[find(events, "block_stop", 20)]["time_ms"]
+    hit, findings = rules_hit(events)
+    assert any(f.rule == "run-stop-step" and "final trained step (samples_count 5632)" in f.problem for f in findings)
+    assert "run-stop-step" not in rules_hit(synth(accs=(0.5, 0.6, 0.65), steps=20, status="aborted"))[0]
+
+
+@pytest.mark.parametrize("before", ["run_start", "init_stop"])
+def test_evaluations_before_the_run_are_flagged(before):
+    events = synth()
+    events.insert(find(events, "run_start"), {"namespace": "", "time_ms": 990, "event_type": "INTERVAL_END", "key": "init_stop",
+                                              "value": None, "metadata": {}})
+    at = find(events, before)
+    triple = [copy.deepcopy(events[find(events, k, 18)]) for k in EVAL]
+    for x in triple:
+        x["metadata"].update(samples_count=17 * GBS, step=17)
+    events[at:at] = triple
+    hit, findings = rules_hit(events)
+    outside = [f for f in findings if f.rule == "eval-outside-run"]
+    assert [f.line for f in outside] == [at + 1, at + 2, at + 3] and before in outside[0].problem
+
+
+# --- issue 8 part 5: check on several logs, JSON on bad input ----------------------------------
+
+
+def test_one_unreadable_log_still_reports_the_readable_one(tmp_path, capsys):
+    good = DATA / "mlperf.log"
+    assert main(["check", "--no-run-dir", str(good), str(tmp_path / "missing.log")]) == 2
+    captured = capsys.readouterr()
+    assert f"== {good}" in captured.out and "result: CLEAN" in captured.out
+    assert captured.err.count("\n") == 1 and "missing.log: no such file" in captured.err
+
+
+def test_json_on_bad_input_is_json(tmp_path, capsys):
+    assert main(["check", "--json", "--no-run-dir", str(DATA / "mlperf.log"), str(tmp_path / "missing.log")]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] is False and data["logs"][0]["clean"] is True
+    assert data["logs"][1] == {"log": str(tmp_path / "missing.log"), "clean": False, "error": f"{tmp_path / 'missing.log'}: no such file"}
+    assert main(["check", "--json", "--run-dir", str(tmp_path / "nope"), str(DATA / "mlperf.log")]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] is False and "is not a directory" in data["error"]

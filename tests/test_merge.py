@@ -101,3 +101,61 @@ def test_merge_cli_and_check_pass_on_output(tmp_path, capsys):
 def test_missing_input_exits_2(tmp_path, capsys):
     assert main(["merge", "--train", str(tmp_path / "nope.log"), "--eval", str(tmp_path / "nope2.log"), "-o", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+# --- issue 8 part 5 ----------------------------------------------------------------------
+
+
+def _inputs(tmp_path):
+    train, triples, stop = split()
+    return write(tmp_path / "t.log", train), write(tmp_path / "e.log", [ln for x in triples for ln in x] + stop)
+
+
+def test_same_file_as_train_and_eval_is_refused(tmp_path, capsys):
+    t, _ = _inputs(tmp_path)
+    assert main(["merge", "--train", str(t), "--eval", str(t), "--output", str(tmp_path / "o.log")]) == 2
+    assert "same file" in capsys.readouterr().err
+    assert not (tmp_path / "o.log").exists()
+
+
+def test_an_unrelated_existing_output_is_not_overwritten(tmp_path, capsys):
+    t, e = _inputs(tmp_path)
+    out = tmp_path / "notes.txt"
+    out.write_text("my notes\n")
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(out)]) == 2
+    assert "exists and is not this merge's result" in capsys.readouterr().err
+    assert out.read_text() == "my notes\n"
+    out.unlink()
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(out)]) == 0
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(out)]) == 0  # idempotent
+    assert "unchanged (already merged)" in capsys.readouterr().out
+    assert merge_logs(t, e, t).changed and t.read_text() == REAL  # in place: output is the training log
+
+
+def test_missing_output_folder_is_refused_not_created(tmp_path, capsys):
+    t, e = _inputs(tmp_path)
+    out = tmp_path / "no" / "such" / "o.log"
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"folder {out.parent} does not exist; create it first" in err and err.count("\n") == 1
+    assert not (tmp_path / "no").exists()
+    assert main(["report", str(DATA / "mlperf.log"), "-o", str(out.with_suffix(".png"))]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+def test_eval_log_without_run_stop_is_refused(tmp_path, capsys):
+    train, triples, _ = split()
+    t, e = write(tmp_path / "t.log", train), write(tmp_path / "e.log", [ln for x in triples for ln in x])
+    assert main(["merge", "--train", str(t), "--eval", str(e), "--output", str(tmp_path / "o.log")]) == 2
+    assert "has no run_stop: the evaluation is unfinished" in capsys.readouterr().err
+    assert not (tmp_path / "o.log").exists()
+
+
+def test_gbs_mismatch_names_the_global_batch_size_not_a_fractional_step(tmp_path):
+    train, triples, stop = split()
+    other = [ln.replace('"samples_count": 4608, "step": 18', '"samples_count": 192, "step": 1') for ln in triples[0]]
+    e = write(tmp_path / "e.log", other + [ln for x in triples[1:] for ln in x] + stop)
+    with pytest.raises(MergeError) as err:
+        merge_logs(write(tmp_path / "t.log", train), e, tmp_path / "o.log")
+    assert "samples_count 192 is not a whole step at the training log's global batch size 256" in str(err.value)
+    assert "0.75" not in str(err.value)

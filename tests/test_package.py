@@ -76,3 +76,25 @@ def test_three_closed_runs_pass_the_official_checkers(tmp_path, capsys, monkeypa
     ours, theirs = re.search(r"score \(olympic mean time-to-train\): ([\d.]+) min; summarizer: ([\d.]+) min \(match\)", text).groups()
     assert abs(float(ours) - float(theirs)) < 1e-6
     assert len(re.findall(r"result_\d\.txt: success, samples_count \d+", text)) == 3
+
+
+def test_the_same_run_directory_twice_is_refused(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    assert main(["package", str(run), str(run), str(tmp_path / "." / "r"), "--system", "s", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "is given twice" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_implementation_folder_holds_what_reproduces_the_run(tmp_path):
+    from mlperf_grpo.package import _copy_source, project_root
+
+    root = project_root()
+    dest = tmp_path / "impl"
+    _copy_source(root, dest)
+    for name in ("pyproject.toml", "README.md", "configs/closed-gbs256.yaml", "src/mlperf_grpo/cli.py"):
+        assert (dest / name).is_file(), name
+    assets = sorted(p.relative_to(root / "src") for p in (root / "src/mlperf_grpo/assets").rglob("*") if p.is_file())
+    assert assets and all((dest / "src" / a).is_file() for a in assets)
+    assert not list(dest.rglob("__pycache__"))

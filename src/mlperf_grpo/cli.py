@@ -92,19 +92,42 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Official compliance checker plus the offline-eval lint; 0 clean, 1 findings."""
+    """Official checkers plus the offline-eval lint: 0 clean, 1 not clean, 2 a log unreadable.
+
+    Every readable log is reported even when another is unreadable; an unreadable log is
+    one ``mlperf-grpo: error:`` line on stderr (with ``--json``: an entry with ``error``).
+    """
+    import json
+
     from mlperf_grpo.check import UnreadableLog, check_log
     from mlperf_grpo.check.render import format_reports, to_json
 
+    problem = None
     if args.run_dir is not None and args.no_run_dir:
-        raise BadInput("--run-dir and --no-run-dir contradict each other; pass one")
-    if args.run_dir is not None and not args.run_dir.is_dir():
-        raise BadInput(f"--run-dir {args.run_dir} is not a directory")
-    try:
-        reports = [check_log(path, run_dir=args.run_dir, auto_run_dir=not args.no_run_dir) for path in args.logs]
-    except UnreadableLog as err:
-        raise BadInput(str(err)) from None
-    print(to_json(reports) if args.json else format_reports(reports))
+        problem = "--run-dir and --no-run-dir contradict each other; pass one"
+    elif args.run_dir is not None and not args.run_dir.is_dir():
+        problem = f"--run-dir {args.run_dir} is not a directory"
+    elif not args.time_limit_s > 0:
+        problem = f"--time-limit-s must be a positive number of seconds, got {args.time_limit_s}"
+    if problem is not None:
+        if args.json:
+            print(json.dumps({"clean": False, "error": problem, "logs": []}, indent=2))
+        raise BadInput(problem)
+    reports, errors = [], []
+    for path in args.logs:
+        try:
+            reports.append(check_log(path, run_dir=args.run_dir, auto_run_dir=not args.no_run_dir,
+                                     time_limit_s=args.time_limit_s))
+        except UnreadableLog as err:
+            errors.append((path, str(err)))
+    if args.json:
+        print(to_json(reports, errors))
+    elif reports:
+        print(format_reports(reports))
+    for _, message in errors:
+        print(f"mlperf-grpo: error: {message}", file=sys.stderr)
+    if errors:
+        return EXIT_BAD_INPUT
     return EXIT_OK if all(r.clean for r in reports) else EXIT_FAILURE
 
 
@@ -222,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
     p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
+    from mlperf_grpo.check.official import OFFICIAL_TIME_LIMIT_S
+
+    p.add_argument("--time-limit-s", type=float, default=OFFICIAL_TIME_LIMIT_S, metavar="S",
+                   help=f"limit for the official checkers on one log; past it the verdict is TIMEOUT (default {OFFICIAL_TIME_LIMIT_S:g})")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("merge", help="append an evaluator's own log to the training log")

@@ -6,11 +6,15 @@ allowed). The output is the training log, byte for byte, followed by the evaluat
 ``samples_count`` (the order the closed checker needs), then its ``run_stop``. Time stamps
 are kept as written and nothing is re-sorted by time: a backdated ``run_stop`` stays last.
 
-Refused (:class:`MergeError`, nothing written): two ``run_stop``s in the result, evaluations
-after the training log's own ``run_stop``, a gap or
-overlap in the evaluation series, two different evaluations of one checkpoint, a
-successful ``run_stop`` that does not name the first passing checkpoint, invalid JSON in
-the evaluator's log. Evaluations after the first passing one are dropped (the RCP checker
+Refused (:class:`MergeError`, nothing written): the same file given as both logs; an
+``output`` that exists and is neither the training log (merging in place) nor already the
+merged result; an ``output`` whose folder does not exist; two ``run_stop``s in the result,
+or none (an evaluation log without ``run_stop`` is unfinished); evaluations after the
+training log's own ``run_stop``; evaluations at a ``samples_count`` that is not a whole
+step at the training log's global batch size; a gap or overlap in the evaluation series
+(closed: from S0; open: from the first evaluation); two different evaluations of one
+checkpoint; a successful ``run_stop`` that does not name the first passing checkpoint;
+invalid JSON in the evaluator's log. Evaluations after the first passing one are dropped (the RCP checker
 would take the last one as the convergence point) and reported.
 
 Idempotent: merging again, or merging the output with the same evaluator log, gives the
@@ -29,7 +33,7 @@ from pathlib import Path
 from mlperf_grpo import rules
 from mlperf_grpo.check import UnreadableLog, load_log_text
 from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number
-from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, parse_log_text
+from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 
 MERGED_KEYS = (*EVAL_KEYS, "run_stop")
 _KEY_ORDER = {k: i for i, k in enumerate(MERGED_KEYS)}
@@ -67,7 +71,10 @@ def _read(path: Path, role: str) -> tuple[str, ParsedLog, list[str]]:
 
 def _canonical(lines: list[str], e: LogEvent) -> str:
     line = lines[e.line_no - 1]
-    return json.dumps(json.loads(line[line.find(PREFIX) + len(PREFIX):]), sort_keys=True)
+    try:
+        return json.dumps(loads_line(line), sort_keys=True)
+    except (ValueError, RecursionError):
+        return _mllog_part(lines, e)
 
 
 def _mllog_part(lines: list[str], e: LogEvent) -> str:
@@ -89,6 +96,9 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     """
     output = Path(output)
     result = MergeResult(output=output)
+    if Path(train_log).resolve() == Path(eval_log).resolve():
+        raise MergeError(f"--train and --eval are the same file ({train_log}); give the evaluator's own log as --eval")
+    check_output_dir(output)
     train_text, train, train_lines = _read(Path(train_log), "training")
     _, ev, ev_lines = _read(Path(eval_log), "evaluation")
     if ev.bad_lines:
@@ -124,16 +134,24 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
                              f"at samples_count {sc} (step {sc // gbs}); expected one evaluation")
         events.sort(key=lambda e: _KEY_ORDER[e.key])  # stable: start, accuracy, stop
 
+    other = [sc for sc in sorted(groups) if sc % gbs]
+    if other:
+        ev_gbs = _gbs(ev)
+        hint = f" (the evaluation log declares global_batch_size {ev_gbs})" if ev_gbs not in (None, gbs) else ""
+        raise MergeError(f"evaluation log {eval_log}: samples_count {other[0]} is not a whole step at the training log's "
+                         f"global batch size {gbs}{hint}; the logs are of different runs")
     existing = [e for e in train.find("eval_accuracy")]
     series = [e.metadata.get("samples_count") for e in existing] + sorted(groups)
     s0_samples = rules.first_eval_step(gbs) * gbs
+    if train.first_value("submission_division") == "open" and series and _is_int(series[0]):
+        s0_samples = series[0]  # open division: the first eval step is free; contiguous from there
     expected = list(range(s0_samples, s0_samples + gbs * len(series), gbs))
     if series != expected:
         wrong = next(i for i, (a, b) in enumerate(zip(series, expected)) if a != b)
         if wrong < len(existing):
             raise MergeError(f"training log {train_log}: its evaluations are not contiguous from samples_count {s0_samples}")
         raise MergeError(f"the evaluations would have a gap or an overlap: expected samples_count {expected[wrong]} "
-                         f"(step {expected[wrong] // gbs}), next available is {series[wrong]} (step {series[wrong] / gbs:g})")
+                         f"(step {expected[wrong] // gbs}), next available is {series[wrong]} (step {series[wrong] // gbs})")
 
     first_pass = next((e.metadata.get("samples_count") for e in existing if _passes(e)), None)
     kept: list[list[LogEvent]] = []
@@ -149,6 +167,9 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     if len(old_stops) + len(new_stops) > 1:
         where = [f"{train_log}:{e.line_no}" for e in old_stops] + [f"{eval_log}:{e.line_no}" for e in new_stops]
         raise MergeError(f"the result would have {len(where)} run_stops ({', '.join(where)}); a log needs exactly one")
+    if not old_stops and not new_stops:
+        raise MergeError(f"evaluation log {eval_log} has no run_stop: the evaluation is unfinished (or its run_stop was "
+                         "lost); finish it (mlperf-grpo evaluate writes run_stop) before merging")
     if old_stops and kept:
         raise MergeError(f"training log {train_log} already has a run_stop (line {old_stops[0].line_no}); the evaluations "
                          "would come after it and the RCP checker would find no convergence point")
@@ -164,13 +185,30 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     body += "".join(line + "\n" for line in new_lines)
     data = body.encode()
     try:
-        if output.read_bytes() == data:
-            result.changed = False
-            return result
-    except OSError:
-        pass
+        existing_output = output.read_bytes()
+    except FileNotFoundError:
+        existing_output = None
+    except OSError as err:
+        raise OutputWriteError(f"cannot read the existing output {output}: {err.strerror}") from None
+    if existing_output == data:
+        result.changed = False
+        return result
+    if existing_output is not None and output.resolve() != Path(train_log).resolve():
+        raise MergeError(f"output {output} exists and is not this merge's result; choose a new file (or pass the "
+                         "training log itself as --output to merge in place)")
     write_atomic(output, data)
     return result
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse an output whose folder does not exist (nothing is created silently).
+
+    Raises:
+        OutputWriteError: one line naming the missing folder.
+    """
+    directory = Path(path).parent if str(Path(path).parent) else Path(".")
+    if not directory.is_dir():
+        raise OutputWriteError(f"cannot write {path}: folder {directory} does not exist; create it first")
 
 
 class OutputWriteError(OSError):
@@ -181,13 +219,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file next to ``path``, fsync, then rename over ``path``.
 
     Raises:
-        OutputWriteError: the directory is not writable or the disk is full (the message
-            names ``path``); ``path`` is untouched.
+        OutputWriteError: the folder does not exist (it is not created), is not writable, or
+            the disk is full (the message names ``path``); ``path`` is untouched.
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    check_output_dir(path)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     except OSError as err:
         raise OutputWriteError(f"cannot write {path}: {err.strerror}") from None

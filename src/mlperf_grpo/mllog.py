@@ -136,16 +136,32 @@ class ParsedLog:
         return found[0].value if found else default
 
 
+def loads_line(line: str) -> Any:
+    """The JSON after ``:::MLLOG`` in one line.
+
+    Raises:
+        ValueError: no ``:::MLLOG`` in the line, invalid JSON, or JSON nested too deeply
+            for the parser (``RecursionError`` is turned into ``ValueError``).
+    """
+    at = line.find(PREFIX)
+    if at < 0:
+        raise ValueError("no ':::MLLOG' prefix")
+    try:
+        return json.loads(line[at + len(PREFIX):])
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+
+
 def parse_log_text(text: str) -> ParsedLog:
-    """Parse MLPerf log text; lines without ``:::MLLOG`` are ignored. Never raises."""
+    """Parse MLPerf log text; lines without ``:::MLLOG`` are ignored. Never raises
+    (invalid or too deeply nested JSON becomes a ``bad_lines`` entry)."""
     events: list[LogEvent] = []
     bad: list[tuple[int, str]] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
-        at = line.find(PREFIX)
-        if at < 0:
+        if PREFIX not in line:
             continue
         try:
-            d = json.loads(line[at + len(PREFIX):])
+            d = loads_line(line)
         except ValueError as err:
             bad.append((line_no, f"invalid JSON: {err}"))
             continue

@@ -5,7 +5,8 @@ Layout built under ``OUT`` (what ``mlperf_logging.package_checker`` walks for tr
 
     OUT/systems/<system>.json                          system description skeleton
     OUT/results/<system>/qwen35_397b_grpo/result_<i>.txt  each run's MLPerf log, verbatim
-    OUT/benchmarks/qwen35_397b_grpo/implementations/mlperf-grpo/   this package's source
+    OUT/benchmarks/qwen35_397b_grpo/implementations/mlperf-grpo/   what reproduces the run:
+        src/ (with model assets), configs/, pyproject.toml, README.md of this project
     OUT/checker_logs/                                  what each checker printed
 
 Then, each as ``python -m`` in a subprocess, judged by its text as well as its exit code:
@@ -161,10 +162,35 @@ def _system_description(system: str, org: str, division: str) -> dict[str, objec
     }
 
 
-def _copy_source(dest: Path) -> None:
-    """This package's Python source (no model assets) as the benchmark implementation."""
-    src = Path(__file__).parent
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "assets", "*.pyc"))
+IMPLEMENTATION_FILES = ("src", "configs", "pyproject.toml", "README.md")
+"""What the implementation folder holds: everything needed to install and rerun the runs."""
+
+
+def project_root() -> Path:
+    """The source tree this package runs from (the folder holding ``pyproject.toml``).
+
+    Raises:
+        PackageError: the package is not running from its source tree (a wheel install),
+            so the implementation cannot be copied; the message says how to fix it.
+    """
+    root = Path(__file__).resolve().parents[2]
+    missing = [name for name in IMPLEMENTATION_FILES if not (root / name).exists()]
+    if missing:
+        raise PackageError(f"the implementation cannot be packaged: {', '.join(missing)} not found in {root}; "
+                           "run package from a source checkout installed with 'pip install -e .'")
+    return root
+
+
+def _copy_source(root: Path, dest: Path) -> None:
+    """The implementation that reproduces the runs: ``src/`` (model assets included),
+    ``configs/``, ``pyproject.toml`` and ``README.md``."""
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in IMPLEMENTATION_FILES:
+        if (root / name).is_dir():
+            shutil.copytree(root / name, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(root / name, dest / name)
 
 
 def _run_module(args: list[str], log_file: Path, cwd: Path) -> tuple[int, str]:
@@ -260,9 +286,10 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
     """Lay out the submission for ``run_dirs`` under ``output`` and run the checkers.
 
     Raises:
-        PackageError: fewer than 3 runs, a run without a log or ``run_stop``, runs of
-            another benchmark or of mixed division/GBS, a bad system name, or an
-            ``output`` folder that exists and is not empty.
+        PackageError: fewer than 3 runs, one run directory given twice, a run without a
+            log or ``run_stop``, runs of another benchmark or of mixed division/GBS, a bad
+            system name, an ``output`` folder that exists and is not empty, or no source
+            tree to copy as the implementation (see :func:`project_root`).
     """
     need = 3
     output = output.resolve()  # the checkers run with another working directory
@@ -272,6 +299,13 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
         raise PackageError(f"--system {system!r}: use letters, digits, '.', '_' or '-'")
     if output.exists() and any(output.iterdir()):
         raise PackageError(f"output {output} exists and is not empty; choose a new folder")
+    seen: dict[Path, Path] = {}
+    for d in run_dirs:
+        if Path(d).resolve() in seen:
+            raise PackageError(f"run directory {d} is given twice (also as {seen[Path(d).resolve()]}); "
+                               f"a submission needs {need} different runs")
+        seen[Path(d).resolve()] = Path(d)
+    root = project_root()
     runs = [(Path(d), *_read_run(Path(d))) for d in run_dirs]
     for key in ("benchmark", "division", "gbs"):
         values = {info[key] for _, _, info in runs}
@@ -288,7 +322,7 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
     logs.mkdir()
     desc = _system_description(system, first["org"] or FILL_IN, first["division"])
     (output / "systems" / f"{system}.json").write_text(json.dumps(desc, indent=2) + "\n")
-    _copy_source(output / "benchmarks" / rules.BENCHMARK / "implementations" / "mlperf-grpo")
+    _copy_source(root, output / "benchmarks" / rules.BENCHMARK / "implementations" / "mlperf-grpo")
     summaries = []
     for i, (run_dir, mllog_file, info) in enumerate(runs):
         result = bench_dir / f"result_{i}.txt"

@@ -1,12 +1,16 @@
 """``mlperf-grpo report``: a timeline picture of one run, as PNG (matplotlib) or HTML.
 
 The upper panel puts the run on one wall-clock axis (seconds, minutes or hours since
-``run_start``): training steps (``block_start``..``block_stop``), checkpoint writes
-(from a step's ``block_stop`` to the next ``block_start``, for steps from the first eval
-step on: the trainer writes the checkpoint there), each checkpoint's evaluation
-(``eval_start``..``eval_stop``, after training), the backdated ``run_stop`` at the passing
-checkpoint's weight-update time and the time-to-train span. The lower panel plots
-``eval_accuracy`` per step against the target. Only the log is read.
+``run_start``): training blocks (``block_start``..``block_stop``; a block that spans many
+steps is one bar with a tick per ``tracked_stats`` step), checkpoint writes (deferred
+runs: from a step's ``block_stop`` to the next ``block_start``, for steps from the first
+eval step on), each evaluation (``eval_start``..``eval_stop``), ``run_stop`` and the
+time-to-train span. Labels follow the evaluation mode the log shows
+(:func:`mlperf_grpo.check.shape.evaluation_mode`): deferred runs are drawn with the
+backdated ``run_stop`` at the passing checkpoint's weight-update time, inline runs with
+``run_stop`` at the end of the passing evaluation; an aborted run has no score and gets
+no time-to-train arrow. The lower panel plots ``eval_accuracy`` per step against the
+target (absent when the log has no evaluation). Only the log is read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from mlperf_grpo import rules
 from mlperf_grpo.check import load_log_text
 from mlperf_grpo.check.lint import _gbs, _is_int, _is_number
+from mlperf_grpo.check.shape import DEFERRED, INLINE, EvalMode, evaluation_mode
 from mlperf_grpo.mllog import ParsedLog, parse_log_text
 
 SUFFIXES = (".png", ".html", ".htm")
@@ -54,7 +59,11 @@ class Timeline:
     global_batch_size: int | None
     first_eval_step: int | None
     target: float = rules.TARGET_ACCURACY
+    mode: EvalMode = EvalMode("unknown", "not decided")
     steps: list[tuple[int, float, float]] = field(default_factory=list)
+    """``(step, start_ms, stop_ms)`` per training block; ``step`` is the block's last step."""
+    step_ticks: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, time_ms)`` of each ``tracked_stats`` event: steps inside long blocks."""
     checkpoint_writes: list[tuple[int, float, float]] = field(default_factory=list)
     evals: list[EvalSpan] = field(default_factory=list)
 
@@ -68,6 +77,11 @@ class Timeline:
     @property
     def passing(self) -> EvalSpan | None:
         return next((e for e in self.evals if e.passed), None)
+
+    @property
+    def has_score(self) -> bool:
+        """Only a successful run has a time-to-train; an aborted run has no score."""
+        return self.status == "success" and self.time_to_train_ms is not None
 
 
 def _str(value: object, default: str = "?") -> str:
@@ -100,17 +114,21 @@ def build_timeline(log: ParsedLog) -> Timeline:
         run_stop_step=_step_of(stop.metadata, gbs) if stop is not None else None,
         global_batch_size=gbs,
         first_eval_step=rules.first_eval_step(gbs) if gbs else None,
+        mode=evaluation_mode(log),
     )
-    open_block: dict[int | None, float] = {}
+    open_block: list[tuple[int | None, float]] = []  # block_stop closes the latest open block
     eval_start: dict[object, float] = {}
     for e in log.events:
         if not _is_number(e.time_ms):
             continue
         step = _step_of(e.metadata, gbs)
         if e.key == "block_start":
-            open_block[step] = e.time_ms
-        elif e.key == "block_stop" and step in open_block:
-            tl.steps.append((step, open_block.pop(step), e.time_ms))
+            open_block.append((step, e.time_ms))
+        elif e.key == "block_stop" and open_block:
+            start_step, start_ms = open_block.pop()
+            tl.steps.append((step if step is not None else start_step, start_ms, e.time_ms))
+        elif e.key == "tracked_stats" and step is not None:
+            tl.step_ticks.append((step, e.time_ms))
         elif e.key == "eval_start":
             eval_start[repr(e.metadata.get("samples_count"))] = e.time_ms
         elif e.key == "eval_accuracy":
@@ -125,8 +143,8 @@ def build_timeline(log: ParsedLog) -> Timeline:
     block_starts = sorted(t for _, t, _ in tl.steps)
     last: list[tuple[int, float]] = []
     for step, _, stop_ms in tl.steps:
-        if tl.first_eval_step is None or step is None or step < tl.first_eval_step:
-            continue
+        if tl.mode.mode == INLINE or tl.first_eval_step is None or step is None or step < tl.first_eval_step:
+            continue  # inline runs write no deferred checkpoints
         later = [t for t in block_starts if t >= stop_ms]
         if later:
             tl.checkpoint_writes.append((step, stop_ms, later[0]))
@@ -162,8 +180,28 @@ def _fmt_duration(ms: float | None) -> str:
 
 
 def title_of(tl: Timeline) -> str:
-    """The report title: benchmark, division, status and score."""
-    return f"{tl.benchmark}  |  {tl.division} division  |  status: {tl.status}  |  time-to-train: {_fmt_duration(tl.time_to_train_ms)}"
+    """The report title: benchmark, division, status and score (none for an unsuccessful run)."""
+    score = _fmt_duration(tl.time_to_train_ms) if tl.has_score else f"none ({tl.status}: no score)"
+    return f"{tl.benchmark}  |  {tl.division} division  |  status: {tl.status}  |  time-to-train: {score}"
+
+
+MODE_TEXT = {
+    DEFERRED: ("evaluation (offline)", "timeline: evaluation runs after training and is taken off the clock"),
+    INLINE: ("evaluation (inline)", "timeline: evaluation runs inline, on the clock (training waits for it)"),
+}
+UNKNOWN_TEXT = ("evaluation", "timeline: the log does not show whether evaluation ran inline or deferred")
+
+
+def run_stop_label(tl: Timeline) -> str:
+    """What ``run_stop`` marks in this run, true to its evaluation mode and status."""
+    what = f"step {tl.run_stop_step}" if tl.run_stop_step is not None else "its checkpoint"
+    if tl.mode.mode == DEFERRED:
+        final = "final " if tl.status != "success" else ""
+        return f"run_stop ({tl.status}) = weight update of {final}{what}"
+    if tl.mode.mode == INLINE:
+        which = "the passing evaluation" if tl.status == "success" else "the last evaluation"
+        return f"run_stop ({tl.status}) = end of {which} ({what})"
+    return f"run_stop ({tl.status})"
 
 
 def render_png(tl: Timeline) -> bytes:
@@ -183,26 +221,41 @@ def render_png(tl: Timeline) -> bytes:
     def x(ms: float) -> float:
         return (ms - t0) / per
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 8.2), gridspec_kw={"height_ratios": [1.25, 1]})
+    draw_evals = [e for e in tl.evals if e.step is not None and e.accuracy is not None]
+    if draw_evals:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 8.2), gridspec_kw={"height_ratios": [1.25, 1]})
+    else:  # a killed run (no evaluation): no empty accuracy panel
+        fig, ax = plt.subplots(1, 1, figsize=(13, 4.8))
+        ax2 = None
     fig.suptitle(title_of(tl), fontsize=13, fontweight="bold")
-    lanes = {"training steps": 2.0, "checkpoint writes": 1.0, "evaluation (offline)": 0.0}
+    eval_lane, timeline_title = MODE_TEXT.get(tl.mode.mode, UNKNOWN_TEXT)
+    lanes = {"training steps": 2.0, "checkpoint writes": 1.0, eval_lane: 0.0}
     h = 0.6
+    min_width = span / per * 0.004  # the narrowest bar drawn: visible at any run length
     label_every = max(1, math.ceil(len(tl.steps) / 16))
     for i, (step, a, b) in enumerate(tl.steps):
         ax.broken_barh([(x(a), x(b) - x(a))], (lanes["training steps"] - h / 2, h), color=TRAIN_COLORS[i % 2])
-        if step is not None and (step % label_every == 0 or step == tl.first_eval_step):
+        inside = [s for s, t in tl.step_ticks if a <= t <= b]
+        if len(inside) > 1:  # one long block: a tick per tracked_stats step, labelled with its range
+            ax.vlines([x(t) for s, t in tl.step_ticks if a <= t <= b], lanes["training steps"] - h / 2, lanes["training steps"] + h / 2,
+                      color="white", linewidth=0.6)
+            ax.text(x((a + b) / 2), lanes["training steps"] + h / 2 + 0.05, f"steps {min(inside)}-{max(inside)}",
+                    ha="center", va="bottom", fontsize=7, color="#333")
+        elif step is not None and (step % label_every == 0 or step == tl.first_eval_step):
             ax.text(x((a + b) / 2), lanes["training steps"] + h / 2 + 0.05, str(step), ha="center", va="bottom", fontsize=7, color="#333")
     for step, a, b in tl.checkpoint_writes:
-        ax.broken_barh([(x(a), max(x(b) - x(a), 0))], (lanes["checkpoint writes"] - h / 2, h), color=CKPT_COLOR)
-        ax.plot([x(a)], [lanes["checkpoint writes"]], marker="|", markersize=14, color=CKPT_COLOR)
+        ax.broken_barh([(x(a), max(x(b) - x(a), min_width))], (lanes["checkpoint writes"] - h / 2, h), color=CKPT_COLOR, zorder=3)
+        ax.plot([x(a)], [lanes["checkpoint writes"]], marker="|", markersize=14, markeredgewidth=1.5, color=CKPT_COLOR, zorder=4)
     for e in tl.evals:
         a = e.start_ms if e.start_ms is not None else e.stop_ms
         color = PASS_COLOR if e.passed else FAIL_COLOR
-        ax.broken_barh([(x(a), max(x(e.stop_ms) - x(a), 0))], (lanes["evaluation (offline)"] - h / 2, h), color=color, edgecolor="white", linewidth=0.5)
+        ax.broken_barh([(x(a), max(x(e.stop_ms) - x(a), min_width))], (lanes[eval_lane] - h / 2, h), color=color, edgecolor="white", linewidth=0.5)
         if e.step is not None:
-            ax.text(x((a + e.stop_ms) / 2), lanes["evaluation (offline)"] - h / 2 - 0.08, str(e.step), ha="center", va="top", fontsize=7, color="#333")
+            ax.text(x((a + e.stop_ms) / 2), lanes[eval_lane] - h / 2 - 0.08, str(e.step), ha="center", va="top", fontsize=7, color="#333")
     if tl.first_eval_step is not None:
-        s0 = [a for step, a, _ in tl.steps if step == tl.first_eval_step]
+        # where step S0 began: the end of step S0-1 inside a long block, else the start of S0's block
+        s0 = [t for step, t in tl.step_ticks if step == tl.first_eval_step - 1] or [
+            a for step, a, _ in tl.steps if step == tl.first_eval_step]
         if s0:
             ax.axvline(x(s0[0]), color="#888", linestyle=":", linewidth=1)
             ax.text(x(s0[0]), 2.72, f" first eval step S0={tl.first_eval_step}", fontsize=8, color="#555", va="bottom")
@@ -216,27 +269,44 @@ def render_png(tl: Timeline) -> bytes:
         xs = x(tl.run_stop_ms)
         ax.axvline(xs, color=stop_color, linewidth=2)
         ax.plot([xs], [lanes["training steps"]], marker="*", markersize=16, color=stop_color, markeredgecolor="black", zorder=5)
-        what = f"step {tl.run_stop_step}" if tl.run_stop_step is not None else "its checkpoint"
-        ax.text(xs, -0.95, f" run_stop ({tl.status}) = weight update of {what}", fontsize=8, color=stop_color, fontweight="bold")
-        if passing is not None:
-            ax.annotate("", xy=(xs, lanes["training steps"] - 0.2), xytext=(x(passing.stop_ms), lanes["evaluation (offline)"] + h / 2),
+        ax.text(xs, -0.95, " " + run_stop_label(tl), fontsize=8, color=stop_color, fontweight="bold")
+        if passing is not None and tl.mode.mode == DEFERRED:
+            ax.annotate("", xy=(xs, lanes["training steps"] - 0.2), xytext=(x(passing.stop_ms), lanes[eval_lane] + h / 2),
                         arrowprops={"arrowstyle": "->", "color": stop_color, "linestyle": "--", "connectionstyle": "arc3,rad=0.25"})
-            ax.text(x(passing.stop_ms), lanes["evaluation (offline)"] + h / 2 + 0.1, " pass: backdated", fontsize=8, color=stop_color, ha="left")
+            ax.text(x(passing.stop_ms), lanes[eval_lane] + h / 2 + 0.1, " pass: backdated", fontsize=8, color=stop_color, ha="left")
         if tl.run_start_ms is not None:
             x0 = x(tl.run_start_ms)
             ax.axvspan(min(x0, xs), max(x0, xs), color=PASS_COLOR if ok else FAIL_COLOR, alpha=0.07)
-            ax.annotate("", xy=(xs, -0.7), xytext=(x0, -0.7), arrowprops={"arrowstyle": "<->", "color": "#222"})
-            ax.text((x0 + xs) / 2, -0.65, f"time-to-train {_fmt_duration(tl.time_to_train_ms)}", ha="center", va="bottom", fontsize=9)
+            if tl.has_score:
+                what = "evaluation included" if tl.mode.mode == INLINE else (
+                    "evaluation excluded" if tl.mode.mode == DEFERRED else "run_start to run_stop")
+                ax.annotate("", xy=(xs, -0.7), xytext=(x0, -0.7), arrowprops={"arrowstyle": "<->", "color": "#222"})
+                ax.text((x0 + xs) / 2, -0.65, f"time-to-train {_fmt_duration(tl.time_to_train_ms)} ({what})",
+                        ha="center", va="bottom", fontsize=9)
+            else:
+                ax.text((x0 + xs) / 2, -0.65, f"{tl.status}: no time-to-train (no evaluation passed; the run has no score)",
+                        ha="center", va="bottom", fontsize=9, color=FAIL_COLOR)
     ax.set_yticks(list(lanes.values()), list(lanes.keys()))
     ax.set_ylim(-1.05, 2.95)
     ax.set_xlabel(f"wall-clock time since run_start ({unit})")
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title("timeline: evaluation runs after training and is taken off the clock", fontsize=10, loc="left")
+    ax.set_title(timeline_title, fontsize=10, loc="left")
     ax.legend(handles=[Patch(color=TRAIN_COLORS[0], label="training step (block)"), Patch(color=CKPT_COLOR, label="checkpoint write"),
                        Patch(color=FAIL_COLOR, label="eval: below target"), Patch(color=PASS_COLOR, label="eval: passes")],
-              loc="upper left", fontsize=8, ncol=4, framealpha=0.9, bbox_to_anchor=(0.0, -0.13))
+              loc="upper left", fontsize=8, ncol=4, framealpha=0.9, bbox_to_anchor=(0.0, -0.13 if ax2 is not None else -0.2))
 
-    evals = [e for e in tl.evals if e.step is not None and e.accuracy is not None]
+    evals = draw_evals
+    if ax2 is not None:
+        _draw_accuracy(ax2, tl, evals, passing)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _draw_accuracy(ax2, tl: Timeline, evals: list[EvalSpan], passing: EvalSpan | None) -> None:
+    """The lower panel: eval_accuracy per step against the target."""
     if evals:
         ax2.plot([e.step for e in evals], [e.accuracy for e in evals], color="#555", linewidth=1, zorder=1)
         ax2.scatter([e.step for e in evals], [e.accuracy for e in evals], c=[PASS_COLOR if e.passed else FAIL_COLOR for e in evals],
@@ -245,9 +315,11 @@ def render_png(tl: Timeline) -> bytes:
     ax2.annotate(f"target {tl.target} (a pass is strictly greater)", xy=(1.0, tl.target), xycoords=ax2.get_yaxis_transform(),
                  xytext=(-4, 3), textcoords="offset points", fontsize=8, va="bottom", ha="right")
     if passing is not None and passing.step is not None and passing.accuracy is not None:
-        ax2.annotate(f"first pass: step {passing.step}, {passing.accuracy:.4f}\nsamples_count {passing.samples_count}",
-                     xy=(passing.step, passing.accuracy), xytext=(14, -52), textcoords="offset points", fontsize=8,
-                     arrowprops={"arrowstyle": "->"}, color=PASS_COLOR, fontweight="bold")
+        # above the point (a pass is above the target line), so the target line never crosses the label
+        ax2.annotate(f"first pass: step {passing.step}, {passing.accuracy:.4f}, samples_count {passing.samples_count}",
+                     xy=(passing.step, passing.accuracy), xytext=(-10, 12), textcoords="offset points", fontsize=8,
+                     ha="right", va="bottom", arrowprops={"arrowstyle": "->"}, color=PASS_COLOR, fontweight="bold",
+                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
     ckpt_steps = [s for s, _, _ in tl.checkpoint_writes]
     evaluated = {e.step for e in evals}
     not_evaluated = [s for s in ckpt_steps if s not in evaluated]
@@ -258,7 +330,7 @@ def render_png(tl: Timeline) -> bytes:
         ax2.scatter(not_evaluated, [lo - pad * 0.6] * len(not_evaluated), marker="|", color="#999", s=60,
                     label="checkpoint saved, not evaluated" + (" (after the pass)" if passing is not None else ""))
         ax2.legend(loc="upper left", fontsize=8)
-    ax2.set_ylim(lo - pad, hi + pad)
+    ax2.set_ylim(lo - pad, hi + 2 * pad)  # room above the highest point for the first-pass label
     steps_all = [e.step for e in evals] + ckpt_steps
     if steps_all:
         ax2.set_xlim(min(steps_all) - 0.7, max(steps_all) + 0.7)
@@ -267,11 +339,6 @@ def render_png(tl: Timeline) -> bytes:
     ax2.set_ylabel("eval_accuracy (pass@k)")
     ax2.grid(alpha=0.3)
     ax2.set_title("eval accuracy per checkpoint", fontsize=10, loc="left")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
 
 
 def render_html(tl: Timeline, png: bytes, log_path: Path) -> str:
@@ -285,7 +352,8 @@ def render_html(tl: Timeline, png: bytes, log_path: Path) -> str:
     )
     summary = [
         ("log", str(log_path)), ("benchmark", tl.benchmark), ("division", tl.division), ("status", tl.status),
-        ("time-to-train", _fmt_duration(tl.time_to_train_ms)), ("global batch size", str(tl.global_batch_size)),
+        ("time-to-train", _fmt_duration(tl.time_to_train_ms) if tl.has_score else f"none ({tl.status}: no score)"),
+        ("evaluation", f"{tl.mode.mode} ({tl.mode.evidence})"), ("global batch size", str(tl.global_batch_size)),
         ("first eval step", str(tl.first_eval_step)), ("run_stop step", str(tl.run_stop_step)), ("target", f"> {tl.target}"),
     ]
     summary_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary)

@@ -1,18 +1,25 @@
 """``mlperf-grpo check``: the official checkers plus the offline-evaluation lint.
 
-:func:`check_log` reads one log, runs the compliance checker (training 6.1.0), the lint
-rules of :mod:`mlperf_grpo.check.lint`, and the score computations of
-:mod:`mlperf_grpo.check.score`, and returns a :class:`CheckReport`.
+:func:`check_log` reads one log, runs the lint rules of :mod:`mlperf_grpo.check.lint`,
+the official compliance checker (training 6.1.0), RCP checker and summarizer (in a child
+process with a time limit, :func:`mlperf_grpo.check.official.run_official`), and the
+score computations of :mod:`mlperf_grpo.check.score`, and returns a :class:`CheckReport`.
+Every input gets a verdict in bounded time: the lint never raises, lines over
+:data:`~mlperf_grpo.check.lint.MAX_LINE_CHARS` are a finding and keep the official
+checkers from running (verdict ``SKIPPED``), and a checker run over the limit is killed
+(verdict ``TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.lint import LintInput, lint
-from mlperf_grpo.check.official import ComplianceResult, run_compliance
+from mlperf_grpo.check.lint import MAX_LINE_CHARS, LintInput, lint
+from mlperf_grpo.check.official import OFFICIAL_TIME_LIMIT_S, ComplianceResult, not_run, run_official
+from mlperf_grpo.check.shape import EvalMode, evaluation_mode
 from mlperf_grpo.check.score import Score, compute_score
 from mlperf_grpo.mllog import PREFIX, ParsedLog, parse_log_text
 
@@ -66,10 +73,16 @@ class CheckReport:
     findings: list[Finding]
     score: Score
     notes: list[str] = field(default_factory=list)
+    mode: EvalMode | None = None
+    """Inline or deferred evaluation, and the evidence (:func:`~mlperf_grpo.check.shape.evaluation_mode`)."""
 
     @property
     def clean(self) -> bool:
         return self.official.valid and not self.findings and not self.score.disagreements
+
+    def official_summary(self) -> str:
+        """The official verdict and its top reasons in one line a person can act on."""
+        return official_summary(self.official)
 
     def to_dict(self) -> dict:
         return {
@@ -78,14 +91,51 @@ class CheckReport:
             "clean": self.clean,
             "official": {
                 "verdict": self.official.verdict,
+                "summary": self.official_summary(),
                 "division": self.official.division,
                 "configs": self.official.configs,
                 "messages": self.official.messages,
             },
             "score": self.score.to_dict(),
+            "evaluation": {"mode": self.mode.mode, "evidence": self.mode.evidence} if self.mode else None,
             "findings": [f.to_dict() for f in self.findings],
             "notes": self.notes,
         }
+
+
+_MISSING = re.compile(r"Required \w+ occurrence of '([^']+)' but found 0")
+_FAILED_LINE = re.compile(r"CHECK for '([^']+)' failed in line (\d+).*?failed test:\s*(.+?)\s*(?:current context|$)", re.S)
+_FAILED_KEY = re.compile(r"Failed checks for (\S+)\s*:\s*(.+)")
+
+
+def official_summary(result: ComplianceResult, top: int = 3) -> str:
+    """The official verdict and its top reasons in one line a person can act on.
+
+    Missing required keys are counted and the first named; failed value checks name the
+    key, its line and the failing test; anything else contributes its first line.
+    """
+    if result.valid:
+        return "SUCCESS"
+    missing: list[str] = []
+    reasons: list[str] = []
+    for message in result.messages:
+        if found := _MISSING.search(message):
+            missing.append(found.group(1))
+        elif found := _FAILED_LINE.search(message):
+            reasons.append(f"{found.group(1)} (line {found.group(2)}) fails {' '.join(found.group(3).split())}")
+        elif found := _FAILED_KEY.search(message):
+            reasons.append(f"{found.group(1)} fails {' '.join(found.group(2).split())}")
+        elif message.strip():
+            reasons.append(message.strip().splitlines()[0][:160])
+    if missing:
+        names = ", ".join(missing[:top]) + (f", +{len(missing) - top} more" if len(missing) > top else "")
+        reasons.insert(0, f"{len(missing)} required key(s) missing ({names})")
+    reasons = list(dict.fromkeys(reasons))
+    more = f"; +{len(reasons) - top} more" if len(reasons) > top else ""
+    fix = ""
+    if missing or any(" fails " in r for r in reasons):
+        fix = " -> log the missing keys and fix the failing values (all messages below), then check again"
+    return f"{result.verdict}: " + ("; ".join(reasons[:top]) or "no message") + more + fix
 
 
 def lint_text(text: str, run_dir: Path | None = None) -> tuple[ParsedLog, list[Finding], list[str]]:
@@ -95,13 +145,16 @@ def lint_text(text: str, run_dir: Path | None = None) -> tuple[ParsedLog, list[F
     return log, lint(inp), inp.notes
 
 
-def check_log(path: Path, run_dir: Path | None = None, *, auto_run_dir: bool = True) -> CheckReport:
+def check_log(path: Path, run_dir: Path | None = None, *, auto_run_dir: bool = True,
+              time_limit_s: float = OFFICIAL_TIME_LIMIT_S) -> CheckReport:
     """Check one MLPerf log.
 
     Args:
         path: the log file.
         run_dir: the run directory (checkpoints' ``training_info.json``, ``eval/``);
             found next to the log when ``auto_run_dir`` and not given.
+        time_limit_s: limit for the official checkers together (seconds); past it they
+            are killed and the verdict is ``TIMEOUT``.
     Raises:
         UnreadableLog: see :func:`load_log_text`. Nothing else: the official checkers'
             crashes become messages.
@@ -111,6 +164,12 @@ def check_log(path: Path, run_dir: Path | None = None, *, auto_run_dir: bool = T
     if run_dir is None and auto_run_dir:
         run_dir = find_run_dir(path)
     log, findings, notes = lint_text(text, run_dir)
-    compliance = run_compliance(path)
-    score = compute_score(path, log)
-    return CheckReport(path, run_dir, compliance, findings, score, notes + score.notes)
+    long_lines = [f.line for f in findings if f.rule == "long-line"]
+    if long_lines:
+        results = not_run(f"not run: line {long_lines[0]} is longer than {MAX_LINE_CHARS} characters "
+                          "(the official checkers are quadratic in line length)")
+    else:
+        results = run_official(path, time_limit_s)
+    score = compute_score(log, results.summarizer, results.rcp)
+    return CheckReport(path, run_dir, results.compliance, findings, score, notes + score.notes,
+                       evaluation_mode(log, run_dir))

@@ -11,12 +11,16 @@
 
 The checkers log through the root ``logging`` logger and can raise on odd input; every
 function here captures the messages and turns a crash into a result, never an exception.
+They can also take unbounded time (line normalisation is quadratic in line length, in C
+code no alarm interrupts): :func:`run_official` runs all three in a child process that is
+killed after a time limit, and a timeout is a result too (verdict ``TIMEOUT``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,9 +66,16 @@ class ComplianceResult:
     messages: list[str] = field(default_factory=list)
     configs: list[str] = field(default_factory=list)
     crashed: str | None = None
+    not_run: str | None = None
+    """Why the checker was not run, or did not finish: ``TIMEOUT`` or ``SKIPPED`` verdicts."""
+    timed_out: bool = False
 
     @property
     def verdict(self) -> str:
+        if self.timed_out:
+            return "TIMEOUT"
+        if self.not_run:
+            return "SKIPPED"
         return "SUCCESS" if self.valid else ("CRASHED" if self.crashed else "FAILED")
 
     @property
@@ -161,3 +172,76 @@ def rcp_samples_to_converge(path: Path, ruleset: str = RULESET) -> RCPResult:
     if not_converged:
         return RCPResult(None, False, gbs, benchmark, "RCP checker: run incomplete or did not converge (counted as infinite)")
     return RCPResult(samples, True, gbs, benchmark)
+
+
+OFFICIAL_TIME_LIMIT_S = 60.0
+"""Default limit for the three official checkers together on one log (seconds)."""
+
+
+@dataclass
+class OfficialResults:
+    """The three official tools' results on one log."""
+
+    compliance: ComplianceResult
+    summarizer: SummarizerResult
+    rcp: RCPResult
+
+
+def _run_all(path: Path) -> OfficialResults:
+    return OfficialResults(run_compliance(path), summarizer_time_to_train(path), rcp_samples_to_converge(path))
+
+
+def _child(conn, path: str) -> None:  # runs in the forked child
+    try:
+        conn.send(_run_all(Path(path)))
+    except BaseException as err:  # noqa: BLE001  (reported to the parent as a crash)
+        conn.send(f"{type(err).__name__}: {err}")
+    finally:
+        conn.close()
+
+
+def not_run(reason: str, *, timed_out: bool = False) -> OfficialResults:
+    """Results for a log the official tools were not run on, or did not finish (``reason``, one line)."""
+    return OfficialResults(ComplianceResult(False, [reason], not_run=reason, timed_out=timed_out),
+                           SummarizerResult(None, f"no summarizer result: {reason}"),
+                           RCPResult(None, None, note=f"no RCP checker result: {reason}"))
+
+
+def _import_checkers() -> None:
+    """Import the three official tools (seconds, the first time) in this process."""
+    from mlperf_logging.compliance_checker import mlp_compliance  # noqa: F401
+    from mlperf_logging.rcp_checker import rcp_checker  # noqa: F401
+    from mlperf_logging.result_summarizer import result_summarizer  # noqa: F401
+
+
+def run_official(path: Path, time_limit_s: float = OFFICIAL_TIME_LIMIT_S) -> OfficialResults:
+    """Compliance checker, summarizer and RCP checker on ``path`` within ``time_limit_s``.
+
+    They run in a forked child process (``spawn`` where fork is unavailable); when it has
+    not answered within the limit it is killed and every result says so (compliance
+    verdict ``TIMEOUT``). A child that dies is a ``CRASHED`` compliance result. Never raises.
+    """
+    _import_checkers()  # once, here: a forked child then starts with them loaded
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(sender, str(path)), daemon=True)
+    child.start()
+    sender.close()
+    try:
+        answer = receiver.recv() if receiver.poll(time_limit_s) else None
+    except (EOFError, OSError):
+        answer = "the checkers' process died"
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receiver.close()
+    if answer is None:
+        return not_run(f"the official checkers did not finish within {time_limit_s:g} s (killed)", timed_out=True)
+    if isinstance(answer, str):
+        crashed = f"{answer} (exit code {child.exitcode})"
+        return OfficialResults(ComplianceResult(False, [f"the compliance checker crashed: {crashed}"], crashed=crashed),
+                               SummarizerResult(None, f"the summarizer crashed: {crashed}"),
+                               RCPResult(None, None, note=f"the RCP checker crashed: {crashed}"))
+    return answer

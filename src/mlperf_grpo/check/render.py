@@ -18,8 +18,11 @@ def format_report(report: CheckReport) -> str:
     out = [f"== {report.path}"]
     if report.run_dir:
         out.append(f"run directory: {report.run_dir}")
-    out.append(f"official compliance (training 6.1.0, division {o.division or '?'}): {o.verdict}")
-    out += [textwrap.indent(m, "    ") for m in o.messages]
+    out.append(f"official compliance (training 6.1.0, division {o.division or '?'}): {report.official_summary()}")
+    if o.valid or len(o.messages) > 1:  # warnings, or every message behind the summary
+        out += [textwrap.indent(m, "    ") for m in o.messages]
+    if report.mode is not None:
+        out.append(f"evaluation: {report.mode.mode} ({report.mode.evidence})")
     ref = f" (RCP reference at this GBS: {s.reference_samples})" if s.reference_samples else ""
     rows = [
         ("status", s.status or "-"),
@@ -54,6 +57,9 @@ def format_reports(reports: list[CheckReport]) -> str:
     return "\n\n".join(format_report(r) for r in reports)
 
 
-def to_json(reports: list[CheckReport]) -> str:
-    """``{"clean": bool, "logs": [report dicts]}`` as indented JSON."""
-    return json.dumps({"clean": all(r.clean for r in reports), "logs": [r.to_dict() for r in reports]}, indent=2, default=str)
+def to_json(reports: list[CheckReport], errors: list[tuple[object, str]] = ()) -> str:
+    """``{"clean": bool, "logs": [report dicts, then {"log", "error"} for unreadable logs]}``
+    as indented JSON; ``clean`` is False when any log is unreadable."""
+    logs = [r.to_dict() for r in reports] + [{"log": str(path), "clean": False, "error": message} for path, message in errors]
+    clean = all(r.clean for r in reports) and not errors
+    return json.dumps({"clean": clean, "logs": logs}, indent=2, default=str)

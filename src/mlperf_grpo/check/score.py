@@ -10,7 +10,6 @@ strictly above the target and ``run_stop`` says success; samples to converge is 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from mlperf_grpo import rules
 from mlperf_grpo.check import official
@@ -44,8 +43,9 @@ def _minutes(ms: int | None) -> float | None:
     return None if ms is None else ms / 60000
 
 
-def compute_score(path: Path, log: ParsedLog, target: float = rules.TARGET_ACCURACY) -> Score:
-    """Compute the :class:`Score` of the log at ``path`` (already parsed as ``log``). Never raises."""
+def compute_score(log: ParsedLog, summ: official.SummarizerResult, rcp: official.RCPResult,
+                  target: float = rules.TARGET_ACCURACY) -> Score:
+    """The :class:`Score` of ``log`` (parsed) next to the official tools' readings of it. Never raises."""
     stops = log.find("run_stop")
     status = stops[0].metadata.get("status") if stops else None
     passing = first_passing_eval(log, target)
@@ -55,20 +55,24 @@ def compute_score(path: Path, log: ParsedLog, target: float = rules.TARGET_ACCUR
         log_ms = time_to_train_ms(log)
     except (TypeError, ValueError, OverflowError):
         log_ms = None
-    summ = official.summarizer_time_to_train(path)
-    rcp = official.rcp_samples_to_converge(path)
     gbs = log.first_value("global_batch_size")
     reference = rules.REFERENCE_SAMPLES_TO_CONVERGE.get(gbs) if isinstance(gbs, int) else None
     score = Score(status, _minutes(log_ms), log_samples, summ.minutes, rcp.samples, reference)
     score.notes += [n for n in (summ.note, rcp.note) if n]
 
     d = score.disagreements
-    if converged and summ.minutes is None:
+    if not isinstance(log_samples, int) or isinstance(log_samples, bool):
+        score.log_samples = None
+    if converged and summ.minutes is None and summ.note and summ.note.startswith("no summarizer result"):
+        pass  # the checkers were not run or timed out: said once, in the verdict
+    elif converged and summ.minutes is None:
         d.append("the log converged but the summarizer gives it no score")
     elif summ.minutes is not None and score.log_minutes is not None and abs(summ.minutes - score.log_minutes) > 1e-9:
         d.append(f"summarizer time-to-train {summ.minutes:.4f} min != the log's {score.log_minutes:.4f} min "
                  "(first run_start to first run_stop)")
-    if converged and rcp.converged is not True:
+    if rcp.converged is None and rcp.note and rcp.note.startswith("no RCP checker result"):
+        pass
+    elif converged and rcp.converged is not True:
         d.append("the log converged but the RCP checker does not count it as converged")
     elif not converged and rcp.converged:
         d.append(f"the RCP checker counts the run as converged at {rcp.samples} samples, but the log has no "
