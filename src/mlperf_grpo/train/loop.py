@@ -24,13 +24,13 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, now_ms
 from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.tasks import SUITES
+from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
 from mlperf_grpo.train.stop import GracefulStop
