@@ -39,3 +39,44 @@ def dying_reward(completion, task):
 def bad_value_reward(completion, task):
     """Returns a value that is not a number."""
     return "many"
+
+
+class ArithmeticSubset:
+    """A task suite for ``task: {name: python}``: the arithmetic tasks, this module's reward."""
+
+    reward = "reward_fixtures:sleepy_reward"
+
+    def validation_tasks(self, num_tasks):
+        return arithmetic.validation_tasks(num_tasks)
+
+    def train_tasks(self, num_tasks, num_validation_tasks, seed):
+        return arithmetic.train_tasks(num_tasks, num_validation_tasks, seed)
+
+
+def arithmetic_subset():
+    """Entry point ``reward_fixtures:arithmetic_subset``."""
+    return ArithmeticSubset()
+
+
+def not_a_suite():
+    """An entry point that returns the wrong type."""
+    return ["validation", "train"]
+
+
+def failing_factory():
+    """An entry point that raises."""
+    raise OSError("sandbox image missing")
+
+
+def closure_reward_suite():
+    """A suite whose reward a worker cannot import."""
+    suite = ArithmeticSubset()
+    suite.reward = lambda completion, task: 1.0
+    return suite
+
+
+def short_suite():
+    """A suite whose validation_tasks returns one task too few."""
+    suite = ArithmeticSubset()
+    suite.validation_tasks = lambda n: arithmetic.validation_tasks(n - 1)
+    return suite

@@ -25,14 +25,13 @@ from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import discover_checkpoints
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
-from mlperf_grpo.evaluate import offline
 from mlperf_grpo.evaluate.offline import RefitError, evaluate_run, verify_refit
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import PREFIX, read_log
 from mlperf_grpo.rundir import RunLock
-from mlperf_grpo.tasks import arithmetic
+from mlperf_grpo.tasks import SUITES, arithmetic
 from mlperf_grpo.tasks.scoring import VerifierError
 
 pytestmark = pytest.mark.slow
@@ -362,7 +361,7 @@ def test_reward_that_raises_fails_the_checkpoint(run, monkeypatch):
     bad_task = reward_fixtures.BAD_TASK
     suite = types.SimpleNamespace(validation_tasks=arithmetic.validation_tasks, train_tasks=arithmetic.train_tasks,
                                   reward=reward_fixtures.crashing_reward)
-    monkeypatch.setitem(offline.SUITES, "arithmetic", suite)
+    monkeypatch.setitem(SUITES, "arithmetic", suite)
     before = (run / "mlperf.log").read_bytes()
     with pytest.raises(VerifierError, match=f"failed on 4 of 1004 completions \\(0 timeouts\\).*sandbox crashed on task {bad_task}"):
         evaluate_run(run, retain_checkpoints=True, show_progress=False)

@@ -67,11 +67,41 @@ class ModelConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    """The task that gives prompts and verifies answers."""
+    """The task that gives prompts and verifies answers (README, "Your own task").
 
-    name: Literal["arithmetic"] = "arithmetic"
+    ``arithmetic``: the built-in task. ``jsonl``: rows of ``train_path`` and
+    ``validation_path`` (JSON lines; fields named by ``id_field``, ``prompt_field``,
+    ``answer_field``; optional ``messages``), rewarded by the free-text final-answer rule.
+    ``python``: ``entry_point`` ``"pkg.module:factory"`` returns a task suite.
+    """
+
+    name: Literal["arithmetic", "jsonl", "python"] = "arithmetic"
     num_train_tasks: int = Field(4096, gt=0)
     """Size of the training prompt pool (logged as ``train_samples``)."""
+    train_path: str | None = Field(None, min_length=1)
+    """``jsonl``: training rows (a relative path is read from the config file's folder)."""
+    validation_path: str | None = Field(None, min_length=1)
+    """``jsonl``: exactly ``validation.num_tasks`` validation rows."""
+    id_field: str | None = Field("id", min_length=1)
+    """``jsonl``: the row field holding a task's id; null: ids are ``<file stem>-<line>``."""
+    prompt_field: str = Field("prompt", min_length=1)
+    """``jsonl``: the row field holding the prompt text (GSM8K: ``question``)."""
+    answer_field: str = Field("answer", min_length=1)
+    """``jsonl``: the row field holding the answer; its final answer (``#### n``, the last
+    ``\\boxed{}``, ...: ``tasks/verify.py``) is the gold answer."""
+    entry_point: str | None = Field(None, min_length=1)
+    """``python``: ``"package.module:factory"``; ``factory()`` returns a task suite."""
+
+    @model_validator(mode="after")
+    def _fields_of_the_kind(self) -> "TaskConfig":
+        needed = {"arithmetic": (), "jsonl": ("train_path", "validation_path"), "python": ("entry_point",)}[self.name]
+        for key in needed:
+            if getattr(self, key) is None:
+                raise ValueError(f"task.name {self.name} needs task.{key}")
+        for key in {"train_path", "validation_path", "entry_point"} - set(needed):
+            if getattr(self, key) is not None:
+                raise ValueError(f"task.{key} is not used by task.name {self.name}; remove it")
+        return self
 
 
 class GRPOConfig(_Strict):
@@ -283,7 +313,20 @@ def load_config(path: str | Path | None) -> RunConfig:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}; fix the syntax") from None
-    return parse_config(data, source=str(path))
+    config = parse_config(data, source=str(path))
+    return _paths_from(config, path.parent)
+
+
+def _paths_from(config: RunConfig, folder: Path) -> RunConfig:
+    """``config`` with relative task data paths made absolute against ``folder``."""
+    updates = {}
+    for key in ("train_path", "validation_path"):
+        value = getattr(config.task, key)
+        if value is not None and not Path(value).is_absolute():
+            updates[key] = str((folder / value).resolve())
+    if not updates:
+        return config
+    return config.model_copy(update={"task": config.task.model_copy(update=updates)})
 
 
 def dump_config(config: RunConfig) -> str:
