@@ -12,7 +12,8 @@ from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
-from mlperf_grpo.tasks import load_suite
+from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.tasks.verify import final_answer
 
 DATA = Path(__file__).parent / "data" / "gsm8k_like"
@@ -167,3 +168,17 @@ def test_bad_entry_points_exit_2_with_one_line(tmp_path, capsys, entry_point, ne
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_python_task_example_works(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = readme.split("# pkg/mod.py\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "readme_task_pkg").mkdir()
+    (tmp_path / "readme_task_pkg" / "__init__.py").write_text("")
+    (tmp_path / "readme_task_pkg" / "mod.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None).model_copy()
+    config.task = config.task.model_copy(update={"name": "python", "entry_point": "readme_task_pkg.mod:factory"})
+    suite = load_suite(config)
+    tasks = validation_tasks(suite, 6)
+    assert score(suite.reward, [(t.answer, t) for t in tasks] + [("99=" + t.answer, t) for t in tasks]) == [1.0] * 6 + [0.0] * 6

@@ -127,8 +127,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(fd: int, parent_pid: int) -> None:
-    """Worker loop: receive ``(index, ref, text, task)``, reply ``("loaded", index)`` after a
-    first import of ``ref``, then ``("done", index, reward)`` or ``("error", index, text)``."""
+    """Worker loop: receive ``(index, ref, text, task, sys_path or None)``, reply
+    ``("loaded", index)`` after a first import of ``ref`` (with the caller's ``sys.path``),
+    then ``("done", index, reward)`` or ``("error", index, text)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent(parent_pid)
     conn = Connection(fd)
@@ -139,8 +140,10 @@ def _worker_main(fd: int, parent_pid: int) -> None:
             message = conn.recv()
         except (EOFError, OSError):
             return
-        index, ref, text, task = message
+        index, ref, text, task, path = message
         try:
+            if path is not None:
+                sys.path[:0] = [p for p in path if p not in sys.path]
             if ref not in functions:
                 functions[ref] = resolve_reward(ref)
                 conn.send(("loaded", index))
@@ -231,8 +234,9 @@ class RewardPool:
                     if pending and worker.ready and worker.call is None:
                         i = pending.popleft()
                         text, task = items[i]
+                        path = None if ref in worker.loaded else sys.path  # imports see the caller's path
                         try:
-                            worker.conn.send((i, ref, text, task))
+                            worker.conn.send((i, ref, text, task, path))
                         except OSError:  # it died while idle (e.g. with the thread that started it)
                             pending.appendleft(i)
                             self._replace(worker)
