@@ -4,6 +4,7 @@ The reward functions live in ``reward_fixtures`` (a worker imports them by name)
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,10 @@ def test_reward_errors_and_dead_workers_are_verifier_errors():
     with pytest.raises(VerifierError, match=f"failed on 1 of 8 .*first: reward worker died \\(exit code 7\\) on task {tasks[3].task_id}"):
         score(reward_fixtures.dying_reward, items)
     assert score(reward_fixtures.dying_reward, [(t.answer, t) for t in tasks]) == [1.0] * 8  # the pool recovered
+    # A reward that kills every worker stops after as many deaths as workers (no respawn per item).
+    with pytest.raises(VerifierError, match=r"failed on 40 of 40 completions \(0 timeouts, (\d+) not scored: every worker was stuck\)") as info:
+        score(reward_fixtures.dying_reward, [("die", t) for t in tasks * 5])
+    assert int(re.search(r"(\d+) not scored", str(info.value)).group(1)) >= 30
 
 
 def test_reward_timeout_uses_the_module_setting_and_counts_as_timeout(monkeypatch):

@@ -20,9 +20,9 @@ reward calls in a persistent pool of :data:`REWARD_WORKERS` worker processes and
   reward's module in a fresh worker has its own bound (:data:`LOAD_TIMEOUT_S`).
 - **Errors** (:class:`VerifierError`): any call that raised, timed out or whose worker
   died fails the whole ``score`` call; nothing is counted as a wrong answer. When as many
-  calls have timed out as there are workers, the verifier is taken to hang: calls not yet
-  started are not scored and the error comes at once (seconds, not ``len(items) x
-  timeout``).
+  calls have timed out (or lost their worker) as there are workers, the verifier is taken
+  to hang: calls not yet started are not scored and the error comes at once (seconds, not
+  ``len(items) x timeout``).
 """
 
 from __future__ import annotations
@@ -194,6 +194,7 @@ class RewardPool:
         self.num_workers = num_workers
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
+        self._lost = 0
 
     def close(self) -> None:
         """Stop every worker (their connections close; each is killed and reaped)."""
@@ -223,13 +224,14 @@ class RewardPool:
     def _run(self, ref: str, items: list[tuple[str, Task]], timeout_s: float):
         while len(self._workers) < self.num_workers:
             self._workers.append(_start_worker())
+        self._lost = 0  # workers killed on a timeout or dead in a call, this call
         pending = deque(range(len(items)))
         rewards: dict[int, float] = {}
         errors: dict[int, str] = {}
         timed_out: list[int] = []
         while True:
             now = time.monotonic()
-            if len(timed_out) < self.num_workers:
+            if self._lost < self.num_workers:  # a verifier that hangs or kills every worker: stop
                 for worker in self._workers:
                     if pending and worker.ready and worker.call is None:
                         i = pending.popleft()
@@ -244,7 +246,7 @@ class RewardPool:
                         worker.call = i
                         worker.deadline = now + (timeout_s if ref in worker.loaded else LOAD_TIMEOUT_S)
             busy = [w for w in self._workers if w.call is not None]
-            if not busy and (not pending or len(timed_out) >= self.num_workers):
+            if not busy and (not pending or self._lost >= self.num_workers):
                 break
             waiting = [w for w in self._workers if w.call is not None or not w.ready]
             next_deadline = min(w.deadline if w.call is not None else w.started + LOAD_TIMEOUT_S for w in waiting)
@@ -279,6 +281,7 @@ class RewardPool:
                     else:
                         errors[worker.call] = (f"reward function {ref} did not load within {LOAD_TIMEOUT_S:g} s "
                                                f"on task {items[worker.call][1].task_id}")
+                    self._lost += 1
                     self._replace(worker)
                 elif overdue and not worker.ready:
                     raise VerifierError(f"reward worker did not start within {LOAD_TIMEOUT_S:g} s")
@@ -288,6 +291,7 @@ class RewardPool:
         code = worker.process.wait()
         if worker.call is not None:
             errors[worker.call] = f"reward worker died (exit code {code}) on task {items[worker.call][1].task_id}"
+            self._lost += 1
         self._replace(worker)
         if worker.call is None and not worker.ready:
             raise VerifierError(f"reward worker exited with code {code} before it was ready")
