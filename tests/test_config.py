@@ -42,3 +42,48 @@ def test_malformed_yaml(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_every_bad_field_is_named_one_line_each():
+    data = {"grpo": {"max_steps": 0, "num_prompts_per_step": -1, "micro_batch_size": "x"},
+            "validation": {"top_p": 2, "target_accuracy": 0.64}, "bogus": 1}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, source="x.yaml")
+    head, *lines = str(err.value).splitlines()
+    assert head == "x.yaml: 6 config errors (the run does not start):"
+    assert sorted(line.split(":")[0].strip() for line in lines) == sorted([
+        "field 'grpo.max_steps'", "field 'grpo.num_prompts_per_step'", "field 'grpo.micro_batch_size'",
+        "field 'validation.top_p'", "field 'validation.target_accuracy'", "unknown key 'bogus'; remove it or check its spelling"])
+
+
+def test_a_rule_across_fields_reads_without_a_made_up_field_name():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"grpo": {"max_steps": 3}}, source="x.yaml")
+    assert str(err.value) == ("x.yaml: grpo.max_steps=3 is below the first eval step 18: no checkpoint would be "
+                              "written or evaluated; raise max_steps")  # it read "field '(top level)': ... (got {...})"
+    with pytest.raises(ConfigError) as err:
+        parse_config({"grpo": {"micro_batch_size": 100}}, source="x.yaml")
+    assert str(err.value).startswith("x.yaml: grpo.micro_batch_size=100 must divide") and "got" not in str(err.value)
+
+
+@pytest.mark.parametrize("division", ["open", "closed"])
+@pytest.mark.parametrize("target", [0.64, 0.7, 0.0])
+def test_only_the_benchmark_target_is_accepted(division, target):
+    """An open run with target 0.64 printed `status: success` where the official checker says FAILED."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"division": division, "validation": {"target_accuracy": target}}, source="x.yaml")
+    assert str(err.value) == (
+        "x.yaml: field 'validation.target_accuracy': the quality target is eval_accuracy > 0.69 in every division "
+        "(the official checkers judge every run by it); omit the key or write 0.69")
+    assert parse_config({"validation": {"target_accuracy": 0.69}}).validation.target_accuracy == 0.69
+
+
+def test_run_with_another_target_exits_2_with_one_line(tmp_path, capsys):
+    from mlperf_grpo.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("validation: {target_accuracy: 0.64}\n")
+    assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "eval_accuracy > 0.69 in every division" in err
+    assert not (tmp_path / "run").exists()

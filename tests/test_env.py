@@ -9,7 +9,7 @@ from mlperf_grpo.mllog import read_log
 SMALL_OPEN = {
     "division": "open",
     "grpo": {"num_prompts_per_step": 4, "max_steps": 2, "first_eval_step": 1},
-    "validation": {"num_tasks": 20, "target_accuracy": 0.99},
+    "validation": {"num_tasks": 10},  # 5 of these 10 pass at step 18: below the target
 }
 
 

@@ -8,7 +8,6 @@ real ``SIGKILL``s of ``python -m mlperf_grpo.cli evaluate`` subprocesses.
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -16,23 +15,24 @@ import subprocess
 import sys
 import time
 import types
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import pytest
 import yaml
 
+import reward_fixtures
+
+from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import discover_checkpoints
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
-from mlperf_grpo.evaluate import offline, validator
 from mlperf_grpo.evaluate.offline import RefitError, evaluate_run, verify_refit
-from mlperf_grpo.evaluate.validator import VerifierError, score, validate
+from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import PREFIX, read_log
 from mlperf_grpo.rundir import RunLock
-from mlperf_grpo.tasks import arithmetic
-from mlperf_grpo.tasks.verify import verify_answer
+from mlperf_grpo.tasks import SUITES, arithmetic
+from mlperf_grpo.tasks.scoring import VerifierError
 
 pytestmark = pytest.mark.slow
 
@@ -358,76 +358,15 @@ def test_wrong_canary_in_training_info_stops_evaluation(run, capsys):
 # --------------------------------------------------------------------------- 5. verifier errors are not wrong answers
 
 def test_reward_that_raises_fails_the_checkpoint(run, monkeypatch):
-    bad_task = arithmetic.validation_tasks(251)[7].task_id
-
-    def reward(completion, task):
-        if task.task_id == bad_task:
-            raise RuntimeError("sandbox crashed")
-        return arithmetic.reward(completion, task)
-
-    suite = types.SimpleNamespace(validation_tasks=arithmetic.validation_tasks, train_tasks=arithmetic.train_tasks, reward=reward)
-    monkeypatch.setitem(offline.SUITES, "arithmetic", suite)
+    bad_task = reward_fixtures.BAD_TASK
+    suite = types.SimpleNamespace(validation_tasks=arithmetic.validation_tasks, train_tasks=arithmetic.train_tasks,
+                                  reward=reward_fixtures.crashing_reward)
+    monkeypatch.setitem(SUITES, "arithmetic", suite)
     before = (run / "mlperf.log").read_bytes()
     with pytest.raises(VerifierError, match=f"failed on 4 of 1004 completions \\(0 timeouts\\).*sandbox crashed on task {bad_task}"):
         evaluate_run(run, retain_checkpoints=True, show_progress=False)
     assert (run / "mlperf.log").read_bytes() == before
     assert not (run / "eval" / "step_18.jsonl").exists()
-
-
-def test_reward_timeout_uses_the_module_setting_and_counts_as_timeout(monkeypatch):
-    monkeypatch.setattr(validator, "REWARD_TIMEOUT_S", 0.2)
-    tasks = arithmetic.validation_tasks(6)
-    slow = tasks[2].task_id
-
-    def reward(completion, task):
-        if task.task_id == slow:
-            time.sleep(1.5)
-        return arithmetic.reward(completion, task)
-
-    t0 = time.monotonic()
-    with pytest.raises(VerifierError, match=f"failed on 1 of 6 completions \\(1 timeouts\\); first: timed out after 0.2 s on task {slow}"):
-        score(reward, [(t.answer, t) for t in tasks])
-    assert time.monotonic() - t0 < 1.4
-
-
-HUNG_VERIFIER = """
-import sys, time
-from mlperf_grpo.evaluate.validator import VerifierError, score
-from mlperf_grpo.tasks import arithmetic
-tasks = arithmetic.validation_tasks(10)
-def reward(completion, task):
-    if task.task_id == tasks[0].task_id:
-        time.sleep(3600)  # a verifier that never returns
-    return arithmetic.reward(completion, task)
-t0 = time.monotonic()
-try:
-    score(reward, [(t.answer, t) for t in tasks for _ in range(4)], timeout_s=0.3)
-except VerifierError as err:
-    print(err)
-    print(f"seconds: {time.monotonic() - t0:.2f}")
-"""
-
-
-def test_hung_verifier_fails_in_seconds_and_lets_the_process_exit():
-    """All 4 workers stuck on one task's generations: the rest are not scored, the error
-    comes after ~timeout_s (not 40 x timeout_s), and the process exits despite the
-    threads still sleeping."""
-    proc = subprocess.run([sys.executable, "-c", HUNG_VERIFIER], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "failed on 40 of 40 completions (4 timeouts, 36 not scored: every worker was stuck)" in proc.stdout
-    assert float(proc.stdout.split("seconds: ")[1]) < 3.0
-
-
-VERIFY_CASES = [("154", "154", True), ("the answer is 48", "48", True), ("144", "154", False),
-                ("", "5", False), ("\\frac{1}{2}", "0.5", True), ("12 then 13", "13", True)]
-
-
-def test_verify_answer_from_threads_and_spawned_processes():
-    completions, golds, want = zip(*VERIFY_CASES)
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        assert list(pool.map(verify_answer, completions * 4, golds * 4)) == list(want) * 4
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        assert list(pool.map(verify_answer, completions, golds)) == list(want)
 
 
 # --------------------------------------------------------------------------- 6. deterministic
@@ -449,9 +388,10 @@ def test_reevaluation_in_a_fresh_engine_is_identical(engine_results, finished):
 
 # --------------------------------------------------------------------------- 7. strict target
 
-def test_accuracy_equal_to_the_target_is_not_a_pass(run, finished):
+def test_accuracy_equal_to_the_target_is_not_a_pass(run, finished, monkeypatch):
     step18 = read_log(finished / "mlperf.log").find("eval_accuracy")[0].value
     assert step18 == 170 / 251
+    monkeypatch.setattr(rules, "TARGET_ACCURACY", step18)  # configs accept only the rules' target
     config = yaml.safe_load((run / "config.yaml").read_text())
     config["validation"]["target_accuracy"] = step18
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -49,3 +49,37 @@ def test_token_logprobs_uses_temperature():
     logits = torch.tensor([[[2.0, 0.0]]])
     got = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
     assert got.item() == pytest.approx(math.log(math.e / (math.e + 1)), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- flat groups (issue 8, part 4)
+
+@pytest.mark.parametrize("value", [0.35, 1000.1, -7.3, 1e-9, 0.1 + 0.2])
+@pytest.mark.parametrize("generations", [2, 3, 16])
+def test_equal_rewards_give_exactly_zero_advantage(value, generations):
+    """Old code: 16 x 0.35 gave +0.029 to every member and 16 x 1000.1 gave -0.953."""
+    adv = group_advantages(torch.full((2, generations), value))
+    assert adv.tolist() == [[0.0] * generations] * 2
+    adv64 = group_advantages(torch.full((1, generations), value, dtype=torch.float64))
+    assert adv64.tolist() == [[0.0] * generations]
+
+
+def test_rounding_noise_spread_is_flat():
+    # 15 x 1000.1 and one 1000.1 + 1e-10 (float64): relative spread 1e-13, rounding noise.
+    rewards = torch.tensor([[1000.1] * 15 + [1000.1 + 1e-10]], dtype=torch.float64)
+    assert group_advantages(rewards).tolist() == [[0.0] * 16]
+    # 0.1 + 0.2 and 0.3 differ in the last bit only.
+    assert group_advantages(torch.tensor([[0.1 + 0.2, 0.3, 0.3, 0.3]], dtype=torch.float64)).tolist() == [[0.0] * 4]
+
+
+def test_graded_rewards_by_hand():
+    # [0.35, 0.35, 0.85, 0.85]: mean 0.6, deviations +-0.25, unbiased std sqrt(4 * 0.0625 / 3) = sqrt(1/12).
+    # [1000, 1000, 1001, 1001] (float32): mean 1000.5, deviations +-0.5, std sqrt(1/3).
+    # [0, 0, 0, 1e-3]: mean 2.5e-4, std sqrt((3 * 2.5e-4^2 + 7.5e-4^2) / 3) = 5e-4 (a real spread).
+    rewards = torch.tensor([[0.35, 0.35, 0.85, 0.85], [1000.0, 1000.0, 1001.0, 1001.0], [0.0, 0.0, 0.0, 1e-3]])
+    adv = group_advantages(rewards)
+    a, b = 0.25 / (math.sqrt(1 / 12) + 1e-6), 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    c = 2.5e-4 / (5e-4 + 1e-6)
+    assert adv[0].tolist() == pytest.approx([-a, -a, a, a], rel=1e-6)
+    assert adv[1].tolist() == pytest.approx([-b, -b, b, b], rel=1e-6)
+    assert adv[2].tolist() == pytest.approx([-c, -c, -c, 3 * c], rel=1e-5)
+    assert adv.dtype == torch.float32

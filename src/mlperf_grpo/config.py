@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mlperf_grpo import rules
 
@@ -26,7 +26,7 @@ DEFAULT_LEARNING_RATE = 4e-6
 
 
 class ConfigError(ValueError):
-    """A config file or value is wrong; the message is one line naming field and fix."""
+    """A config file or value is wrong; the message names field and fix, one line per field."""
 
 
 class ClosedDivisionError(ConfigError):
@@ -67,11 +67,41 @@ class ModelConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    """The task that gives prompts and verifies answers."""
+    """The task that gives prompts and verifies answers (README, "Your own task").
 
-    name: Literal["arithmetic"] = "arithmetic"
+    ``arithmetic``: the built-in task. ``jsonl``: rows of ``train_path`` and
+    ``validation_path`` (JSON lines; fields named by ``id_field``, ``prompt_field``,
+    ``answer_field``; optional ``messages``), rewarded by the free-text final-answer rule.
+    ``python``: ``entry_point`` ``"pkg.module:factory"`` returns a task suite.
+    """
+
+    name: Literal["arithmetic", "jsonl", "python"] = "arithmetic"
     num_train_tasks: int = Field(4096, gt=0)
     """Size of the training prompt pool (logged as ``train_samples``)."""
+    train_path: str | None = Field(None, min_length=1)
+    """``jsonl``: training rows (a relative path is read from the config file's folder)."""
+    validation_path: str | None = Field(None, min_length=1)
+    """``jsonl``: exactly ``validation.num_tasks`` validation rows."""
+    id_field: str | None = Field("id", min_length=1)
+    """``jsonl``: the row field holding a task's id; null: ids are ``<file stem>-<line>``."""
+    prompt_field: str = Field("prompt", min_length=1)
+    """``jsonl``: the row field holding the prompt text (GSM8K: ``question``)."""
+    answer_field: str = Field("answer", min_length=1)
+    """``jsonl``: the row field holding the answer; its final answer (``#### n``, the last
+    ``\\boxed{}``, ...: ``tasks/verify.py``) is the gold answer."""
+    entry_point: str | None = Field(None, min_length=1)
+    """``python``: ``"package.module:factory"``; ``factory()`` returns a task suite."""
+
+    @model_validator(mode="after")
+    def _fields_of_the_kind(self) -> "TaskConfig":
+        needed = {"arithmetic": (), "jsonl": ("train_path", "validation_path"), "python": ("entry_point",)}[self.name]
+        for key in needed:
+            if getattr(self, key) is None:
+                raise ValueError(f"task.name {self.name} needs task.{key}")
+        for key in {"train_path", "validation_path", "entry_point"} - set(needed):
+            if getattr(self, key) is not None:
+                raise ValueError(f"task.{key} is not used by task.name {self.name}; remove it")
+        return self
 
 
 class GRPOConfig(_Strict):
@@ -126,9 +156,22 @@ class ValidationConfig(_Strict):
     generations_per_task: int = Field(rules.EVAL_GENERATIONS_PER_TASK, gt=0)
     temperature: float = Field(rules.VALIDATION_TEMPERATURE, gt=0)
     top_p: float = Field(rules.VALIDATION_TOP_P, gt=0, le=1)
-    target_accuracy: float = Field(rules.TARGET_ACCURACY, ge=0, le=1)
+    target_accuracy: float = rules.TARGET_ACCURACY
+    """The quality target, ``eval_accuracy > 0.69`` in every division (the official checkers
+    judge every run by it); any other value is refused, so no run can report a success that
+    the checkers call a failure."""
     batch_size: int = Field(256, gt=0)
     """Completions generated per engine call."""
+
+    @field_validator("target_accuracy")
+    @classmethod
+    def _target_is_the_benchmark_target(cls, value: float) -> float:
+        if value != rules.TARGET_ACCURACY:
+            raise ValueError(
+                f"the quality target is eval_accuracy > {rules.TARGET_ACCURACY} in every division (the official "
+                f"checkers judge every run by it); omit the key or write {rules.TARGET_ACCURACY}"
+            )
+        return value
 
 
 class RunConfig(_Strict):
@@ -200,16 +243,28 @@ class RunConfig(_Strict):
         return rules.closed_violations(self)
 
 
-def _format_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    kind = first["type"]
+def _format_errors(err: ValidationError, source: str) -> str:
+    """One line per invalid field; several lines under a heading when there are several."""
+    lines = [_describe(e) for e in err.errors()]
+    if len(lines) == 1:
+        return f"{source}: {lines[0]}"
+    body = "".join(f"\n  {line}" for line in lines)
+    return f"{source}: {len(lines)} config errors (the run does not start):{body}"
+
+
+def _describe(error: dict) -> str:
+    field = ".".join(str(p) for p in error["loc"])
+    kind = error["type"]
     if kind == "extra_forbidden":
-        return f"{source}: unknown key '{field}'; remove it or check its spelling"
+        return f"unknown key '{field}'; remove it or check its spelling"
     if kind == "missing":
-        return f"{source}: missing field '{field}'"
-    msg = first["msg"].removeprefix("Value error, ")
-    return f"{source}: field '{field}': {msg} (got {first.get('input')!r})"
+        return f"missing field '{field}'"
+    msg = error["msg"].removeprefix("Value error, ")
+    if isinstance(error.get("input"), dict) and kind == "value_error":
+        return msg  # a rule across fields: the message names them
+    if kind == "value_error":
+        return f"field '{field}': {msg}"
+    return f"field '{field}': {msg} (got {error.get('input')!r})"
 
 
 def parse_config(data: object, source: str = "config") -> RunConfig:
@@ -218,7 +273,8 @@ def parse_config(data: object, source: str = "config") -> RunConfig:
     A ``division: closed`` config is also checked against the closed rules.
 
     Raises:
-        ConfigError: one line naming the first wrong field.
+        ConfigError: one line naming the wrong field; with several wrong fields, a heading
+            and one line per field.
         ClosedDivisionError: closed config with departing values, one line per value.
     """
     if data is None:
@@ -228,7 +284,7 @@ def parse_config(data: object, source: str = "config") -> RunConfig:
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source)) from None
+        raise ConfigError(_format_errors(err, source)) from None
     if config.division == "closed":
         violations = config.closed_violations()
         if violations:
@@ -257,7 +313,20 @@ def load_config(path: str | Path | None) -> RunConfig:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}; fix the syntax") from None
-    return parse_config(data, source=str(path))
+    config = parse_config(data, source=str(path))
+    return _paths_from(config, path.parent)
+
+
+def _paths_from(config: RunConfig, folder: Path) -> RunConfig:
+    """``config`` with relative task data paths made absolute against ``folder``."""
+    updates = {}
+    for key in ("train_path", "validation_path"):
+        value = getattr(config.task, key)
+        if value is not None and not Path(value).is_absolute():
+            updates[key] = str((folder / value).resolve())
+    if not updates:
+        return config
+    return config.model_copy(update={"task": config.task.model_copy(update=updates)})
 
 
 def dump_config(config: RunConfig) -> str:

@@ -161,16 +161,24 @@ class Violation:
     """One value that departs from the closed-division rules.
 
     ``field`` is the config key path, ``given`` the value in the config, ``required`` the
-    closed value, ``formula`` where the required value comes from.
+    closed value, ``formula`` where the required value comes from; ``must_omit``: a
+    derived value that a closed config must leave out (or write null), even when equal.
     """
 
     field: str
     given: object
     required: object
     formula: str
+    must_omit: bool = False
+    """A derived value typed in a closed config: wrong even when equal to ``required``."""
 
     def __str__(self) -> str:
-        return f"{self.field}: given {self.given!r}, required {self.required!r} ({self.formula})"
+        if not self.must_omit:
+            return f"{self.field}: given {self.given!r}, required {self.required!r} ({self.formula})"
+        if abs(self.given - self.required) <= DERIVED_TOLERANCE:
+            return (f"{self.field}: omit the key or write null; a closed config never types a derived value, "
+                    f"even an equal one (given {self.given!r}; {self.formula})")
+        return f"{self.field}: given {self.given!r}, required {self.required!r} ({self.formula}; omit the key or write null)"
 
 
 def _fixed_rules(config) -> list[tuple[str, object, object, str]]:
@@ -189,7 +197,6 @@ def _fixed_rules(config) -> list[tuple[str, object, object, str]]:
         ("validation.generations_per_task", v.generations_per_task, EVAL_GENERATIONS_PER_TASK, "fixed: pass@4"),
         ("validation.temperature", v.temperature, VALIDATION_TEMPERATURE, "fixed: validation rollouts"),
         ("validation.top_p", v.top_p, VALIDATION_TOP_P, "fixed: validation rollouts"),
-        ("validation.target_accuracy", v.target_accuracy, TARGET_ACCURACY, "fixed: eval_accuracy > 0.69"),
     ]
 
 
@@ -225,7 +232,7 @@ def closed_violations(config) -> list[Violation]:
         if typed is None:
             continue
         if closed:
-            found.append(Violation(field, typed, derived, f"derived: {formula} at GBS {gbs}; omit the key or write null"))
+            found.append(Violation(field, typed, derived, f"derived: {formula} at GBS {gbs}", must_omit=True))
         elif abs(typed - derived) > DERIVED_TOLERANCE:
             found.append(Violation(field, typed, derived, f"derived: {formula} at GBS {gbs}"))
     s0 = config.first_eval_step

@@ -36,7 +36,7 @@ from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.tasks import SUITES
+from mlperf_grpo.tasks import load_suite, validation_tasks
 
 DEFERRED_ENV = "DEFERRED_OFFLINE_EVAL"
 """Environment variable of the reference launcher: ``1`` deferred (default), ``0`` inline."""
@@ -67,9 +67,9 @@ class InlineEvaluator:
         self.config = config
         self.run = run
         self.writer = MLLogWriter(mllog_file)
-        self.suite = SUITES[config.task.name]
+        self.suite = load_suite(config)
         v = config.validation
-        self.tasks = self.suite.validation_tasks(v.num_tasks)
+        self.tasks = validation_tasks(self.suite, v.num_tasks)
         self.params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
         self.engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size, device=config.model.device)
         self.last_step: int | None = None

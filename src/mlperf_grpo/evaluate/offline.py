@@ -33,7 +33,7 @@ from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
 from mlperf_grpo.rundir import RunDir, RunLock
-from mlperf_grpo.tasks import SUITES
+from mlperf_grpo.tasks import load_suite, validation_tasks
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
 """Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
@@ -251,8 +251,8 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
         raise EvaluationError(f"the log's evaluations {[s for s, _ in done]} are not a prefix of the checkpoint series")
 
     writer = MLLogWriter(mllog_file)
-    suite = SUITES[config.task.name]
-    tasks = suite.validation_tasks(config.validation.num_tasks)
+    suite = load_suite(config)
+    tasks = validation_tasks(suite, config.validation.num_tasks)
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     gbs = config.global_batch_size

@@ -1,6 +1,9 @@
-"""Two-digit addition: the built-in task, with answers checked by ``math-verify``.
+"""Two-digit addition: the built-in task.
 
 A task is ``"a+b="`` with ``10 <= a, b <= 99``; the answer is the decimal sum. The
+final answer of a completion is the number the model wrote and nothing else: the whole
+completion (spaces around it aside) must be a decimal integer, compared exactly with the
+sum (:func:`final_answer`). ``99=46`` or ``12+34`` for ``12+34=`` earn nothing. The
 validation set is a fixed list of distinct problems drawn with a fixed seed; the
 training pool is drawn from the remaining problems, so the two never overlap.
 """
@@ -8,9 +11,9 @@ training pool is drawn from the remaining problems, so the two never overlap.
 from __future__ import annotations
 
 import random
+import re
 
 from mlperf_grpo.tasks.base import Task
-from mlperf_grpo.tasks.verify import verify_answer
 
 OPERAND_RANGE = range(10, 100)
 VALIDATION_SEED = 20261130
@@ -56,6 +59,21 @@ def train_tasks(num_tasks: int, num_validation_tasks: int, seed: int) -> list[Ta
     return [_task(a, b) for a, b in problems[:num_tasks]]
 
 
+_INTEGER = re.compile(r"\d+")
+
+
+def final_answer(completion: str) -> int | None:
+    """The number ``completion`` states: the whole text (stripped) as a decimal integer.
+
+    Returns:
+        The integer, or None when the completion is anything else (an expression, an
+        equation, words, several numbers, nothing).
+    """
+    text = completion.strip()
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
 def reward(completion: str, task: Task) -> float:
-    """1.0 when ``completion``'s final answer equals the task's answer, else 0.0."""
-    return 1.0 if verify_answer(completion, task.answer) else 0.0
+    """1.0 when ``completion``'s final answer (:func:`final_answer`) equals the sum exactly, else 0.0."""
+    answer = final_answer(completion)
+    return 1.0 if answer is not None and answer == int(task.answer) else 0.0

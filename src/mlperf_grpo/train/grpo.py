@@ -12,14 +12,25 @@ import torch
 
 ADVANTAGE_EPS = 1e-6
 
+FLAT_GROUP_RELATIVE_STD = 1e-6
+"""A group whose reward standard deviation is at most this fraction of its largest
+absolute reward counts as flat: its spread is rounding noise (float32 keeps about 7
+significant digits), not signal, and every member gets advantage 0."""
+
 
 def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch.Tensor:
     """Group-normalized advantages ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps)``.
 
+    Computed in float64. A *flat* group gets advantage 0 for every member, exactly: one
+    whose rewards are all equal, or whose standard deviation is at most
+    :data:`FLAT_GROUP_RELATIVE_STD` times its largest absolute reward (rounding noise:
+    the mean of 16 equal float32 rewards of 0.35 is not exactly 0.35, and without this
+    rule the tiny std it leaves would pass the ``eps`` guard and give every member
+    +0.029; 16 x 1000.1 gave -0.953).
+
     Args:
         rewards: ``[P, G]`` float, one row per prompt, one column per generation.
-        eps: added to the standard deviation; a group whose rewards are all equal
-            gets advantage 0 for every member.
+        eps: added to the standard deviation (guards tiny but real spreads).
     Returns:
         ``[P, G]`` float32 advantages.
     Raises:
@@ -29,10 +40,14 @@ def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [prompts, generations>=2], got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
+    rewards = rewards.double()  # [P, G]
+    mean = rewards.mean(dim=1, keepdim=True)  # [P, 1]
+    std = rewards.std(dim=1, keepdim=True)  # [P, 1]
+    scale = rewards.abs().amax(dim=1, keepdim=True)  # [P, 1]
+    all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # [P, 1]
+    flat = all_equal | (std <= FLAT_GROUP_RELATIVE_STD * scale)  # [P, 1]
+    advantages = (rewards - mean) / (std + eps)
+    return torch.where(flat, torch.zeros_like(advantages), advantages).float()
 
 
 def clipped_pg_loss_sum(

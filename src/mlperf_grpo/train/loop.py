@@ -24,13 +24,13 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, now_ms
 from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
-from mlperf_grpo.tasks import SUITES
+from mlperf_grpo import tasks
+from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
 from mlperf_grpo.train.stop import GracefulStop
@@ -118,18 +118,22 @@ def train(
     Raises:
         RunDirError: the output cannot be created or already holds a run (RunLockedError:
             another process writes to it).
+        TaskError: the task data or entry point is unusable (before anything is written).
         ModelLoadError, LogWriteError, CheckpointWriteError, OSError: setup or I/O failed.
         TrainingStopped, KeyboardInterrupt: SIGTERM or Ctrl-C.
         Any failure after ``run_start`` first logs ``run_stop`` with status ``aborted``.
     """
     check_model_path(config.model.path)  # before anything is written
     check_device(config.model.device)
+    suite = tasks.load_suite(config)
+    tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
+    train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     try:
         run.root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create run directory {run.root}: {err.strerror}") from None
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
-        return _train(config, run, config_filename, show_progress, inline_eval, stopper)
+        return _train(config, run, config_filename, show_progress, inline_eval, stopper, suite, train_pool)
 
 
 def _train(
@@ -139,12 +143,13 @@ def _train(
     show_progress: bool,
     inline_eval: Callable[[int, torch.nn.Module], bool] | None,
     stopper: GracefulStop,
+    suite: tasks.TaskSuite,
+    train_pool: list[tasks.Task],
 ) -> TrainResult:
     log = MLLogWriter(run.create(config))
     log_submission_and_init_start(log, config)
 
     torch.manual_seed(config.seed)
-    suite = SUITES[config.task.name]
     policy = load_model(config.model.path, "float32", config.model.device)
     engine = HFEngine(config.model.path, config.model.dtype, device=config.model.device)
     pad_id = engine.tokenizer.pad_token_id
@@ -156,9 +161,7 @@ def _train(
         eps=config.optimizer.epsilon,
         weight_decay=config.optimizer.weight_decay,
     )
-    sampler = PromptSampler(
-        suite.train_tasks(config.task.num_train_tasks, config.validation.num_tasks, config.seed), config.seed
-    )
+    sampler = PromptSampler(train_pool, config.seed)
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
@@ -175,11 +178,11 @@ def _train(
         for step in range(1, g.max_steps + 1):
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
-            tasks = sampler.sample(g.num_prompts_per_step)
+            prompts = sampler.sample(g.num_prompts_per_step)
             params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
-            completions = generate_rollouts(engine, tasks, g.num_generations_per_prompt, params, config.seed, step)
-            scored = score(suite.reward, [(c.text, t) for t, group in zip(tasks, completions) for c in group])
-            rewards = torch.tensor(scored).view(len(tasks), g.num_generations_per_prompt)  # [P, G]
+            completions = generate_rollouts(engine, prompts, g.num_generations_per_prompt, params, config.seed, step)
+            scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
+            rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P, G]
             advantages = group_advantages(rewards)  # [P, G]
             batch = build_batch(completions, rewards, advantages, pad_id)
             loss, grad_norm = optimize_step(

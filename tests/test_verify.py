@@ -1,0 +1,71 @@
+"""Final answers (issue 8, part 4): only the final answer earns the reward, compared exactly."""
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import pytest
+
+from mlperf_grpo.tasks import arithmetic
+from mlperf_grpo.tasks.base import Task
+from mlperf_grpo.tasks.verify import answers_match, final_answer, math_reward, verify_answer
+
+TASK_12_34 = Task("add-12-34", "12+34=", "46")
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("46", 1.0), (" 46\n", 1.0), ("046", 1.0),
+    ("99=46", 0.0),   # an equation: math-verify alone read its right-hand side (scored 1.0)
+    ("12+34", 0.0),   # the question restated: math-verify evaluated it to 46 (scored 1.0)
+    ("46+0", 0.0), ("4 6", 0.0), ("46.0", 0.0), ("", 0.0), ("45", 0.0), ("=46", 0.0),
+])
+def test_arithmetic_rewards_only_the_number_written(completion, want):
+    assert arithmetic.reward(completion, TASK_12_34) == want
+
+
+def test_arithmetic_final_answer():
+    assert arithmetic.final_answer("154") == 154
+    assert arithmetic.final_answer("1+53") is None and arithmetic.final_answer("99=46") is None
+
+
+@pytest.mark.parametrize("text, want", [
+    ("so \\boxed{1} and then \\boxed{\\frac{3}{4}} ok", "\\frac{3}{4}"),  # the last boxed, braces balanced
+    ("\\boxed{x^{2}+1}", "x^{2}+1"),
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),                 # GSM8K
+    ("#### 1,000\nthe end 5", "1,000"),
+    ("\\frac{1}{2}", "\\frac{1}{2}"), ("$-3/4$", "-3/4"),             # a lone number is the answer
+    ("12 then 13", "13"), ("it costs 2.50.", "2.50"), ("x=3, y=-4", "-4"),
+    ("no number here", None), ("\\boxed{", None), ("", None),
+])
+def test_final_answer_of_free_text(text, want):
+    assert final_answer(text) == want
+
+
+@pytest.mark.parametrize("answer, gold, want", [
+    ("0.1234567", "0.1234568", False),   # math-verify's float rounding called these equal
+    ("0.333333333", "1/3", False),       # ... and these
+    ("100000000000000000001", "100000000000000000000", False),
+    ("1/2", "0.5", True), ("\\frac{1}{2}", "0.50", True), ("1,000", "1000", True), ("-0", "0", True),
+    ("\\sqrt{2}", "\\sqrt{2}", True), ("x^2+1", "1+x^{2}", True), ("\\sqrt{2}", "1.41421356", False),
+    ("2", "\\sqrt{4}", True),            # symbolic gold: math-verify
+])
+def test_answers_match_numbers_exactly_and_symbols_by_math_verify(answer, gold, want):
+    assert answers_match(answer, gold) is want
+
+
+def test_math_reward_reads_the_final_answer_only():
+    task = Task("t", "q", "46")
+    assert math_reward("12+34 gives \\boxed{46}", task) == 1.0
+    assert math_reward("\\boxed{46} no wait \\boxed{45}", task) == 0.0
+    assert math_reward("I think 46, no: 47", task) == 0.0
+
+
+VERIFY_CASES = [("154", "154", True), ("the answer is 48", "48", True), ("144", "154", False),
+                ("", "5", False), ("\\frac{1}{2}", "0.5", True), ("12 then 13", "13", True)]
+
+
+def test_verify_answer_from_threads_and_spawned_processes():
+    completions, golds, want = zip(*VERIFY_CASES)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(verify_answer, completions * 4, golds * 4)) == list(want) * 4
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert list(pool.map(verify_answer, completions, golds)) == list(want)
