@@ -262,45 +262,45 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--retain-checkpoints", action="store_true",
                        help="keep the deferred checkpoints (also RETAIN_GRPO_CHECKPOINTS=1)")
 
-    p = sub.add_parser("run", help="train then evaluate offline (the benchmark run)")
+    p = sub.add_parser("run", help="train then evaluate offline (the benchmark run)", description="train then evaluate offline (the benchmark run)")
     add_train_args(p)
     add_retain(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("train", help="train and write deferred checkpoints")
+    p = sub.add_parser("train", help="train and write deferred checkpoints", description="train and write deferred checkpoints")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop")
+    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop", description="evaluate a run's checkpoints offline and write run_stop")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --output of 'train' or 'run'")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
+    p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)", description="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
     p.add_argument("logs", type=Path, nargs="+", metavar="LOG", help="MLPerf log file(s), e.g. RUN_DIR/mlperf.log")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
     p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("merge", help="append an evaluator's own log to the training log")
+    p = sub.add_parser("merge", help="append an evaluator's own log to the training log", description="append an evaluator's own log to the training log")
     p.add_argument("--train", type=Path, required=True, metavar="TRAIN_LOG")
     p.add_argument("--eval", type=Path, required=True, metavar="EVAL_LOG")
     p.add_argument("--output", "-o", type=Path, required=True, metavar="OUT")
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("report", help="timeline of a run as PNG or HTML")
+    p = sub.add_parser("report", help="timeline of a run as PNG or HTML", description="timeline of a run as PNG or HTML")
     p.add_argument("log", type=Path, metavar="LOG", help="MLPerf log file, e.g. RUN_DIR/mlperf.log")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.png or FILE.html")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("plan", help="closed-division values derived from the global batch size")
+    p = sub.add_parser("plan", help="closed-division values derived from the global batch size", description="closed-division values derived from the global batch size")
     p.add_argument("--global-batch-size", metavar="N", help="a positive multiple of 16")
     p.add_argument("--config", help="a run config: its GBS, and which of its values differ from closed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers")
+    p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers", description="submission layout of 3 runs, checked by the official checkers")
     p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="finished run directories, 3 or more")
     p.add_argument("--system", required=True, help="system name (systems/<system>.json)")
     p.add_argument("--output", type=Path, required=True, help="new folder for the submission")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
@@ -144,13 +145,14 @@ def train(
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
         try:
             setup = _setup(config)
-        except BaseException:  # nothing of the run was written yet: leave no trace
+            mllog_file = run.create(config)
+        except BaseException:  # no line of the run was logged yet: leave no trace
             if not root_existed:
                 (run.root / ".lock").unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     run.root.rmdir()
             raise
-        return _train(config, run, config_filename, show_progress, inline_eval, stopper, setup)
+        return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup)
 
 
 def check_training_inputs(config: RunConfig, run: RunDir) -> None:
@@ -200,13 +202,14 @@ def _setup(config: RunConfig) -> _Setup:
 def _train(
     config: RunConfig,
     run: RunDir,
+    mllog_file: Path,
     config_filename: str,
     show_progress: bool,
     inline_eval: Callable[[int, torch.nn.Module], bool] | None,
     stopper: GracefulStop,
     setup: _Setup,
 ) -> TrainResult:
-    log = MLLogWriter(run.create(config))
+    log = MLLogWriter(mllog_file)
     log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
 
     suite = SUITES[config.task.name]
