@@ -85,7 +85,8 @@ def _note_open_differences(config) -> None:
 
 def _start_training(args: argparse.Namespace):
     """Check everything cheap (config, environment, model, tokenizer, output), then say
-    what differs from closed; returns the config. Nothing is written."""
+    what differs from closed; returns ``(config, deferred)``. Nothing is written; a
+    missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS``."""
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train.loop import check_training_inputs
 
