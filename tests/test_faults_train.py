@@ -171,7 +171,7 @@ def test_sigterm_after_checkpoints_leaves_the_result_to_the_evaluator(tmp_path):
     SIGKILL), and nothing it did not evaluate is lost to an early teardown."""
     run = tmp_path / "run"
     proc = _train(run, _config(tmp_path, max_steps=30))
-    _wait_for(lambda: (run / "checkpoints" / "step_22").is_dir())
+    _wait_for(lambda: (run / "checkpoints" / "step_22").is_dir(), timeout_s=1800)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 143, err
