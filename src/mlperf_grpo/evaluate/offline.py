@@ -13,8 +13,8 @@ Reads top to bottom like the lifecycle it runs::
 
 The evaluator writes the run's one ``run_stop`` however training ended: the published
 series is evaluated (its final checkpoint is the last one published). A run whose
-training stopped before its first checkpoint (no ``step_N/``, the log's last trained
-step at most the first eval step) has nothing to evaluate: it is closed with
+training stopped before its first checkpoint (no ``step_N/``; the log's last trained
+step before the first eval step, or at it with its write killed) has nothing to evaluate: it is closed with
 ``run_stop`` aborted at its last trained step (the time of that step's ``block_stop``,
 ``run_start``'s when no step finished). Teardown never deletes a checkpoint that was not
 evaluated unless the run passed.
@@ -240,9 +240,9 @@ def last_trained_step(log: ParsedLog) -> tuple[int, int]:
 
 def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: ParsedLog, mllog_file: Path) -> bool:
     """True for a run whose training ended before publishing any checkpoint: nothing
-    evaluated or published, and the last trained step at most the first eval step (the
-    first checkpoint was never due, or its write was cut short). Past that step a missing
-    series is an error of :func:`check_series` (checkpoints deleted or moved).
+    evaluated or published, and the last trained step before the first eval step (no
+    checkpoint was due) or at it with ``tmp_step_N/`` left (its write was killed).
+    Otherwise a missing series is an error of :func:`check_series` (deleted or moved).
 
     Raises:
         EvaluationError: training never started (no ``run_start``): nothing to score.
@@ -254,7 +254,8 @@ def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: Parsed
             f"{run.root}: training never started (no run_start in {mllog_file}), so the run has nothing to "
             "evaluate or score; delete the directory and train again"
         )
-    return last_trained_step(log)[0] <= config.first_eval_step
+    last, s0 = last_trained_step(log)[0], config.first_eval_step
+    return last < s0 or (last == s0 and (run.checkpoints / f"tmp_step_{s0}").is_dir())
 
 
 def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
