@@ -231,6 +231,40 @@ def test_evaluate_on_a_finished_run_reports_and_writes_nothing(finished, tmp_pat
     assert (run / "mlperf.log").read_bytes() == before
 
 
+@pytest.mark.parametrize("signum, code, name", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_signal_during_evaluate_stops_cleanly_and_resumes(run, finished, signum, code, name):
+    """SIGTERM (like Ctrl-C) after the first eval triple: a documented exit code, one
+    line, only whole evaluations in the log, no run_stop, nothing deleted; then resumable."""
+    proc = spawn_evaluate(run, "stopped")
+    assert wait_for(lambda: count_evals(run) >= 1, proc)
+    proc.send_signal(signum)
+    assert proc.wait() == code
+    line = error_lines((run.parent / "stopped.err").read_text())
+    assert line == (f"mlperf-grpo: evaluation {name}; the log holds only whole evaluations (no partial one, "
+                    f"no run_stop): 'mlperf-grpo evaluate {run}' resumes it")
+    log = read_log(run / "mlperf.log")
+    assert not log.bad_lines and not log.find("run_stop")
+    steps = eval_steps(run / "mlperf.log")
+    assert steps and [e.metadata["step"] for e in log.find("eval_stop")] == steps == list(range(18, 18 + len(steps)))
+    assert (run / "checkpoints" / "step_30").is_dir()
+    assert spawn_evaluate(run, "resumed").wait() == 0
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+
+
+def test_teardown_keeps_checkpoints_an_aborted_run_stop_left_unevaluated(run, capsys):
+    """A log closed with run_stop aborted before its checkpoints were evaluated (as the
+    trainer used to write on SIGTERM): evaluate reports it and deletes none of them."""
+    log = read_log(run / "mlperf.log")
+    last = log.find("block_stop")[-1]
+    with open(run / "mlperf.log", "a") as f:
+        f.write(PREFIX + json.dumps({"namespace": "", "time_ms": last.time_ms, "event_type": "INTERVAL_END", "key": "run_stop",
+                                     "value": None, "metadata": {"status": "aborted", "samples_count": 30 * 256, "step": 30}}) + "\n")
+    assert main(["evaluate", str(run)]) == 3
+    captured = capsys.readouterr()
+    assert "time-to-train: none" in captured.out and "were never evaluated" in captured.err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s}" for s in sorted(range(18, 31), key=str)]
+
+
 # --------------------------------------------------------------------------- 2. one writer
 
 def test_second_evaluator_is_refused_while_one_runs(run, capsys):

@@ -18,7 +18,7 @@ import pytest
 
 from mlperf_grpo.checkpoint import discover_checkpoints, sha256_file
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.train.stop import GracefulStop, TrainingStopped
+from mlperf_grpo.train.stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -98,21 +98,27 @@ def test_sigkill_trainer_then_evaluate_uses_only_complete_checkpoints(tmp_path):
     assert set(evaluated) <= set(steps)
 
 
-def _check_write_failure(run: Path, proc: subprocess.Popen) -> None:
+def _check_write_failure(run: Path, proc: subprocess.Popen, published: list[int]) -> None:
+    """A failed checkpoint write: exit 1, one error line naming the path and the bytes;
+    with ``published`` checkpoints the log has no run_stop (the evaluator's) and a note
+    says how to finish the run, with none the trainer closed it with run_stop aborted."""
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, err
-    lines = err.strip().splitlines()
-    assert lines[-1].startswith("mlperf-grpo: error: cannot write checkpoint") and "Traceback" not in err
-    assert "bytes" in lines[-1] and "tmp_step_" in lines[-1]
+    errors = [line for line in err.strip().splitlines() if line.startswith("mlperf-grpo:")]
+    assert len(errors) == 1 and errors[0].startswith("mlperf-grpo: error: cannot write checkpoint") and "Traceback" not in err
+    assert "bytes" in errors[0] and "tmp_step_" in errors[0]
+    assert assert_published_checkpoints_intact(run / "checkpoints") == published
+    assert not list((run / "checkpoints").glob("tmp_step_*"))
     log = read_log(run / "mlperf.log")
     stops = log.find("run_stop")
-    assert len(stops) == 1 and stops[0].metadata["status"] == "aborted"
-    assert log.events[-1].key == "run_stop"
-    assert_published_checkpoints_intact(run / "checkpoints")
-    assert not list((run / "checkpoints").glob("tmp_step_*"))
+    if published:
+        assert stops == [] and f"mlperf-grpo evaluate {run}" in err
+    else:
+        assert len(stops) == 1 and stops[0].metadata["status"] == "aborted"
+        assert log.events[-1].key == "run_stop"
 
 
-def test_full_disk_stops_training_with_aborted_run_stop(tmp_path):
+def test_full_disk_stops_training_and_leaves_the_result_to_the_evaluator(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     # 1.5 MB: the log, the config and two 0.5 MB checkpoints fit; the third does not.
@@ -120,8 +126,7 @@ def test_full_disk_stops_training_with_aborted_run_stop(tmp_path):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         run = disk / "run"
-        _check_write_failure(run, _train(run, _config(tmp_path)))
-        assert assert_published_checkpoints_intact(run / "checkpoints") == [18, 19]
+        _check_write_failure(run, _train(run, _config(tmp_path)), published=[18, 19])
     finally:
         subprocess.run(["umount", str(disk)])
 
@@ -134,40 +139,70 @@ def _limit_file_size():
 def test_write_error_stops_training_with_aborted_run_stop(tmp_path):
     run = tmp_path / "run"
     # Every checkpoint (0.5 MB) exceeds the 200 kB file-size limit; the log does not.
-    _check_write_failure(run, _train(run, _config(tmp_path), preexec_fn=_limit_file_size))
-    assert assert_published_checkpoints_intact(run / "checkpoints") == []
+    _check_write_failure(run, _train(run, _config(tmp_path), preexec_fn=_limit_file_size), published=[])
 
 
-@pytest.mark.parametrize("moment", ["before_first_checkpoint", "during_checkpoints"])
-def test_sigterm_stops_cleanly(tmp_path, moment):
+def _last_block_stop(log):
+    return log.find("block_stop")[-1]
+
+
+def test_sigterm_before_the_first_checkpoint_closes_the_run_as_aborted(tmp_path):
+    """No checkpoint published: the trainer writes run_stop aborted at its last trained
+    step (that step's block_stop time), exit 143, one line naming SIGTERM."""
     run = tmp_path / "run"
     proc = _train(run, _config(tmp_path, max_steps=30))
-    if moment == "before_first_checkpoint":
-        _wait_for(lambda: (run / "mlperf.log").is_file() and '"step": 3' in (run / "mlperf.log").read_text())
-    else:
-        _wait_for(lambda: (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir()))
+    _wait_for(lambda: (run / "mlperf.log").is_file() and '"step": 3' in (run / "mlperf.log").read_text())
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 1
+    assert proc.returncode == 143, err
     assert "SIGTERM" in err.strip().splitlines()[-1] and "Traceback" not in err
     log = read_log(run / "mlperf.log")
-    assert log.events[-1].key == "run_stop" and log.events[-1].metadata["status"] == "aborted"
-    assert len(log.find("run_stop")) == 1
-    if (run / "checkpoints").exists():
-        assert not list((run / "checkpoints").glob("tmp_step_*"))  # finished, not torn
-        assert_published_checkpoints_intact(run / "checkpoints")
+    (stop,) = log.find("run_stop")
+    assert log.events[-1] == stop and stop.metadata["status"] == "aborted"
+    last = _last_block_stop(log)
+    assert (stop.metadata["step"], stop.metadata["samples_count"], stop.time_ms) == (
+        last.metadata["step"], last.metadata["step"] * 256, last.time_ms)
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_sigterm_after_checkpoints_leaves_the_result_to_the_evaluator(tmp_path):
+    """Issue 8's case: SIGTERM once step_22/ exists. The trainer writes no run_stop;
+    `evaluate` evaluates the published series and finds the pass at step 21 (as after a
+    SIGKILL), and nothing it did not evaluate is lost to an early teardown."""
+    run = tmp_path / "run"
+    proc = _train(run, _config(tmp_path, max_steps=30))
+    _wait_for(lambda: (run / "checkpoints" / "step_22").is_dir(), timeout_s=1800)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err
+    lines = [line for line in err.strip().splitlines() if line.startswith(("mlperf-grpo:", "note:"))]
+    assert lines[0].startswith("mlperf-grpo: stopped by SIGTERM") and "Traceback" not in err
+    assert lines[1].startswith("note:") and f"'mlperf-grpo evaluate {run}'" in lines[1]
+    assert read_log(run / "mlperf.log").find("run_stop") == []  # the evaluator's to write
+    assert not list((run / "checkpoints").glob("tmp_step_*"))  # finished, not torn
+    published = assert_published_checkpoints_intact(run / "checkpoints")
+    assert published[0] == 18 and published[-1] >= 22
+    step21 = json.loads((run / "checkpoints" / "step_21" / "training_info.json").read_text())
+
+    out = subprocess.run([sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run)], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert "status: success" in out.stdout and "passing step: 21" in out.stdout
+    log = read_log(run / "mlperf.log")
+    assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19, 20, 21]
+    (stop,) = log.find("run_stop")
+    assert stop.metadata["status"] == "success" and stop.time_ms == step21["training_step_end_time_ms"]
 
 
 def test_sigterm_inside_a_checkpoint_write_waits_for_it():
     reached_end_of_write = False
-    with pytest.raises(TrainingStopped, match="after finishing the checkpoint"):
+    with pytest.raises(Terminated, match="after finishing the checkpoint"):
         with GracefulStop() as stopper:
             with stopper.deferred():
                 os.kill(os.getpid(), signal.SIGTERM)  # a real signal, mid "write"
                 time.sleep(0.01)
                 reached_end_of_write = True
     assert reached_end_of_write
-    with pytest.raises(TrainingStopped):
+    with pytest.raises(Terminated):
         with GracefulStop():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)

@@ -66,7 +66,8 @@ def test_aborted_path_train_then_evaluate(tmp_path, capsys):
     assert read_log(run / "mlperf.log").find("run_stop") == []  # the trainer writes none
     final = json.loads((run / "checkpoints" / "step_19" / "training_info.json").read_text())
     assert main(["evaluate", str(run)]) == 3
-    assert "status: aborted" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "status: aborted" in out and "time-to-train: none (an aborted run has no score)" in out
     log = read_log(run / "mlperf.log")
     stop = log.find("run_stop")
     assert len(stop) == 1 and stop[0].metadata["status"] == "aborted"
@@ -101,7 +102,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
 def test_output_that_already_holds_a_run_is_refused(default_run, tmp_path, capsys):
     before = (default_run / "mlperf.log").read_bytes()
     assert main(["train", "--output", str(default_run)]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and f"'mlperf-grpo evaluate {default_run}' finishes it" in err
     assert (default_run / "mlperf.log").read_bytes() == before
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
@@ -143,6 +145,14 @@ def test_a_moved_run_is_evaluated_from_its_new_place(tmp_path, capsys):
     # Asking a finished run again reports it and deletes nothing, even without retain.
     assert main(["evaluate", str(tmp_path / "b")]) == 3
     assert (tmp_path / "b" / "checkpoints" / "step_18").is_dir()
+
+
+def test_summary_of_a_moved_run_names_its_log(default_run, tmp_path):
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(default_run, moved)  # a copy stands for the move: the fixture is shared
+    summary = json.loads((moved / "eval" / "summary.json").read_text())
+    assert summary["mllog_file"] == "mlperf.log"  # relative to the run, like run.json
+    assert (moved / summary["mllog_file"]).is_file()
 
 
 def test_bad_retain_value_is_bad_input(tmp_path, capsys, monkeypatch):

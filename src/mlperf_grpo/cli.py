@@ -1,7 +1,8 @@
 """``mlperf-grpo`` command line: one short function per subcommand.
 
-Exit codes: 0 success, 3 aborted (no checkpoint passed), 2 bad input, 1 anything else.
-Errors are one line on stderr, ``mlperf-grpo: error: ...``, without a traceback.
+Exit codes: 0 success, 3 aborted (no checkpoint passed), 2 bad input, 1 anything else,
+130 Ctrl-C, 143 SIGTERM. Errors are one line on stderr, ``mlperf-grpo: error: ...``,
+without a traceback.
 """
 
 from __future__ import annotations
@@ -9,10 +10,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
-DEFAULT_OUTPUT = Path("runs/default")
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
+RUNS_DIR = Path("runs")
+
+DESCRIPTION = """\
+GRPO training with deferred offline evaluation for the MLPerf Training
+qwen35_397b_grpo benchmark (ruleset 6.1.0), and tools for its MLPerf logs.
+
+'mlperf-grpo run' trains (checkpoints from the first eval step on), evaluates the
+checkpoints offline and writes one run_stop backdated to the first passing checkpoint's
+weight-update time. With no --config it runs the built-in tiny default on the CPU in
+seconds."""
+
+EPILOG = """\
+exit codes: 0 success (or clean), 1 failure or check findings, 2 bad input (one line on
+stderr), 3 run aborted (no checkpoint passed), 130 Ctrl-C, 143 SIGTERM.
+'mlperf-grpo COMMAND --help' describes each command."""
 
 
 class BadInput(Exception):
@@ -25,11 +42,25 @@ def _config(args: argparse.Namespace):
     return load_config(args.config)
 
 
+def _new_run_dir() -> Path:
+    """The default ``--output``: ``runs/YYYYMMDD-HHMMSS`` (local time), ``-2``, ``-3``...
+    appended when that name is taken, so running the default twice never collides."""
+    base = RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
 def _print_outcome(outcome, run_dir: Path) -> int:
     status = outcome.status
     print(f"status: {status}")
     print(f"passing step: {outcome.passing_step if outcome.passing_step is not None else 'none'}")
-    print(f"time-to-train: {outcome.time_to_train_ms / 60000:.3f} min (run_start to run_stop, from the log)")
+    if status == "success":
+        print(f"time-to-train: {outcome.time_to_train_ms / 60000:.3f} min (run_start to run_stop, from the log)")
+    else:
+        print("time-to-train: none (an aborted run has no score)")
     print(f"log: {outcome.mllog_file}")
     print(f"run directory: {run_dir}")
     return EXIT_OK if status == "success" else EXIT_ABORTED
@@ -52,14 +83,35 @@ def _note_open_differences(config) -> None:
         print(f"note: {text}")
 
 
+def _start_training(args: argparse.Namespace):
+    """Check everything cheap (config, environment, model, tokenizer, output), then say
+    what differs from closed; returns ``(config, deferred)``. Nothing is written; a
+    missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS``."""
+    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.train.loop import check_training_inputs
+
+    config = _config(args)
+    deferred = _deferred()
+    if args.command == "run" and deferred:
+        from mlperf_grpo.evaluate.offline import retain_requested
+
+        retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
+    if args.output is None:
+        args.output = _new_run_dir()
+    check_training_inputs(config, RunDir(args.output))
+    _note_open_differences(config)  # after every check: never before an error
+    print(f"run directory: {args.output}")
+    args.phase = "train"
+    return config, deferred
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train and write deferred checkpoints; no run_stop. DEFERRED_OFFLINE_EVAL=0: inline eval."""
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train.loop import train
 
-    config = _config(args)
-    _note_open_differences(config)
-    if not _deferred():
+    config, deferred = _start_training(args)
+    if not deferred:
         from mlperf_grpo.evaluate.inline import train_with_inline_eval
 
         outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
@@ -75,18 +127,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     if not _deferred():
         raise BadInput("DEFERRED_OFFLINE_EVAL=0 evaluates inline during training; 'evaluate' is the deferred driver: unset it or set it to 1")
+    args.phase = "evaluate"
     outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.run_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train, then evaluate offline: the whole benchmark run."""
-    from mlperf_grpo.evaluate.offline import evaluate_run, retain_requested
+    from mlperf_grpo.evaluate.offline import evaluate_run
 
     if not _deferred():
         return cmd_train(args)  # inline evaluation: training writes run_stop itself
-    retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
     cmd_train(args)
+    args.phase = "evaluate"
     outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.output)
 
@@ -215,33 +268,40 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mlperf-grpo`` argument parser: one subcommand per workflow."""
-    parser = argparse.ArgumentParser(prog="mlperf-grpo", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from mlperf_grpo import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mlperf-grpo", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="run config (YAML); default: the built-in default run")
-        p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"run directory (default {DEFAULT_OUTPUT})")
+        p.add_argument("--output", type=Path, default=None, metavar="DIR",
+                       help=f"new run directory (default: a new {RUNS_DIR}/YYYYMMDD-HHMMSS); "
+                            "one that already holds a run is refused")
 
     def add_retain(p: argparse.ArgumentParser) -> None:
         p.add_argument("--retain-checkpoints", action="store_true",
                        help="keep the deferred checkpoints (also RETAIN_GRPO_CHECKPOINTS=1)")
 
-    p = sub.add_parser("run", help="train then evaluate offline (the benchmark run)")
+    p = sub.add_parser("run", help="train then evaluate offline (the benchmark run)", description="train then evaluate offline (the benchmark run)")
     add_train_args(p)
     add_retain(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("train", help="train and write deferred checkpoints")
+    p = sub.add_parser("train", help="train and write deferred checkpoints", description="train and write deferred checkpoints")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop", description="evaluate a run's checkpoints offline and write run_stop")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --output of 'train' or 'run'")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
-    p.add_argument("logs", type=Path, nargs="+", metavar="LOG")
+    p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)", description="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
+    p.add_argument("logs", type=Path, nargs="+", metavar="LOG", help="MLPerf log file(s), e.g. RUN_DIR/mlperf.log")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
     p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
@@ -251,25 +311,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"limit for the official checkers on one log; past it the verdict is TIMEOUT (default {OFFICIAL_TIME_LIMIT_S:g})")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("merge", help="append an evaluator's own log to the training log")
+    p = sub.add_parser("merge", help="append an evaluator's own log to the training log", description="append an evaluator's own log to the training log")
     p.add_argument("--train", type=Path, required=True, metavar="TRAIN_LOG")
     p.add_argument("--eval", type=Path, required=True, metavar="EVAL_LOG")
     p.add_argument("--output", "-o", type=Path, required=True, metavar="OUT")
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("report", help="timeline of a run as PNG or HTML")
-    p.add_argument("log", type=Path, metavar="LOG")
+    p = sub.add_parser("report", help="timeline of a run as PNG or HTML", description="timeline of a run as PNG or HTML")
+    p.add_argument("log", type=Path, metavar="LOG", help="MLPerf log file, e.g. RUN_DIR/mlperf.log")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.png or FILE.html")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("plan", help="closed-division values derived from the global batch size")
+    p = sub.add_parser("plan", help="closed-division values derived from the global batch size", description="closed-division values derived from the global batch size")
     p.add_argument("--global-batch-size", metavar="N", help="a positive multiple of 16")
     p.add_argument("--config", help="a run config: its GBS, and which of its values differ from closed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers")
-    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers", description="submission layout of 3 runs, checked by the official checkers")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="finished run directories, 3 or more")
     p.add_argument("--system", required=True, help="system name (systems/<system>.json)")
     p.add_argument("--output", type=Path, required=True, help="new folder for the submission")
     p.set_defaults(func=cmd_package)
@@ -289,21 +349,52 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see module docstring)."""
+    from mlperf_grpo.train.stop import GracefulStop, Terminated
+
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        return args.func(args)
+        with GracefulStop():  # SIGTERM is handled like Ctrl-C for every command
+            return args.func(args)
     except BrokenPipeError:  # the reader went away (e.g. `check --json | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM during training (TrainingStopped)
-        print(f"mlperf-grpo: {str(err) or 'interrupted'}", file=sys.stderr)
-        return EXIT_FAILURE
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (Terminated)
+        terminated = isinstance(err, Terminated)
+        print(f"mlperf-grpo: {_stop_message(args, str(err) or ('stopped by SIGTERM' if terminated else 'interrupted (Ctrl-C)'))}",
+              file=sys.stderr)
+        _note_unfinished_run(args)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
         print(f"mlperf-grpo: error: {err}", file=sys.stderr)
+        _note_unfinished_run(args)
         return code
+
+
+def _stop_message(args: argparse.Namespace, what: str) -> str:
+    """The one line for a stopped command: during evaluation, that nothing partial was
+    logged and how to resume."""
+    if getattr(args, "phase", None) != "evaluate":
+        return what
+    run_dir = args.run_dir if args.command == "evaluate" else args.output
+    return (f"evaluation {what}; the log holds only whole evaluations (no partial one, no run_stop): "
+            f"'mlperf-grpo evaluate {run_dir}' resumes it")
+
+
+def _note_unfinished_run(args: argparse.Namespace) -> None:
+    """After training ended early with checkpoints published: how the run is finished."""
+    if getattr(args, "phase", None) != "train":
+        return
+    from mlperf_grpo.rundir import RunDir
+
+    run = RunDir(args.output)
+    steps = run.published_steps()
+    if steps and not run.summary_file.exists():
+        print(f"note: training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published and no "
+              f"run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

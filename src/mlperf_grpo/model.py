@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.config import BUILTIN_MODEL
@@ -55,6 +57,118 @@ def check_device(device: str) -> None:
     """Raises ModelLoadError when ``device`` is ``cuda`` and no CUDA device is available."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("model.device is cuda but no CUDA device is available; set model.device: cpu")
+
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""A Hugging Face tokenizer needs one of these (``tokenizer_config.json`` alone is not one)."""
+
+
+def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, read from the safetensors headers only (no weights loaded).
+
+    Raises:
+        ModelLoadError: no ``model.safetensors`` (or sharded index), a shard missing, or a
+            header that does not parse.
+    """
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index} is not a readable safetensors index (no weight_map)") from None
+    elif (directory / SAFETENSORS_FILE).is_file():
+        files = [SAFETENSORS_FILE]
+    else:
+        raise ModelLoadError(
+            f"model directory {directory} has no weights ({SAFETENSORS_FILE} or {SAFETENSORS_INDEX}); "
+            "copy the model's safetensors files there"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        path = directory / name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (OSError, SafetensorError, ValueError) as err:
+            raise ModelLoadError(f"cannot read the safetensors header of {path}: {str(err).splitlines()[0]}") from None
+    return shapes
+
+
+def _expected_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
+    """What the config's architecture needs, built on the meta device (no memory).
+
+    Returns:
+        ``(shapes, tied_groups, embedding_name, embedding_rows)``: parameter name ->
+        shape; sets of names that share one tensor (tied embeddings); the input
+        embedding's parameter name and its number of rows (token ids must be below it).
+    Raises:
+        ModelLoadError: ``config.json`` does not load or names an unknown architecture.
+    """
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"cannot build the model of {directory / 'config.json'}: {str(err).splitlines()[0]}") from None
+    groups: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
+    embedding_module = model.get_input_embeddings()
+    embedding = embedding_module.weight
+    embedding_name = next(n for n, m in model.named_modules() if m is embedding_module) + ".weight"
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    return shapes, list(groups.values()), embedding_name, int(embedding.shape[0])
+
+
+def check_model(path: str, sample_text: str) -> None:
+    """Check a model directory fully but cheaply, before a run directory is made.
+
+    Reads only ``config.json``, the safetensors headers and the tokenizer files:
+    every parameter the architecture needs is in the weight files with its shape (a
+    tied name may stand for its group); the tokenizer loads, encodes ``sample_text`` to
+    at least one token, has an end-of-sequence token and a padding token, and every id
+    it can produce (vocabulary, ``eos``, ``pad``) is below the embedding's row count.
+
+    Raises:
+        ModelLoadError: one line naming the file or value that is wrong and what to do.
+    """
+    directory = check_model_path(path)
+    have = _weight_shapes(directory)
+    want, tied_groups, embedding_name, rows = _expected_shapes(directory)
+    for group in tied_groups:
+        present = sorted(n for n in group if n in have)
+        if not present:
+            raise ModelLoadError(
+                f"model {directory}: the weight files have no tensor {sorted(group)[0]!r} that "
+                f"{directory / 'config.json'} needs; the weights and config.json are of different models"
+            )
+        for name in present:
+            if have[name] != want[name]:
+                raise ModelLoadError(
+                    f"model {directory}: tensor {name!r} has shape {list(have[name])} in the weight files but "
+                    f"config.json needs {list(want[name])}; the weights and config.json (vocab_size, sizes) do not match"
+                )
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"model directory {directory} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+            "copy the model's tokenizer there"
+        )
+    tokenizer = load_tokenizer(path)
+    if not tokenizer(sample_text)["input_ids"]:
+        raise ModelLoadError(f"tokenizer of {directory} encodes {sample_text!r} to no tokens; are its files (tokenizer.json) missing?")
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"tokenizer of {directory} has no eos_token; set it in tokenizer_config.json")
+    ids = {"the largest vocabulary id": max(tokenizer.get_vocab().values(), default=-1),
+           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    for what, token_id in ids.items():
+        if token_id >= rows:
+            raise ModelLoadError(
+                f"tokenizer of {directory}: {what} is {token_id} but the embedding {embedding_name!r} has "
+                f"{rows} rows; the tokenizer does not belong to these weights"
+            )
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

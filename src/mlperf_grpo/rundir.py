@@ -14,11 +14,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.config import RunConfig, dump_config, load_config
 
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 MLLOG_ENV = "MLPERF_MLLOG_FILE"
 """Environment variable of the reference launcher naming the MLPerf log file."""
 
@@ -92,6 +94,27 @@ class RunDir:
     def eval_dir(self) -> Path:
         return self.root / "eval"
 
+    @property
+    def summary_file(self) -> Path:
+        return self.eval_dir / "summary.json"
+
+    def published_steps(self) -> list[int]:
+        """Steps of the published ``checkpoints/step_N/`` directories, ascending (names
+        only: a ``tmp_step_N/`` is unfinished and not counted)."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.checkpoints.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+    def check_unused(self) -> None:
+        """Raises RunDirError when the directory already holds a run (a second run there
+        would mix two runs in one log); the message says how to finish or replace it."""
+        if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
+            raise RunDirError(
+                f"{self.root} already holds a run; pass another --output or delete it. If its training "
+                f"stopped early, 'mlperf-grpo evaluate {self.root}' finishes it: it evaluates the published "
+                "checkpoints, or closes a run stopped before its first checkpoint as aborted"
+            )
+
     def create(self, config: RunConfig) -> Path:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.
 
@@ -101,8 +124,7 @@ class RunDir:
             RunDirError: the directory already holds a run, or the log file already holds
                 MLPerf lines (a second run would corrupt both); nothing is written.
         """
-        if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
-            raise RunDirError(f"{self.root} already holds a run; pass another --output or delete it")
+        self.check_unused()
         mllog_file = Path(os.environ.get(MLLOG_ENV) or self.root / "mlperf.log").resolve()
         if mllog_file.is_file() and ":::MLLOG" in mllog_file.read_text(errors="replace"):
             raise RunDirError(f"MLPerf log {mllog_file} already holds a run's lines; use a new log file")

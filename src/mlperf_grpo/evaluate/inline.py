@@ -14,9 +14,7 @@ and log events as the offline evaluator are used::
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict
 
 import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
@@ -30,6 +28,7 @@ from mlperf_grpo.evaluate.offline import (
     log_run_stop,
     read_outcome,
     write_results,
+    write_summary,
 )
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
@@ -126,5 +125,5 @@ def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str)
             raise EvaluationError(f"grpo.max_steps {config.grpo.max_steps} ends before the first eval step {config.first_eval_step}")
         evaluator.finish()
     outcome = read_outcome(run, mllog_file)
-    (run.eval_dir / "summary.json").write_text(json.dumps(asdict(outcome), indent=2) + "\n")
+    write_summary(run, outcome)
     return outcome

@@ -10,6 +10,14 @@ Reads top to bottom like the lifecycle it runs::
         first pass: commit run_stop(success, time_ms = weight-update time); stop
     none passed: run_stop(aborted, time_ms = final checkpoint's weight-update time)
     teardown: delete the checkpoints unless retained
+
+The evaluator writes the run's one ``run_stop`` however training ended: the published
+series is evaluated (its final checkpoint is the last one published). A run whose
+training stopped before its first checkpoint (no ``step_N/``; the log's last trained
+step before the first eval step, or at it with its write killed) has nothing to evaluate: it is closed with
+``run_stop`` aborted at its last trained step (the time of that step's ``block_stop``,
+``run_start``'s when no step finished). Teardown never deletes a checkpoint that was not
+evaluated unless the run passed.
 """
 
 from __future__ import annotations
@@ -192,19 +200,91 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
-    summary = run.eval_dir / "summary.json"
-    with RunLock(run.root, "evaluator"):
+    with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
         log = _read_checked_log(mllog_file)
-        if log.find(C.RUN_STOP) and summary.is_file():
+        if log.find(C.RUN_STOP) and run.summary_file.is_file():
             return read_outcome(run, mllog_file)  # finished earlier: report, touch nothing
         if not log.find(C.RUN_STOP):
-            _evaluate_checkpoints(run, config, mllog_file, log, show_progress)
+            if _stopped_before_first_checkpoint(run, config, log, mllog_file):
+                _close_aborted(run, config, mllog_file, log)
+            else:
+                _evaluate_checkpoints(run, config, mllog_file, log, show_progress)
         if not retain:
-            remove_checkpoints(run.checkpoints)
+            _teardown(run, read_log(mllog_file))
         outcome = read_outcome(run, mllog_file)
-        run.eval_dir.mkdir(parents=True, exist_ok=True)
-        summary.write_text(json.dumps(asdict(outcome), indent=2) + "\n")  # marks the run finished
+        write_summary(run, outcome)  # marks the run finished
     return outcome
+
+
+def write_summary(run: RunDir, outcome: EvalOutcome) -> None:
+    """``<run>/eval/summary.json``: the outcome, with the log recorded relative to the
+    run directory when it lies inside it (as ``run.json`` does), so a moved run's summary
+    still names its log."""
+    record = asdict(outcome)
+    try:
+        record["mllog_file"] = str(Path(outcome.mllog_file).resolve().relative_to(run.root.resolve()))
+    except ValueError:
+        record["mllog_file"] = str(Path(outcome.mllog_file).resolve())
+    run.eval_dir.mkdir(parents=True, exist_ok=True)
+    run.summary_file.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def last_trained_step(log: ParsedLog) -> tuple[int, int]:
+    """``(step, time_ms)`` of the log's last ``block_stop``, or ``(0, run_start time)``
+    when no step finished; time in Unix ms. The log must have a ``run_start``."""
+    stops = log.find(C.BLOCK_STOP)
+    if stops:
+        return int(stops[-1].metadata.get("step", 0)), int(stops[-1].time_ms)
+    return 0, int(log.find(C.RUN_START)[0].time_ms)
+
+
+def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: ParsedLog, mllog_file: Path) -> bool:
+    """True for a run whose training ended before publishing any checkpoint: nothing
+    evaluated or published, and the last trained step before the first eval step (no
+    checkpoint was due) or at it with ``tmp_step_N/`` left (its write was killed).
+    Otherwise a missing series is an error of :func:`check_series` (deleted or moved).
+
+    Raises:
+        EvaluationError: training never started (no ``run_start``): nothing to score.
+    """
+    if run.published_steps() or _logged_evals(log):
+        return False
+    if not log.find(C.RUN_START):
+        raise EvaluationError(
+            f"{run.root}: training never started (no run_start in {mllog_file}), so the run has nothing to "
+            "evaluate or score; delete the directory and train again"
+        )
+    last, s0 = last_trained_step(log)[0], config.first_eval_step
+    return last < s0 or (last == s0 and (run.checkpoints / f"tmp_step_{s0}").is_dir())
+
+
+def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
+    """Write ``run_stop`` aborted at the last trained step and say why (stderr)."""
+    step, time_ms = last_trained_step(log)
+    writer = MLLogWriter(mllog_file)
+    log_run_stop(writer, C.ABORTED, step, rules.samples_count(step, config.global_batch_size), time_ms)
+    writer.commit()
+    print(
+        f"note: training of {run.root} stopped after step {step}, before its first checkpoint (step "
+        f"{config.first_eval_step}); with nothing to evaluate the run is closed: run_stop aborted at step {step}",
+        file=sys.stderr,
+    )
+
+
+def _teardown(run: RunDir, log: ParsedLog) -> None:
+    """Delete the checkpoints of a finished run, unless one was never evaluated and the
+    run did not pass (a ``run_stop`` aborted written before they were evaluated)."""
+    passed = log.find(C.RUN_STOP)[0].metadata.get(C.STATUS) == C.SUCCESS
+    evaluated = {step for step, _ in _logged_evals(log)}
+    unevaluated = [step for step in run.published_steps() if step not in evaluated]
+    if unevaluated and not passed:
+        print(
+            f"note: kept {run.checkpoints}: checkpoints {unevaluated} were never evaluated and the log's "
+            "run_stop (aborted) was written before they were; delete them yourself if they are not needed",
+            file=sys.stderr,
+        )
+        return
+    remove_checkpoints(run.checkpoints)
 
 
 def _read_checked_log(mllog_file: Path) -> ParsedLog:

@@ -9,13 +9,24 @@ Reads top to bottom like the lifecycle it runs::
         loss over micro-batches; clip; optimizer.step()   -> weight-update time
         block_stop
         step >= first eval step: write deferred checkpoint step_N/
-    (no run_stop: the offline evaluator writes it; ``aborted`` only if training fails)
+    no run_stop: the offline evaluator writes it
+
+The model, tokenizer and device are checked, and the model loaded, before the run
+directory is made, so a setup failure leaves no half-made run. How training ends early
+(SIGTERM, Ctrl-C, an error, a failed checkpoint write) decides who closes the run:
+
+    a checkpoint is published -> no run_stop here: the run's result belongs to the
+                                 offline evaluator, which evaluates the published series
+    none is published         -> run_stop aborted at the last trained step (the time of
+                                 its block_stop; run_start's when no step finished)
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
@@ -26,8 +37,8 @@ from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.mllog import MLLogWriter, now_ms
-from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
+from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
+from mlperf_grpo.model import DTYPES, check_device, check_model, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
@@ -109,7 +120,7 @@ def train(
 
     Args:
         config: the run config.
-        run: the run directory (created here).
+        run: the run directory (created here, after the model is checked and loaded).
         config_filename: logged as ``config_filename``.
         show_progress: draw a tqdm bar on stderr.
         inline_eval: ``DEFERRED_OFFLINE_EVAL=0``: called as ``inline_eval(step, policy)``
@@ -120,40 +131,66 @@ def train(
             another process writes to it).
         TaskError: the task data or entry point is unusable (before anything is written).
         ModelLoadError, LogWriteError, CheckpointWriteError, OSError: setup or I/O failed.
-        TrainingStopped, KeyboardInterrupt: SIGTERM or Ctrl-C.
-        Any failure after ``run_start`` first logs ``run_stop`` with status ``aborted``.
+        Terminated, KeyboardInterrupt: SIGTERM or Ctrl-C.
+        On a failure during setup nothing of the run is written (a run directory this call
+        created is removed). On a failure after ``run_start``: ``run_stop`` aborted when no
+        checkpoint is published yet, else no ``run_stop`` (the offline evaluator's).
     """
-    check_model_path(config.model.path)  # before anything is written
-    check_device(config.model.device)
-    suite = tasks.load_suite(config)
-    tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
-    train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
+    suite, train_pool = check_training_inputs(config, run)
+    root_existed = run.root.exists()
     try:
         run.root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create run directory {run.root}: {err.strerror}") from None
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
-        return _train(config, run, config_filename, show_progress, inline_eval, stopper, suite, train_pool)
+        try:
+            setup = _setup(config, train_pool)
+            mllog_file = run.create(config)
+        except BaseException:  # no line of the run was logged yet: leave no trace
+            if not root_existed:
+                (run.root / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    run.root.rmdir()
+            raise
+        return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
 
 
-def _train(
-    config: RunConfig,
-    run: RunDir,
-    config_filename: str,
-    show_progress: bool,
-    inline_eval: Callable[[int, torch.nn.Module], bool] | None,
-    stopper: GracefulStop,
-    suite: tasks.TaskSuite,
-    train_pool: list[tasks.Task],
-) -> TrainResult:
-    log = MLLogWriter(run.create(config))
-    log_submission_and_init_start(log, config)
+def check_training_inputs(config: RunConfig, run: RunDir) -> tuple[tasks.TaskSuite, list[tasks.Task]]:
+    """Everything that can be checked before training starts, cheaply (no weights loaded).
 
+    Returns:
+        ``(suite, train_pool)``: the task suite and its checked training pool.
+    Raises:
+        TaskError: the task data or entry point is unusable, or a task count is wrong.
+        ModelLoadError: the model directory, its weights' headers or its tokenizer are
+            unusable (see :func:`mlperf_grpo.model.check_model`), or no CUDA device.
+        RunDirError: the output already holds a run.
+    """
+    suite = tasks.load_suite(config)
+    validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
+    train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
+    check_model(config.model.path, sample_text=validation[0].prompt)
+    check_device(config.model.device)
+    run.check_unused()
+    return suite, train_pool
+
+
+@dataclass
+class _Setup:
+    """What training needs in memory; built before the run directory is written."""
+
+    init_start_ms: int
+    policy: torch.nn.Module
+    engine: HFEngine
+    optimizer: torch.optim.Optimizer
+    sampler: PromptSampler
+
+
+def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
+    init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
     policy = load_model(config.model.path, "float32", config.model.device)
     engine = HFEngine(config.model.path, config.model.dtype, device=config.model.device)
-    pad_id = engine.tokenizer.pad_token_id
-    g = config.grpo
     optimizer = torch.optim.AdamW(
         policy.parameters(),
         lr=config.learning_rate,
@@ -162,18 +199,39 @@ def _train(
         weight_decay=config.optimizer.weight_decay,
     )
     sampler = PromptSampler(train_pool, config.seed)
+    return _Setup(init_start_ms, policy, engine, optimizer, sampler)
+
+
+def _train(
+    config: RunConfig,
+    run: RunDir,
+    mllog_file: Path,
+    config_filename: str,
+    show_progress: bool,
+    inline_eval: Callable[[int, torch.nn.Module], bool] | None,
+    stopper: GracefulStop,
+    setup: _Setup,
+    suite: tasks.TaskSuite,
+) -> TrainResult:
+    log = MLLogWriter(mllog_file)
+    log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
+
+    policy, engine, optimizer, sampler = setup.policy, setup.engine, setup.optimizer, setup.sampler
+    pad_id = engine.tokenizer.pad_token_id
+    g = config.grpo
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
 
     log_hyperparameters(log, config, config_filename)
     log.end(C.INIT_STOP)
-    log.start(C.RUN_START)
+    run_start_ms = now_ms()
+    log.start(C.RUN_START, time_ms=run_start_ms)
     log.commit()
 
     result = TrainResult()
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
-    completed = 0  # steps whose optimizer step has returned
+    completed, completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
     try:
         for step in range(1, g.max_steps + 1):
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
@@ -189,10 +247,11 @@ def _train(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, g.ratio_clip_eps, config.gradient_clip_norm
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
-            completed = step
             engine.load_weights(policy.state_dict())  # refit for the next rollouts
-            log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step})
+            block_stop_ms = now_ms()
+            log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
             log.commit()
+            completed, completed_ms = step, block_stop_ms
             stats = StepStats(
                 step=step,
                 reward_mean=float(rewards.mean()),
@@ -223,8 +282,13 @@ def _train(
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
     except BaseException:
-        log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed})
-        log.commit()
+        # The run's one run_stop: once a checkpoint is published it is the offline
+        # evaluator's (it evaluates the published series, however training ended).
+        # An asynchronous checkpoint writer must be drained or cancelled before this.
+        if not run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
+            log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed},
+                    time_ms=completed_ms)
+            log.commit()
         raise
     finally:
         bar.close()

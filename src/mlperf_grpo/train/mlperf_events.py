@@ -54,15 +54,19 @@ def hyperparameters(config: RunConfig, config_filename: str) -> dict[str, object
     }
 
 
-def log_submission_and_init_start(log: MLLogWriter, config: RunConfig) -> None:
-    """``cache_clear``, ``init_start`` and the ``submission_*`` keys, committed."""
-    log.event(C.CACHE_CLEAR, True)
-    log.start(C.INIT_START)
-    log.event(C.SUBMISSION_BENCHMARK, rules.BENCHMARK)
-    log.event(C.SUBMISSION_ORG, config.submission.org)
-    log.event(C.SUBMISSION_DIVISION, config.division)
-    log.event(C.SUBMISSION_STATUS, "onprem")
-    log.event(C.SUBMISSION_PLATFORM, config.submission.platform)
+def log_submission_and_init_start(log: MLLogWriter, config: RunConfig, time_ms: int | None = None) -> None:
+    """``cache_clear``, ``init_start`` and the ``submission_*`` keys, committed.
+
+    ``time_ms`` (Unix ms, default now): when initialization began, for a caller that
+    loads the model before the run directory and its log exist.
+    """
+    log.event(C.CACHE_CLEAR, True, time_ms=time_ms)
+    log.start(C.INIT_START, time_ms=time_ms)
+    log.event(C.SUBMISSION_BENCHMARK, rules.BENCHMARK, time_ms=time_ms)
+    log.event(C.SUBMISSION_ORG, config.submission.org, time_ms=time_ms)
+    log.event(C.SUBMISSION_DIVISION, config.division, time_ms=time_ms)
+    log.event(C.SUBMISSION_STATUS, "onprem", time_ms=time_ms)
+    log.event(C.SUBMISSION_PLATFORM, config.submission.platform, time_ms=time_ms)
     log.commit()
 
 

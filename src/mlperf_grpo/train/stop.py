@@ -1,4 +1,8 @@
-"""Clean stops on SIGTERM: raise at a safe point, never in the middle of a checkpoint."""
+"""Clean stops on SIGTERM: raise at a safe point, never in the middle of a checkpoint.
+
+The CLI holds a :class:`GracefulStop` for the whole command (training and evaluation);
+the trainer holds its own to defer SIGTERM during checkpoint writes.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,12 @@ import signal
 from collections.abc import Iterator
 
 
-class TrainingStopped(KeyboardInterrupt):
-    """SIGTERM asked training to stop (handled like Ctrl-C: ``run_stop`` aborted)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM asked the process to stop; handled like Ctrl-C (the CLI exits 143, Ctrl-C 130)."""
 
 
 class GracefulStop:
-    """While active, SIGTERM raises :class:`TrainingStopped` in the main thread, except
+    """While active, SIGTERM raises :class:`Terminated` in the main thread, except
     inside :meth:`deferred` blocks (a checkpoint write), where it is held until the block
     ends, so the checkpoint is finished rather than torn. Ctrl-C (SIGINT) raises
     ``KeyboardInterrupt`` as usual; an interrupted write is discarded by the writer."""
@@ -26,7 +30,7 @@ class GracefulStop:
         if self._depth:
             self._pending = True
             return
-        raise TrainingStopped("stopped by SIGTERM")
+        raise Terminated("stopped by SIGTERM")
 
     def __enter__(self) -> "GracefulStop":
         self._previous = signal.signal(signal.SIGTERM, self._handler)
@@ -45,4 +49,4 @@ class GracefulStop:
             self._depth -= 1
         if self._pending and not self._depth:
             self._pending = False
-            raise TrainingStopped("stopped by SIGTERM (after finishing the checkpoint)")
+            raise Terminated("stopped by SIGTERM (after finishing the checkpoint)")

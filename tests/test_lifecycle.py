@@ -1,0 +1,245 @@
+"""The run lifecycle (issue 8, part 1) and the CLI around it (part 5).
+
+A run that stops early never loses a checkpoint: training killed before its first
+checkpoint is closed by ``evaluate``; setup failures leave no half-made run; SIGTERM in
+the evaluation phase stops like Ctrl-C. Faults are real signals sent to real
+``python -m mlperf_grpo.cli`` subprocesses, with the smallest configs that show them.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlperf_grpo import __version__
+from mlperf_grpo.cli import build_parser, main
+from mlperf_grpo.mllog import read_log
+from mlperf_grpo.model import BUILTIN_MODEL_DIR
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+TINY_OPEN = {"grpo": {"num_prompts_per_step": 4, "max_steps": 2, "first_eval_step": 1}, "validation": {"num_tasks": 20}}
+
+
+def _cli(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mlperf_grpo.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV, text=True, **popen)
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _wait_for(predicate, proc, timeout_s=600.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+def _log_text(run: Path) -> str:
+    return (run / "mlperf.log").read_text() if (run / "mlperf.log").is_file() else ""
+
+
+def _errors(err: str) -> list[str]:
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("mlperf-grpo:")]
+
+
+# --------------------------------------------------------------------------- killed before the first checkpoint
+
+@pytest.mark.slow
+def test_trainer_killed_before_its_first_checkpoint_is_closed_by_evaluate(tmp_path, capsys):
+    run = tmp_path / "run"
+    proc = _cli("train", "--config", str(_write(tmp_path / "c.yaml", {"grpo": {"max_steps": 30}})), "--output", str(run))
+    _wait_for(lambda: '"step": 3' in _log_text(run) and '"block_stop"' in _log_text(run), proc)
+    proc.kill()
+    proc.communicate()
+    before = read_log(run / "mlperf.log")
+    assert not before.find("run_stop") and not (run / "checkpoints").exists()
+    last = before.find("block_stop")[-1]
+
+    # train refuses the directory and names the way out
+    assert main(["train", "--output", str(run)]) == 2
+    (line,) = _errors(capsys.readouterr().err)
+    assert "already holds a run" in line and f"'mlperf-grpo evaluate {run}'" in line
+
+    assert main(["evaluate", str(run)]) == 3
+    captured = capsys.readouterr()
+    assert "status: aborted" in captured.out and "time-to-train: none (an aborted run has no score)" in captured.out
+    assert f"stopped after step {last.metadata['step']}, before its first checkpoint (step 18)" in captured.err
+    log = read_log(run / "mlperf.log")
+    (stop,) = log.find("run_stop")
+    assert {k: stop.metadata[k] for k in ("status", "samples_count", "step")} == {
+        "status": "aborted", "samples_count": last.metadata["step"] * 256, "step": last.metadata["step"]}
+    assert stop.time_ms == last.time_ms and log.events[-1] == stop and not log.find("eval_accuracy")
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["run_stop_time_ms"] == last.time_ms
+    # asked again: the same answer, nothing written
+    text = (run / "mlperf.log").read_bytes()
+    assert main(["evaluate", str(run)]) == 3
+    assert (run / "mlperf.log").read_bytes() == text
+
+
+def test_checkpoints_deleted_after_the_first_eval_step_are_not_closed_as_aborted(tmp_path, capsys):
+    """The way out is only for training that ended before its first checkpoint: a run
+    trained past it whose checkpoints are gone is an error, not an aborted run."""
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--output", str(run)]) == 0
+    shutil.rmtree(run / "checkpoints")
+    before = (run / "mlperf.log").read_bytes()
+    assert main(["evaluate", str(run)]) == 2
+    assert "no step_N checkpoints" in _errors(capsys.readouterr().err)[0]
+    assert (run / "mlperf.log").read_bytes() == before
+
+
+# --------------------------------------------------------------------------- setup failures leave nothing
+
+def _no_weights(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+
+
+def _no_tokenizer(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+
+
+def _config_vocab_not_the_weights(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] += 5
+    (model / "config.json").write_text(json.dumps(config))
+
+
+def _tokenizer_ids_beyond_the_embedding(model: Path) -> None:
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["model"]["vocab"].update({"X": 15, "Y": 16})  # the embedding has 15 rows
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+
+
+def _eos_beyond_the_embedding(model: Path) -> None:
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 40, "content": "<end>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<end>"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _corrupt_header(model: Path) -> None:
+    (model / "model.safetensors").write_bytes(b"\xff" * 64)
+
+
+SETUP_FAULTS = {
+    "no-weights": (_no_weights, "has no weights (model.safetensors"),
+    "no-tokenizer": (_no_tokenizer, "has no tokenizer files"),
+    "vocab-size-not-the-weights": (_config_vocab_not_the_weights, "tensor 'model.embed_tokens.weight' has shape [15, 64] in the weight files but config.json needs [20, 64]"),
+    "tokenizer-ids-beyond-embedding": (_tokenizer_ids_beyond_the_embedding, "the largest vocabulary id is 16 but the embedding 'model.embed_tokens.weight' has 15 rows"),
+    "eos-beyond-embedding": (_eos_beyond_the_embedding, "has 15 rows"),
+    "unreadable-header": (_corrupt_header, "cannot read the safetensors header"),
+}
+
+
+@pytest.mark.parametrize("fault", list(SETUP_FAULTS))
+def test_setup_failure_leaves_no_run_behind(tmp_path, capsys, fault):
+    damage, message = SETUP_FAULTS[fault]
+    model = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    damage(model)
+    cfg = _write(tmp_path / "c.yaml", {"model": {"path": str(model)}})
+    assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    (line,) = _errors(captured.err)
+    assert message in line, line
+    assert not (tmp_path / "r").exists()
+    assert "note:" not in captured.out  # the open-division note comes only once every check passed
+
+
+def test_failure_while_loading_the_model_removes_the_run_directory(tmp_path, capsys, monkeypatch):
+    """A failure after the checks (out of memory, Ctrl-C while loading) writes nothing:
+    the model is loaded before the run directory's files, and the directory is removed."""
+    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.train import loop
+
+    def fail(*args, **kwargs):
+        raise ModelLoadError("cannot load model: injected failure")
+
+    monkeypatch.setattr(loop, "load_model", fail)
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert "injected failure" in _errors(capsys.readouterr().err)[0]
+    assert not (tmp_path / "r").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert main(["train", "--config", str(cfg), "--output", str(existing)]) == 2
+    assert [p.name for p in existing.iterdir()] == [".lock"]  # a directory given empty stays an empty run
+
+
+# --------------------------------------------------------------------------- SIGTERM in run's evaluation phase
+
+@pytest.mark.slow
+def test_sigterm_during_runs_evaluation_stops_cleanly_and_evaluate_resumes(tmp_path, capsys):
+    run = tmp_path / "run"
+    proc = _cli("run", "--config", str(_write(tmp_path / "c.yaml", {"grpo": {"max_steps": 19}})), "--output", str(run))
+    lock = run / ".lock"
+    _wait_for(lambda: lock.is_file() and "the evaluator" in lock.read_text(), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err
+    (line,) = _errors(err)
+    assert line.startswith("mlperf-grpo: evaluation stopped by SIGTERM") and f"'mlperf-grpo evaluate {run}' resumes" in line
+    log = read_log(run / "mlperf.log")
+    assert not log.find("run_stop") and len(log.find("eval_start")) == len(log.find("eval_stop"))
+    assert [c.name for c in sorted((run / "checkpoints").iterdir())] == ["step_18", "step_19"]  # nothing deleted
+    assert main(["evaluate", str(run)]) == 3
+    log = read_log(run / "mlperf.log")
+    assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19] and len(log.find("run_stop")) == 1
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_default_output_never_collides(tmp_path, monkeypatch, capsys):
+    """The README's first command, twice in one folder: two runs, both finished."""
+    monkeypatch.chdir(tmp_path)
+    cfg = str(_write(tmp_path / "c.yaml", {**TINY_OPEN, "validation": {"num_tasks": 4}}))
+    assert main(["train", "--config", cfg]) == 0
+    assert main(["train", "--config", cfg]) == 0
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all((r / "run.json").is_file() for r in runs)
+    out = capsys.readouterr().out
+    assert all(f"run directory: runs/{r.name}" in out for r in runs)
+
+
+def test_help_describes_the_tool_and_every_argument(capsys):
+    parser = build_parser()
+    text = parser.format_help()
+    assert "GRPO training with deferred offline evaluation" in text
+    assert "one short function per subcommand" not in text  # no code docstring
+    assert "143 SIGTERM" in text
+    for command, positional in [("evaluate", "RUN_DIR"), ("check", "LOG"), ("report", "LOG"), ("package", "RUN_DIR")]:
+        sub = parser._subparsers._group_actions[0].choices[command]
+        actions = [a for a in sub._actions if a.metavar == positional]
+        assert actions and actions[0].help, (command, positional)
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"mlperf-grpo {__version__}"
+
+
+def test_open_division_note_comes_after_the_checks(tmp_path, capsys):
+    cfg = _write(tmp_path / "c.yaml", {"model": {"path": str(tmp_path / "no-model")}})
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    assert "note:" not in captured.out and "not a local Hugging Face model directory" in captured.err
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "run.json").write_text("{}")
+    assert main(["train", "--output", str(used)]) == 2
+    assert "note:" not in capsys.readouterr().out
