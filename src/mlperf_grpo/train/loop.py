@@ -25,8 +25,7 @@ from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import score
-from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.inference.base import SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, now_ms
 from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
@@ -125,6 +124,7 @@ def train(
     """
     check_model_path(config.model.path)  # before anything is written
     check_device(config.model.device)
+    check_engine_available(config)
     try:
         run.root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -147,7 +147,7 @@ def _train(
     torch.manual_seed(config.seed)
     suite = SUITES[config.task.name]
     policy = load_model(config.model.path, "float32", config.model.device)
-    engine = HFEngine(config.model.path, config.model.dtype, device=config.model.device)
+    engine = build_engine(config)
     pad_id = engine.tokenizer.pad_token_id
     g = config.grpo
     optimizer = torch.optim.AdamW(
