@@ -123,3 +123,16 @@ def test_canary_up_to_constant_accepts_log_softmax_and_still_catches_other_weigh
     assert canary_mismatch(logits.tolist(), logprobs, "float32", up_to_constant=True) is None
     other = torch.log_softmax(logits + torch.tensor([0.0, 0.01, 0.0, 0.0]), dim=-1).tolist()
     assert canary_mismatch(logits.tolist(), other, "float32", up_to_constant=True) is not None
+
+
+def test_a_vllm_trained_runs_canary_is_what_an_hf_engine_records():
+    """With vLLM the trainer records the canary from the policy cast to the checkpoint
+    dtype: exactly the logits an HF engine refit with those weights gives."""
+    from mlperf_grpo.fingerprint import canary_logits_in_dtype
+    from mlperf_grpo.model import load_model
+
+    policy = load_model("builtin:arithmetic-tiny", "float32")
+    engine = HFEngine("builtin:arithmetic-tiny", "bfloat16")
+    engine.load_weights({k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()})
+    assert canary_logits_in_dtype(policy, policy.config.vocab_size, torch.bfloat16) == engine.canary_logits()
+    assert next(policy.parameters()).dtype == torch.float32  # the policy itself is untouched

@@ -7,6 +7,7 @@ canary input with the logits the trainer recorded for that checkpoint when it wr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import torch
@@ -40,6 +41,18 @@ def canary_logits(model: torch.nn.Module, vocab_size: int) -> list[float]:
     ids = canary_input_ids(vocab_size).to(next(model.parameters()).device)
     logits = model(input_ids=ids).logits[0, -1, :CANARY_LOGITS]
     return [float(x) for x in logits.float()]
+
+
+@torch.no_grad()
+def canary_logits_in_dtype(model: torch.nn.Module, vocab_size: int, dtype: torch.dtype) -> list[float]:
+    """:func:`canary_logits` of ``model`` with its parameters cast to ``dtype`` (a copy
+    when the dtype differs; buffers such as RoPE frequencies keep theirs, as when the
+    model is loaded in ``dtype``): what an HF engine holding those weights records."""
+    if next(model.parameters()).dtype != dtype:
+        model = copy.deepcopy(model)
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return canary_logits(model, vocab_size)
 
 
 def canary_mismatch(expected: list[float], got: list[float], dtype: str, up_to_constant: bool = False) -> float | None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, now_ms
@@ -210,7 +211,8 @@ def _train(
                     num_generations_per_prompt=g.num_generations_per_prompt,
                     dtype=config.model.dtype,
                     weights={},
-                    canary_logits=engine.canary_logits(),
+                    canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
+                    else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
                 )
                 state = {k: v.to(checkpoint_dtype) for k, v in policy.state_dict().items()}
                 with stopper.deferred():  # SIGTERM waits for the checkpoint to be published
