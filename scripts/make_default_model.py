@@ -3,8 +3,8 @@
 Re-run to rebuild ``src/mlperf_grpo/assets/arithmetic-tiny`` (about a minute on 2 cores):
 
     python scripts/make_default_model.py
-    python scripts/make_default_model.py --heads 2 --output src/mlperf_grpo/assets/arithmetic-tiny-hd32
-        (the same recipe with head_dim 32, for vLLM's CPU attention: builtin:arithmetic-tiny-hd32)
+    python scripts/make_default_model.py --heads 2 --output DIR
+        (the same recipe with head_dim 32, the smallest that vLLM's CPU attention runs)
 
 What it does, deterministically from ``--seed``:
 

@@ -55,6 +55,7 @@ class WeightSyncExtension:
         weights = [(name, t.to(dtype)) for name, t in weights]  # what load_weights copies in
         fingerprint = weights_fingerprint(dict(weights))
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self._retie_output_embeddings()
         self.mlperf_loaded_fingerprint = fingerprint
         self.mlperf_loaded_names = sorted(name for name, _ in weights)
         return fingerprint
@@ -63,6 +64,25 @@ class WeightSyncExtension:
         """Refit from a ``step_N/`` directory's safetensors files, read in this worker (the
         tensors do not pass through the driver process); returns their fingerprint."""
         return self.refit_from_state_dict(read_safetensors_dir(directory))
+
+    def _retie_output_embeddings(self) -> None:
+        """Tie ``lm_head`` to the input embeddings again when the config ties them.
+
+        vLLM 0.32's layer-wise reload re-creates ``embed_tokens.weight`` but, finding no
+        ``lm_head.weight`` to load (``load_weights`` skips it when tied), puts the old
+        ``lm_head`` tensor back ("ParallelLMHead: Failed to load weights"), so the
+        output layer would keep the previous weights. Re-tie through the layer's own
+        ``tie_weights`` and rebuild its kernel (the CPU backend prepacks it).
+        """
+        if not getattr(self.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False):
+            return
+        model = self.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        embeddings = [m for name, m in model.named_modules() if name.endswith("embed_tokens")]
+        if lm_head is None or len(embeddings) != 1:
+            raise ValueError("tied word embeddings, but no single embed_tokens / lm_head pair to re-tie after refit")
+        lm_head.tie_weights(embeddings[0])
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def loaded_fingerprint(self, names: list[str]) -> str:
         """The fingerprint of the tensors of the last refit.
