@@ -174,6 +174,27 @@ class ValidationConfig(_Strict):
         return value
 
 
+class InferenceConfig(_Strict):
+    """The generation engine for training rollouts and evaluation.
+
+    ``hf``: Hugging Face ``generate`` in this process (the default, no extra install).
+    ``vllm``: vLLM (``pip install -e '.[vllm]'``), refit in place. The engine runs in
+    ``model.dtype`` on ``model.device``; the other fields are vLLM's ``LLM`` arguments of
+    the same names and are ignored by ``hf``.
+    """
+
+    engine: Literal["hf", "vllm"] = "hf"
+    tensor_parallel_size: int = Field(1, gt=0)
+    """GPUs the vLLM engine shards the model over (tensor parallelism)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Fraction of the GPU's memory vLLM may take (weights + KV cache); the rest is left
+    to the policy when both share one GPU. Unused on CPU (see ``VLLM_CPU_KVCACHE_SPACE``)."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + completion in tokens; ``null``: the model's own limit."""
+    enforce_eager: bool = True
+    """True: no CUDA graphs / compilation (fast start-up, slower decoding)."""
+
+
 class RunConfig(_Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
 
@@ -185,6 +206,7 @@ class RunConfig(_Strict):
     grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     validation: ValidationConfig = ValidationConfig()
+    inference: InferenceConfig = InferenceConfig()
 
     @property
     def global_batch_size(self) -> int:
@@ -227,6 +249,18 @@ class RunConfig(_Strict):
         if isinstance(optimizer, OptimizerConfig) and "learning_rate" not in optimizer.model_fields_set:
             return {**data, "optimizer": optimizer.model_copy(update={"learning_rate": None})}
         return data
+
+    @model_validator(mode="after")
+    def _rollout_logprobs_match_the_loss(self) -> "RunConfig":
+        # vLLM returns log-probabilities after top-p (logprobs_mode processed_logprobs);
+        # the loss recomputes them before top-p: equal only at top_p 1.
+        if self.inference.engine == "vllm" and self.grpo.rollout_top_p < 1.0:
+            raise ValueError(
+                f"grpo.rollout_top_p={self.grpo.rollout_top_p}: with inference.engine vllm the rollout log-probabilities "
+                "are taken after top-p truncation, which the GRPO ratio's recomputation does not apply; set "
+                "grpo.rollout_top_p: 1.0 (the closed value) or inference.engine: hf"
+            )
+        return self
 
     @model_validator(mode="after")
     def _reaches_first_eval_step(self) -> "RunConfig":

@@ -7,6 +7,7 @@ canary input with the logits the trainer recorded for that checkpoint when it wr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import torch
@@ -42,9 +43,33 @@ def canary_logits(model: torch.nn.Module, vocab_size: int) -> list[float]:
     return [float(x) for x in logits.float()]
 
 
-def canary_mismatch(expected: list[float], got: list[float], dtype: str) -> float | None:
-    """The largest relative difference when it exceeds the dtype's tolerance, else None."""
+@torch.no_grad()
+def canary_logits_in_dtype(model: torch.nn.Module, vocab_size: int, dtype: torch.dtype) -> list[float]:
+    """:func:`canary_logits` of ``model`` with its parameters cast to ``dtype`` (a copy
+    when the dtype differs; buffers such as RoPE frequencies keep theirs, as when the
+    model is loaded in ``dtype``): what an HF engine holding those weights records."""
+    if next(model.parameters()).dtype != dtype:
+        model = copy.deepcopy(model)
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return canary_logits(model, vocab_size)
+
+
+def canary_mismatch(expected: list[float], got: list[float], dtype: str, up_to_constant: bool = False) -> float | None:
+    """The largest relative difference when it exceeds the dtype's tolerance, else None.
+
+    ``up_to_constant``: ``got`` are log-probabilities, ``logits - logsumexp(logits)``
+    (an engine that exposes no raw logits, e.g. vLLM); both vectors are then compared
+    after subtracting their own mean, which removes that one constant and nothing else.
+    """
     if len(expected) != len(got):
         return float("inf")
+    if up_to_constant:
+        expected, got = _centered(expected), _centered(got)
     worst = max((abs(a - b) / max(1.0, abs(a)) for a, b in zip(expected, got)), default=0.0)
     return worst if worst > CANARY_TOLERANCE[dtype] else None
+
+
+def _centered(values: list[float]) -> list[float]:
+    mean = sum(values) / len(values) if values else 0.0
+    return [v - mean for v in values]

