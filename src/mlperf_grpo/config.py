@@ -131,6 +131,14 @@ class ValidationConfig(_Strict):
     """Completions generated per engine call."""
 
 
+class CheckpointConfig(_Strict):
+    """Deferred checkpoints (README, Outputs)."""
+
+    max_in_flight: int = Field(2, gt=0)
+    """K: checkpoints staged in host memory but not yet written; when the writers fall
+    behind, training waits. Host memory: K x the rollout-dtype weights' bytes."""
+
+
 class RunConfig(_Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
 
@@ -142,6 +150,7 @@ class RunConfig(_Strict):
     grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     validation: ValidationConfig = ValidationConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def global_batch_size(self) -> int:

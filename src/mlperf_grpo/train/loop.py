@@ -8,7 +8,8 @@ Reads top to bottom like the lifecycle it runs::
         refit engine <- policy; rollouts; rewards; advantages
         loss over micro-batches; clip; optimizer.step()   -> weight-update time
         block_stop
-        step >= first eval step: write deferred checkpoint step_N/
+        step >= first eval step: stage the weights; step_N/ is written in the background
+    training's end: wait until every checkpoint is published (checkpoints/training_end.json)
     (no run_stop: the offline evaluator writes it; ``aborted`` only if training fails)
 """
 
@@ -22,13 +23,13 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
 from mlperf_grpo import rules
-from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
+from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import score
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import MLLogWriter, now_ms
-from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_model
+from mlperf_grpo.model import check_device, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.tasks import SUITES
 from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
@@ -56,6 +57,8 @@ class TrainResult:
 
     steps: list[StepStats] = field(default_factory=list)
     checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps whose checkpoint was published."""
+    checkpoint_timings: list[CheckpointTiming] = field(default_factory=list)
 
 
 def optimize_step(
@@ -162,7 +165,10 @@ def _train(
     )
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
-    checkpoint_dtype = DTYPES[config.model.dtype]
+    # the non-weight files are snapshotted (and fingerprinted) now, at training start
+    checkpointer = None if inline_eval is not None else AsyncCheckpointer(
+        run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight
+    )
 
     log_hyperparameters(log, config, config_filename)
     log.end(C.INIT_STOP)
@@ -174,6 +180,8 @@ def _train(
     completed = 0  # steps whose optimizer step has returned
     try:
         for step in range(1, g.max_steps + 1):
+            if checkpointer is not None:
+                checkpointer.raise_if_failed()  # a failed background write stops training here
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
             tasks = sampler.sample(g.num_prompts_per_step)
@@ -200,7 +208,7 @@ def _train(
                 weight_update_time_ms=weight_update_time_ms,
             )
             result.steps.append(stats)
-            if step >= first_eval_step and inline_eval is None:
+            if step >= first_eval_step and checkpointer is not None:
                 info = TrainingInfo(
                     current_step=step,
                     consumed_samples=step * g.num_prompts_per_step,
@@ -209,22 +217,27 @@ def _train(
                     global_batch_size=gbs,
                     num_generations_per_prompt=g.num_generations_per_prompt,
                     dtype=config.model.dtype,
-                    weights={},
                     canary_logits=engine.canary_logits(),
                 )
-                state = {k: v.to(checkpoint_dtype) for k, v in policy.state_dict().items()}
-                with stopper.deferred():  # SIGTERM waits for the checkpoint to be published
-                    write_checkpoint(run.checkpoints, state, info)
-                result.checkpoint_steps.append(step)
+                # the engine holds the rollout-dtype weights of this step (refit above)
+                with stopper.deferred():  # SIGTERM waits for the staging copy, then stops
+                    checkpointer.save(engine.model.state_dict(), info)
             bar.set_postfix(reward=f"{stats.reward_mean:.3f}", acc=f"{stats.rollout_pass_rate:.3f}", refresh=False)
             bar.update(1)
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
-    except BaseException:
+        if checkpointer is not None:
+            checkpointer.finish("finished")  # training's end waits for every write
+    except BaseException as err:
+        if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
+            checkpointer.finish(type(err).__name__, raise_error=False)
         log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed})
         log.commit()
         raise
     finally:
         bar.close()
+        if checkpointer is not None:
+            result.checkpoint_steps = list(checkpointer.published_steps)
+            result.checkpoint_timings = [checkpointer.timings[s] for s in sorted(checkpointer.timings)]
     return result
 
