@@ -35,12 +35,12 @@ def _slow_writes(monkeypatch, delays_s: dict[int, float], fail_step: int | None 
     """Make the shard writes of some steps slow (and one fail with ENOSPC)."""
     real = writer_module.AsyncCheckpointer._write_shard
 
-    def write_shard(path, names, staged):
+    def write_shard(path, shard, slot):
         step = int(path.parent.name.removeprefix("tmp_step_"))
         time.sleep(delays_s.get(step, 0.0))
         if step == fail_step:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, names, staged)
+        return real(path, shard, slot)
 
     monkeypatch.setattr(writer_module.AsyncCheckpointer, "_write_shard", staticmethod(write_shard))
 

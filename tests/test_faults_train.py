@@ -186,10 +186,10 @@ FAIL_AT_STEP_20 = textwrap.dedent(
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
     from mlperf_grpo.cli import main
     real = AsyncCheckpointer._write_shard
-    def write_shard(path, names, staged):
+    def write_shard(path, shard, slot):
         if path.parent.name == "tmp_step_20":
             raise OSError(errno.EIO, "Input/output error")
-        return real(path, names, staged)
+        return real(path, shard, slot)
     AsyncCheckpointer._write_shard = staticmethod(write_shard)
     sys.exit(main(sys.argv[1:]))
     """

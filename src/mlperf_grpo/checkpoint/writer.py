@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +76,45 @@ class CheckpointTiming:
     publish_s: float | None = None
 
 
+@dataclass
+class StagingSlot:
+    """One host copy of the weights: a flat byte buffer (pinned when the weights are on
+    CUDA) laid out shard by shard, each shard's tensors back to back exactly as in its
+    safetensors file, so a shard is written and hashed as one contiguous range.
+    Reused from checkpoint to checkpoint; rebuilt only if the tensors' layout changes."""
+
+    layout: tuple = ()
+    flat: torch.Tensor | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> view into ``flat`` with the tensor's dtype and shape."""
+    shards: list[tuple[list[str], int, int]] = field(default_factory=list)
+    """(tensor names in file order, start byte, end byte) per shard."""
+
+    def build(self, unique: dict[str, torch.Tensor], max_shard_size: int | str) -> None:
+        split = split_torch_state_dict_into_shards(unique, max_shard_size=max_shard_size)
+        nbytes = {n: t.numel() * t.element_size() for n, t in unique.items()}
+        offsets, self.shards, offset = {}, [], 0
+        for group in split.filename_to_tensors.values():
+            # largest element size first keeps every view aligned (safetensors orders so too)
+            names = sorted(group, key=lambda n: -unique[n].element_size())
+            offset = -(-offset // 8) * 8
+            start = offset
+            for n in names:
+                offsets[n] = offset
+                offset += nbytes[n]
+            self.shards.append((names, start, offset))
+        on_cuda = any(t.is_cuda for t in unique.values())
+        self.flat = torch.empty(offset, dtype=torch.uint8, pin_memory=on_cuda)
+        self.tensors = {
+            n: self.flat[offsets[n]: offsets[n] + nbytes[n]].view(t.dtype).view(t.shape) for n, t in unique.items()
+        }
+        self.layout = _layout(unique)
+
+
+def _layout(unique: dict[str, torch.Tensor]) -> tuple:
+    return tuple((n, t.dtype, tuple(t.shape)) for n, t in unique.items())
+
+
 def snapshot_model_files(model_dir: Path) -> dict[str, bytes]:
     """The bytes of the model directory's :data:`NON_WEIGHT_FILES` that exist."""
     return {name: (model_dir / name).read_bytes() for name in NON_WEIGHT_FILES if (model_dir / name).is_file()}
@@ -107,13 +146,6 @@ def _write_all(f, data: memoryview | bytes) -> None:
         view = view[f.write(view):]
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """The host tensor's bytes, without a copy."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 class AsyncCheckpointer:
     """Deferred checkpoints written in the background (see the module docstring).
 
@@ -136,9 +168,9 @@ class AsyncCheckpointer:
         self.files = files_record(self.model_files)
         self.timings: dict[int, CheckpointTiming] = {}
         self.published_steps: list[int] = []
-        self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        self._free: queue.Queue[StagingSlot] = queue.Queue()
         for _ in range(max_in_flight):
-            self._free.put({})
+            self._free.put(StagingSlot())
         self._jobs = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-writer")
         self._shards = ThreadPoolExecutor(max_workers=SHARD_WRITERS, thread_name_prefix="checkpoint-shard")
         self._futures: list[Future] = []
@@ -161,12 +193,13 @@ class AsyncCheckpointer:
         slot = self._free.get()  # back-pressure: at most max_in_flight staged copies
         waited = time.perf_counter()
         try:
-            staged = self._stage(state_dict, slot)
+            self._stage(state_dict, slot, self.max_shard_size)
         except BaseException:
+            slot.layout = ()  # partly copied: rebuilt and refilled on next use
             self._free.put(slot)
             raise
         previous = self._futures[-1] if self._futures else None
-        future = self._jobs.submit(self._write, info, staged, slot, previous)
+        future = self._jobs.submit(self._write, info, slot, previous)
         self._futures.append(future)
         timing = CheckpointTiming(info.current_step, time.perf_counter() - start, waited - start)
         self.timings[info.current_step] = timing
@@ -200,27 +233,22 @@ class AsyncCheckpointer:
             self.raise_if_failed()
 
     @staticmethod
-    def _stage(state_dict: dict[str, torch.Tensor], slot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        staged = {}
-        on_cuda = False
-        for name, src in unique_tensors(state_dict).items():
-            buf = slot.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                slot[name] = buf
-            buf.copy_(src, non_blocking=True)
-            on_cuda |= src.is_cuda
-            staged[name] = buf
-        if on_cuda:  # one sync for all copies, before training changes the weights
+    def _stage(state_dict: dict[str, torch.Tensor], slot: StagingSlot, max_shard_size: int | str) -> None:
+        unique = unique_tensors(state_dict)
+        if slot.layout != _layout(unique):
+            slot.build(unique, max_shard_size)
+        for name, src in unique.items():
+            slot.tensors[name].copy_(src, non_blocking=True)
+        if slot.flat.is_pinned():  # one sync for all copies, before training changes the weights
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-        return staged
 
     # ------------------------------------------------------------------ background
 
-    def _write(self, info: TrainingInfo, staged: dict[str, torch.Tensor], slot: dict, previous: Future | None) -> int:
+    def _write(self, info: TrainingInfo, slot: StagingSlot, previous: Future | None) -> int:
         step = info.current_step
+        staged = slot.tensors
         tmp = self.root / f"tmp_step_{step}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -228,7 +256,7 @@ class AsyncCheckpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir()
             try:
-                shards, weight_map, files = self._write_shards(tmp, staged)
+                shards, weight_map, files = self._write_shards(tmp, slot)
             finally:
                 self._free.put(slot)  # the buffers are no longer read
             self._sync_shards(files)
@@ -256,15 +284,14 @@ class AsyncCheckpointer:
                 self.timings[step] = replace(timing, publish_s=time.time() - info.training_step_end_time_ms / 1000)
         return step
 
-    def _write_shards(self, tmp: Path, staged: dict[str, torch.Tensor]) -> tuple[dict[str, dict], dict[str, str]]:
-        """Write the shards in parallel (no fsync yet); returns the per-shard records and
-        the index's ``weight_map`` (tensor name -> shard file)."""
-        split = split_torch_state_dict_into_shards(staged, max_shard_size=self.max_shard_size)
-        groups = list(split.filename_to_tensors.values())
-        names = [shard_name(i + 1, len(groups)) for i in range(len(groups))]
-        written = list(self._shards.map(lambda a: self._write_shard(tmp / a[0], a[1], staged), zip(names, groups)))
+    def _write_shards(self, tmp: Path, slot: StagingSlot) -> tuple[dict[str, dict], dict[str, str], list]:
+        """Write the shards in parallel (no fsync yet); returns the per-shard records, the
+        index's ``weight_map`` (tensor name -> shard file) and the open files."""
+        count = len(slot.shards)
+        names = [shard_name(i + 1, count) for i in range(count)]
+        written = list(self._shards.map(lambda a: self._write_shard(tmp / a[0], a[1], slot), zip(names, slot.shards)))
         records = {name: record for name, (_, record) in zip(names, written)}
-        weight_map = {t: name for name, group in zip(names, groups) for t in group}
+        weight_map = {t: name for name, (group, _, _) in zip(names, slot.shards) for t in group}
         return records, weight_map, [f for f, _ in written]
 
     def _sync_shards(self, files: list) -> None:
@@ -277,24 +304,21 @@ class AsyncCheckpointer:
         list(self._shards.map(sync, files))
 
     @staticmethod
-    def _write_shard(path: Path, names: list[str], staged: dict[str, torch.Tensor]):
-        items = [(n, staged[n]) for n in names]
-        header = safetensors_header(items, {"format": "pt"})
+    def _write_shard(path: Path, shard: tuple[list[str], int, int], slot: StagingSlot):
+        names, start, end = shard
+        header = safetensors_header([(n, slot.tensors[n]) for n in names], {"format": "pt"})
+        data = memoryview(slot.flat[start:end].numpy())
         digest = new_hasher()
         digest.update(header)
+        digest.update(data)  # the bytes written below, hashed once from memory
         f = open(path, "wb", buffering=0)
         try:
             _write_all(f, header)
-            size = len(header)
-            for _, t in items:
-                data = _as_bytes(t)
-                digest.update(data)
-                _write_all(f, data)
-                size += data.nbytes
+            _write_all(f, data)
         except BaseException:
             f.close()
             raise
-        return f, {"hash": digest.hexdigest(), "bytes": size}
+        return f, {"hash": digest.hexdigest(), "bytes": len(header) + data.nbytes}
 
     def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str]) -> None:
         total = sum(t.numel() * t.element_size() for t in staged.values())
