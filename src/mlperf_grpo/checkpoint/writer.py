@@ -205,6 +205,19 @@ class AsyncCheckpointer:
         self.timings[info.current_step] = timing
         return timing
 
+    def prepare(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Allocate every staging slot for these weights now (call before ``run_start``:
+        allocating pinned memory is slow and belongs off the clock)."""
+        unique = unique_tensors(state_dict)
+        slots = [self._free.get() for _ in range(self.max_in_flight)]
+        try:
+            for slot in slots:
+                if slot.layout != _layout(unique):
+                    slot.build(unique, self.max_shard_size)
+        finally:
+            for slot in slots:
+                self._free.put(slot)
+
     def raise_if_failed(self) -> None:
         """Raise the first background write error, if any (call at step boundaries)."""
         if self._error is not None:
@@ -310,7 +323,10 @@ class AsyncCheckpointer:
         data = memoryview(slot.flat[start:end].numpy())
         digest = new_hasher()
         digest.update(header)
-        digest.update(data)  # the bytes written below, hashed once from memory
+        # the bytes written below, hashed from the same memory at the same time (both
+        # release the interpreter lock)
+        hasher = threading.Thread(target=digest.update, args=(data,), name="checkpoint-hash")
+        hasher.start()
         f = open(path, "wb", buffering=0)
         try:
             _write_all(f, header)
@@ -318,6 +334,8 @@ class AsyncCheckpointer:
         except BaseException:
             f.close()
             raise
+        finally:
+            hasher.join()
         return f, {"hash": digest.hexdigest(), "bytes": len(header) + data.nbytes}
 
     def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str]) -> None:

