@@ -240,8 +240,11 @@ class AsyncCheckpointer:
                 self.root.mkdir(parents=True, exist_ok=True)
                 last = self.published_steps[-1] if self.published_steps else None
                 end = TrainingEnd(last, self.max_in_flight, reason if self._error is None else "write_failed")
-                write_file_synced(self.root / END_FILE, end.to_json().encode())
-                fsync_path(self.root)
+                try:
+                    write_file_synced(self.root / END_FILE, end.to_json().encode())
+                    fsync_path(self.root)
+                except OSError:  # e.g. the disk is full: the evaluator then applies the hard-kill rule
+                    (self.root / END_FILE).unlink(missing_ok=True)
         if raise_error:
             self.raise_if_failed()
 
