@@ -71,14 +71,16 @@ def build_model_dir(directory: Path, params: float, dtype: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_trainer(root: Path, model_dir: Path, device: str, dtype: str, steps: int, checkpoints: bool) -> dict:
-    """Train ``steps`` steps; with ``checkpoints`` one after every step. Returns the
+def run_trainer(root: Path, model_dir: Path, args: argparse.Namespace, dtype: str, checkpoints: bool) -> dict:
+    """Train ``args.steps`` steps; with ``checkpoints`` one after every step. Returns the
     step times, the loop's hold after each checkpointed step, and publish times (s)."""
+    steps = args.steps
     config = parse_config({
-        "model": {"path": str(model_dir), "dtype": dtype, "device": device},
-        "grpo": {"num_prompts_per_step": 1, "micro_batch_size": 16, "max_new_tokens": 8,
+        "model": {"path": str(model_dir), "dtype": dtype, "device": args.device},
+        "grpo": {"num_prompts_per_step": args.prompts, "micro_batch_size": 16, "max_new_tokens": args.max_new_tokens,
                  "max_steps": steps, "first_eval_step": 1},
         "task": {"num_train_tasks": 64},
+        "checkpoint": {"max_in_flight": args.max_in_flight},
     })
     run = RunDir(root / ("with" if checkpoints else "without"))
     inline = None if checkpoints else (lambda step, policy: False)  # no checkpoint written
@@ -133,16 +135,22 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=2e7, help="model size in parameters (e.g. 1.4e9)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="rollout/checkpoint dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--prompts", type=int, help="prompts per step, 16 completions each (default: 4 on cuda, 1 on cpu)")
+    parser.add_argument("--max-new-tokens", type=int, help="rollout length (default: 16 on cuda, 8 on cpu)")
+    parser.add_argument("--max-in-flight", type=int, default=2, help="checkpoint.max_in_flight (K)")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where checkpoints are written (a real disk)")
     args = parser.parse_args()
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cuda = args.device == "cuda"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.prompts = args.prompts or (4 if cuda else 1)
+    args.max_new_tokens = args.max_new_tokens or (16 if cuda else 8)
     os.environ.pop("MLPERF_MLLOG_FILE", None)
     root = Path(tempfile.mkdtemp(prefix="checkpoint-bench-", dir=args.dir))
     try:
         params = build_model_dir(root / "model", args.params, dtype)
         weight_bytes = params * DTYPES[dtype].itemsize
-        without = run_trainer(root, root / "model", args.device, dtype, args.steps, checkpoints=False)
-        with_ = run_trainer(root, root / "model", args.device, dtype, args.steps, checkpoints=True)
+        without = run_trainer(root, root / "model", args, dtype, checkpoints=False)
+        with_ = run_trainer(root, root / "model", args, dtype, checkpoints=True)
         d2h_s = d2h_limit_s(weight_bytes, args.device)
         write_s = write_limit_s(weight_bytes, root)
     finally:
@@ -151,6 +159,7 @@ def main() -> None:
         "device": args.device,
         "params": params,
         "dtype": dtype,
+        "max_in_flight": args.max_in_flight,
         "weight_bytes": weight_bytes,
         "step_s_without": statistics.median(without["step_s"]),
         "step_s_with": statistics.median(with_["step_s"]),
