@@ -90,10 +90,28 @@ def _wait_for(predicate, timeout_s=600.0):
         time.sleep(0.005)
 
 
+SLOW_WRITES = textwrap.dedent(
+    """
+    import sys, time
+    from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
+    from mlperf_grpo.cli import main
+    real = AsyncCheckpointer._write_shard
+    def write_shard(path, shard, slot):
+        time.sleep(2.0)
+        return real(path, shard, slot)
+    AsyncCheckpointer._write_shard = staticmethod(write_shard)
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
 def test_sigkill_trainer_then_evaluate_uses_only_complete_checkpoints(tmp_path):
     run = tmp_path / "run"
-    proc = _train(run, _config(tmp_path, max_steps=30))
-    # killed while a background write is in flight
+    # a slow disk (each shard write takes 2 s), killed while a background write is in flight
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITES, "train", "--config", str(_config(tmp_path, max_steps=30)), "--output", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True,
+    )
     _wait_for(lambda: (run / "checkpoints" / "step_19").is_dir() and any((run / "checkpoints").glob("tmp_step_*")))
     proc.kill()
     proc.wait()
