@@ -24,11 +24,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mlperf_grpo.config import parse_config
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
-from mlperf_grpo.checkpoint import sha256_file
+from mlperf_grpo.checkpoint import discover_checkpoints, read_weights, sha256_file
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.train.loop import train
 
@@ -46,7 +46,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp) / "run")
         train(config, run, config_filename="make_closed_model", show_progress=True)
-        weights = load_file(run.checkpoints / f"step_{args.steps}" / "model.safetensors")
+        final = [c for c in discover_checkpoints(run.checkpoints)[0] if c.step == args.steps][0]
+        weights = read_weights(final)
     weights.pop("lm_head.weight", None)  # tied to the embeddings, as in arithmetic-tiny
     if args.output.exists():
         shutil.rmtree(args.output)

@@ -1,28 +1,150 @@
-"""Deferred checkpoints: atomic publish, self-describing, tmp dirs never read."""
+"""Deferred checkpoints: HF-format, atomic and ordered publish, back-pressure, failures,
+verification while reading."""
 
+import errno
 import json
+import time
 
+import pytest
 import torch
+import xxhash
+from transformers import AutoModelForCausalLM
 
-from mlperf_grpo.checkpoint import TrainingInfo, discover_checkpoints, sha256_file, write_checkpoint
+from mlperf_grpo.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    TrainingInfo,
+    check_same_tensors,
+    discover_checkpoints,
+    read_training_end,
+    read_weights,
+    tensor_specs,
+    write_checkpoint,
+)
+from mlperf_grpo.checkpoint import writer as writer_module
+from mlperf_grpo.model import BUILTIN_MODEL_DIR, load_model
 
 
 def _info(step):
-    return TrainingInfo(step, step * 16, 1_000 + step, step * 256, 256, 16, "float32", {}, [0.5] * 4)
+    return TrainingInfo(step, step * 16, 1_000 + step, step * 256, 256, 16, "float32", [0.5] * 4)
 
 
-def test_write_then_discover(tmp_path):
-    emb = torch.randn(4, 3)
-    state = {"embed.weight": emb, "lm_head.weight": emb, "b": torch.ones(2)}  # tied alias
-    path = write_checkpoint(tmp_path, state, _info(18))
+def _slow_writes(monkeypatch, delays_s: dict[int, float], fail_step: int | None = None):
+    """Make the shard writes of some steps slow (and one fail with ENOSPC)."""
+    real = writer_module.AsyncCheckpointer._write_shard
+
+    def write_shard(path, shard, slot):
+        step = int(path.parent.name.removeprefix("tmp_step_"))
+        time.sleep(delays_s.get(step, 0.0))
+        if step == fail_step:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, shard, slot)
+
+    monkeypatch.setattr(writer_module.AsyncCheckpointer, "_write_shard", staticmethod(write_shard))
+
+
+def test_published_checkpoint_is_a_hugging_face_model_with_the_policys_logits(tmp_path):
+    policy = load_model("builtin:arithmetic-tiny", "float32")
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.add_(0.01)  # "trained": differs from the shipped weights
+    path = write_checkpoint(tmp_path, policy.state_dict(), _info(18), BUILTIN_MODEL_DIR, max_shard_size=100_000)
     assert path.name == "step_18" and not (tmp_path / "tmp_step_18").exists()
-    (tmp_path / "tmp_step_19").mkdir()  # an interrupted write
-    found, ignored = discover_checkpoints(tmp_path)
-    assert [c.step for c in found] == [18]
-    assert [p.name for p in ignored] == ["tmp_step_19"]
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / name).read_bytes() == (BUILTIN_MODEL_DIR / name).read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 3, 4, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, policy(input_ids=ids).logits)
     info = json.loads((path / "training_info.json").read_text())
     assert info["training_step_end_time_ms"] == 1018 and info["samples_count"] == 18 * 256
-    assert info["weights"]["model.safetensors"]["sha256"] == sha256_file(path / "model.safetensors")
-    loaded = found[0].load_weights()
-    assert set(loaded) == {"embed.weight", "b"}  # the alias is stored once
-    assert torch.equal(loaded["embed.weight"], emb)
+    assert info["weights"]["hash_algorithm"] == "xxh3_128"
+    for shard, meta in info["weights"]["shards"].items():
+        data = (path / shard).read_bytes()
+        assert meta == {"hash": xxhash.xxh3_128_hexdigest(data), "bytes": len(data)}
+    assert info["files"]["tokenizer.json"]["hash"] == xxhash.xxh3_128_hexdigest((BUILTIN_MODEL_DIR / "tokenizer.json").read_bytes())
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as save_pretrained does
+    found, _ = discover_checkpoints(tmp_path)
+    weights = read_weights(found[0])
+    assert torch.equal(weights["model.embed_tokens.weight"], policy.model.embed_tokens.weight)
+
+
+def test_staging_copies_the_weights_before_save_returns(tmp_path, monkeypatch):
+    _slow_writes(monkeypatch, {18: 0.3})
+    state = {"w": torch.zeros(1000)}
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR)
+    writer.save(state, _info(18))
+    state["w"].fill_(7.0)  # training changes the weights while step_18 is being written
+    writer.finish()
+    assert torch.equal(read_weights(discover_checkpoints(tmp_path)[0][0])["w"], torch.zeros(1000))
+
+
+def test_step_n_plus_1_is_never_published_before_step_n(tmp_path, monkeypatch):
+    _slow_writes(monkeypatch, {18: 1.0})  # step_19's write finishes first
+    renamed = []
+    real_rename = writer_module.os.rename
+
+    def rename(src, dst):
+        renamed.append((dst.name, sorted(p.name for p in tmp_path.glob("step_*"))))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(writer_module.os, "rename", rename)
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR, max_in_flight=2)
+    writer.save({"w": torch.ones(10)}, _info(18))
+    writer.save({"w": torch.ones(10)}, _info(19))
+    time.sleep(0.5)
+    assert not (tmp_path / "step_19").exists() and (tmp_path / "tmp_step_19" / "training_info.json").exists()
+    writer.finish()
+    assert renamed == [("step_18", []), ("step_19", ["step_18"])]
+    assert read_training_end(tmp_path).last_published_step == 19
+
+
+def test_back_pressure_bounds_checkpoints_in_flight(tmp_path, monkeypatch):
+    _slow_writes(monkeypatch, {18: 1.5, 19: 1.5, 20: 0.0})
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR, max_in_flight=2)
+    t18 = writer.save({"w": torch.ones(10)}, _info(18))
+    t19 = writer.save({"w": torch.ones(10)}, _info(19))
+    t20 = writer.save({"w": torch.ones(10)}, _info(20))  # both slots busy: waits for one
+    writer.finish()
+    assert t18.wait_s < 0.5 and t19.wait_s < 0.5
+    assert t20.wait_s > 0.8  # held until step_18's shards were written (1.5 s after it was queued)
+    assert [c.step for c in discover_checkpoints(tmp_path)[0]] == [18, 19, 20]
+
+
+def test_failed_write_publishes_nothing_after_it_and_is_raised_at_the_next_step(tmp_path, monkeypatch):
+    _slow_writes(monkeypatch, {}, fail_step=19)
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR, max_in_flight=2)
+    writer.save({"w": torch.ones(10)}, _info(18))
+    writer.save({"w": torch.ones(10)}, _info(19))
+    writer.save({"w": torch.ones(10)}, _info(20))  # queued before the failure is known
+    with pytest.raises(CheckpointWriteError, match=r"cannot write checkpoint .*tmp_step_19: No space left on device; it needs about \d+ bytes"):
+        writer.finish("finished")
+    with pytest.raises(CheckpointWriteError):
+        writer.save({"w": torch.ones(10)}, _info(21))  # training stops at the next step boundary
+    assert [c.step for c in discover_checkpoints(tmp_path)[0]] == [18]
+    assert not list(tmp_path.glob("tmp_step_*"))
+    end = read_training_end(tmp_path)
+    assert end.last_published_step == 18 and end.reason == "write_failed"
+
+
+def test_corrupt_shard_is_found_while_reading(tmp_path):
+    write_checkpoint(tmp_path, {"a": torch.arange(100.0), "b": torch.ones(3)}, _info(18), BUILTIN_MODEL_DIR)
+    checkpoint = discover_checkpoints(tmp_path)[0][0]
+    shard = checkpoint.shard_paths()[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # a weight byte: the header still parses
+    shard.write_bytes(bytes(data))
+    assert set(tensor_specs(checkpoint)) == {"a", "b"}  # headers alone cannot see it
+    with pytest.raises(CheckpointCorruptError, match="step_18/model-00001-of-00001.safetensors: xxh3_128 differs"):
+        read_weights(checkpoint)
+
+
+def test_tensor_specs_differing_between_checkpoints_are_named(tmp_path):
+    write_checkpoint(tmp_path, {"a": torch.ones(4), "b": torch.ones(3)}, _info(18), BUILTIN_MODEL_DIR)
+    write_checkpoint(tmp_path, {"a": torch.ones(4), "c": torch.ones(3)}, _info(19), BUILTIN_MODEL_DIR)
+    with pytest.raises(CheckpointError, match=r"step_19: tensor names, shapes or dtypes differ from step_18 \(first difference: 'b'\)"):
+        check_same_tensors(discover_checkpoints(tmp_path)[0])

@@ -20,11 +20,14 @@ import pytest
 import yaml
 
 import reward_fixtures
+from safetensors.torch import load_file, save_file
 
 from mlperf_grpo import rules
-from mlperf_grpo.checkpoint import discover_checkpoints
+from mlperf_grpo.checkpoint import discover_checkpoints, read_weights
+from mlperf_grpo.model import BUILTIN_MODEL_DIR
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
+from mlperf_grpo.evaluate import offline
 from mlperf_grpo.evaluate.offline import RefitError, evaluate_run, verify_refit
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
@@ -167,7 +170,7 @@ def engine_results(trained):
         return HFEngine(config.model.path, config.model.dtype, batch_size=v.batch_size)
 
     def evaluate(engine, step):
-        weights = checkpoints[step].load_weights()
+        weights = read_weights(checkpoints[step])
         engine.load_weights(weights)
         verify_refit(engine, checkpoints[step], weights)
         return validate(engine, tasks, arithmetic.reward, v.generations_per_task, params, seed=config.seed)
@@ -185,7 +188,7 @@ def test_sigkilled_evaluator_resumes_to_the_uninterrupted_log(run, finished):
     after the 1st and 2nd eval triples; then run to completion. A leftover tmp_step_31/
     is ignored with a note each time."""
     shutil.copytree(run / "checkpoints" / "step_30", run / "checkpoints" / "tmp_step_31")
-    (run / "checkpoints" / "tmp_step_31" / "model.safetensors").write_bytes(b"half-written")
+    (run / "checkpoints" / "tmp_step_31" / SHARD).write_bytes(b"half-written")
     kill_points = [
         ("0.5 s after start", lambda proc, t0: time.monotonic() - t0 >= 0.5),
         ("1.5 s after start", lambda proc, t0: time.monotonic() - t0 >= 1.5),
@@ -314,11 +317,55 @@ def _time_before_run_start(run):
     set_info(run, 18, training_step_end_time_ms=int(run_start) - 1)
 
 
-def _flip_byte(run):
-    path = run / "checkpoints" / "step_20" / "model.safetensors"
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def flip_byte(run, step):
+    """Flip one weight byte (the safetensors header stays valid)."""
+    path = run / "checkpoints" / f"step_{step}" / SHARD
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def _rename_tensor(update_record):
+    """Rename a tensor of step_19 (a consistent shard, index and hash; with
+    ``update_record`` also the tensor digest of its training_info.json)."""
+    def damage(run):
+        from mlperf_grpo.checkpoint.format import tensor_specs_digest, SAFETENSORS_DTYPES
+        step = run / "checkpoints" / "step_19"
+        tensors = load_file(step / SHARD)
+        tensors["model.norm.weight_renamed"] = tensors.pop("model.norm.weight")
+        save_file(tensors, step / SHARD, metadata={"format": "pt"})
+        index = json.loads((step / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {n: SHARD for n in tensors}
+        (step / "model.safetensors.index.json").write_text(json.dumps(index))
+        info = info_of(run, 19)
+        data = (step / SHARD).read_bytes()
+        info["weights"]["shards"][SHARD] = {"hash": __import__("xxhash").xxh3_128_hexdigest(data), "bytes": len(data)}
+        if update_record:
+            info["weights"]["tensors"] = tensor_specs_digest({n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in tensors.items()})
+        (step / "training_info.json").write_text(json.dumps(info))
+    return damage
+
+
+def _edit_checkpoint_tokenizer(run):
+    path = run / "checkpoints" / "step_20" / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = config.get("bos_token") or "<s>"
+    path.write_text(json.dumps(config))
+
+
+def _drop_last_two(run):
+    for step in (29, 30):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
+
+
+def _hard_kill_then_drop(run):
+    """No training_end.json (a SIGKILL) and more checkpoints gone than can be in flight."""
+    (run / "checkpoints" / "training_end.json").unlink()
+    for step in (27, 28, 29, 30):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
 
 
 def _info_missing(run):
@@ -337,7 +384,11 @@ SERIES_FAULTS = {
     "current-step": (_wrong_current_step, "step_19: training_info.json says current_step 20"),
     "time-not-increasing": (_time_not_increasing, "step_20: weight-update time"),
     "time-before-run-start": (_time_before_run_start, "step_18: weight-update time"),
-    "corrupt-weights": (_flip_byte, "step_20/model.safetensors: sha256 differs"),
+    "renamed-tensor": (_rename_tensor(False), "step_19: tensor names, shapes or dtypes differ from those recorded in training_info.json"),
+    "renamed-tensor-and-record": (_rename_tensor(True), "step_19: tensor names, shapes or dtypes differ from step_18"),
+    "checkpoint-tokenizer-changed": (_edit_checkpoint_tokenizer, "step_20: " ),
+    "last-checkpoints-deleted": (_drop_last_two, "the last checkpoint is step_28, but training published up to step_30"),
+    "hard-kill-then-deleted": (_hard_kill_then_drop, "the last checkpoint is step_26, but the log trained to step 30"),
     "info-missing": (_info_missing, "step_19/training_info.json is missing"),
     "info-malformed": (_info_malformed, "step_19/training_info.json is not readable JSON"),
 }
@@ -356,6 +407,78 @@ def test_bad_series_is_refused_before_anything_is_evaluated(run, fault, capsys):
     assert (run / "checkpoints").is_dir()  # refused before teardown
     if fault == "tmp-dir-is-not-a-checkpoint":
         assert "note: ignoring unfinished checkpoint" in err and "tmp_step_18" in err
+    if fault == "checkpoint-tokenizer-changed":
+        assert "tokenizer_config.json differs from the file the checkpoints were trained with" in err
+
+
+def _with_model_copy(run, tmp_path):
+    """Point the run's config at a copy of the built-in model (same files, same bytes)."""
+    model = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    config.setdefault("model", {})["path"] = str(model)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return model
+
+
+def _set_eos_to_bos(model):
+    path = model / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = config.get("bos_token") or "<s>"
+    path.write_text(json.dumps(config))
+
+
+def _swap_two_ids(model):
+    path = model / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[3:5]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tok))
+
+
+@pytest.mark.parametrize("change, file", [(_set_eos_to_bos, "tokenizer_config.json"), (_swap_two_ids, "tokenizer.json"),
+                                          (lambda m: (m / "chat_template.jinja").write_text("{{ messages }}"), "chat_template.jinja")])
+def test_model_files_changed_after_training_are_refused(run, tmp_path, capsys, change, file):
+    """Issue 8.2: the tokenizer (or any non-weight file) the engine would load differs from
+    the one the checkpoints were trained with: refused (exit 2) naming the file."""
+    model = _with_model_copy(run, tmp_path)
+    before = (run / "mlperf.log").read_bytes()
+    change(model)
+    assert main(["evaluate", str(run), "--retain-checkpoints"]) == 2
+    line = error_lines(capsys.readouterr().err)
+    assert f"model.path: {model / file}" in line
+    assert (run / "mlperf.log").read_bytes() == before and not (run / "eval").exists()
+
+
+def test_series_cut_by_a_hard_kill_within_the_in_flight_bound_is_accepted_with_a_note(run):
+    """After a SIGKILL (no training_end.json) up to max_in_flight trained steps may have no
+    checkpoint; the final checkpoint is then the last published one."""
+    (run / "checkpoints" / "training_end.json").unlink()
+    for step in (29, 30):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
+    config = load_config(run / "config.yaml")
+    checkpoints = discover_checkpoints(run / "checkpoints")[0]
+    notes = offline.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
+    assert notes == ["note: training was killed before recording its end; the checkpoints of steps 29..30 "
+                     "were in flight and never published; the final checkpoint is step_28"]
+
+
+def test_corrupt_checkpoint_after_the_pass_never_blocks_the_result(run, finished):
+    flip_byte(run, 22)  # the pass is at 21: step_22 is never read
+    assert main(["evaluate", str(run), "--retain-checkpoints"]) == 0
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+
+
+def test_corrupt_checkpoint_before_any_pass_stops_with_exit_2_naming_it(run, capsys):
+    flip_byte(run, 20)
+    assert main(["evaluate", str(run), "--retain-checkpoints"]) == 2
+    line = error_lines(capsys.readouterr().err)
+    assert f"step_20/{SHARD}: xxh3_128 differs from training_info.json; the checkpoint is corrupt" in line
+    assert "restore step_20/ from a copy and run evaluate again" in line
+    assert eval_steps(run / "mlperf.log") == [18, 19]  # evaluated up to it, resumable
+    assert not read_log(run / "mlperf.log").find("run_stop")
+    assert (run / "checkpoints" / "step_20").is_dir()
 
 
 # --------------------------------------------------------------------------- 4. the engine holds the weights it claims
@@ -367,7 +490,7 @@ def test_one_engine_across_checkpoints_equals_fresh_engines(engine_results):
 
 def test_verify_refit_catches_stale_weights_and_a_wrong_canary(engine_results):
     engine, checkpoints = engine_results.shared, engine_results.checkpoints
-    w18, w19 = checkpoints[18].load_weights(), checkpoints[19].load_weights()
+    w18, w19 = read_weights(checkpoints[18]), read_weights(checkpoints[19])
     engine.load_weights(w18)
     with pytest.raises(RefitError, match="step_19: the engine's weights differ"):
         verify_refit(engine, checkpoints[19], w19)  # the refit to step 19 "did not happen"

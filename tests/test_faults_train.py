@@ -15,9 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
-from mlperf_grpo.checkpoint import discover_checkpoints, sha256_file
+from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
+from mlperf_grpo.config import load_config
+from mlperf_grpo.evaluate.offline import check_series
 from mlperf_grpo.mllog import read_log
+from mlperf_grpo.model import BUILTIN_MODEL_DIR
 from mlperf_grpo.train.stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
@@ -25,32 +29,33 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def assert_published_checkpoints_intact(root: Path) -> list[int]:
-    """Every step_N/ is complete: its record parses and its weights match their sha256."""
+    """Every step_N/ is complete: its record parses and its shards match their hashes."""
     found, _ = discover_checkpoints(root)
     for c in found:
-        for name, meta in c.info.weights.items():
-            assert sha256_file(c.path / name) == meta["sha256"], c.path
+        assert read_weights(c), c.path  # raises CheckpointCorruptError on a hash mismatch
         assert c.info.current_step == c.step
     return [c.step for c in found]
 
 
 WRITER = textwrap.dedent(
     """
-    import sys, torch
+    import sys, time, torch
     from pathlib import Path
-    from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
+    from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo
+    from mlperf_grpo.model import BUILTIN_MODEL_DIR
     root = Path(sys.argv[1])
     state = {"w": torch.randn(4_000_000)}  # 16 MB: a write takes long enough to be hit
+    writer = AsyncCheckpointer(root, BUILTIN_MODEL_DIR, max_in_flight=2)
     print("ready", flush=True)
     for step in range(18, 1000):
-        info = TrainingInfo(step, step * 16, 1000 + step, step * 256, 256, 16, "float32", {}, [0.0])
-        write_checkpoint(root, state, info)
+        info = TrainingInfo(step, step * 16, 1000 + step, step * 256, 256, 16, "float32", [0.0])
+        writer.save(state, info)  # background writes, two in flight
     """
 )
 
 
 @pytest.mark.parametrize("delay_s", [0.05, 0.21, 0.47])
-def test_sigkill_while_writing_checkpoints_leaves_only_complete_ones(tmp_path, delay_s):
+def test_sigkill_during_background_writes_leaves_only_complete_ones(tmp_path, delay_s):
     root = tmp_path / "checkpoints"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, env=ENV, text=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -60,8 +65,9 @@ def test_sigkill_while_writing_checkpoints_leaves_only_complete_ones(tmp_path, d
     steps = assert_published_checkpoints_intact(root)
     assert steps == list(range(18, 18 + len(steps)))  # no hole, previous ones intact
     # An interrupted tmp_step_N/ may remain; discovery never returns it as a checkpoint.
-    leftovers = [p.name for p in root.iterdir() if p.name.startswith("tmp_step_")]
+    leftovers = [p.name for p in root.iterdir() if p.name.startswith("tmp_step_")] if root.exists() else []
     assert all(int(n.removeprefix("tmp_step_")) not in steps for n in leftovers)
+    assert read_training_end(root) is None if root.exists() else True
 
 
 def _train(run: Path, config: Path, **popen) -> subprocess.Popen:
@@ -84,14 +90,33 @@ def _wait_for(predicate, timeout_s=600.0):
         time.sleep(0.005)
 
 
+SLOW_WRITES = textwrap.dedent(
+    """
+    import sys, time
+    from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
+    from mlperf_grpo.cli import main
+    real = AsyncCheckpointer._write_shard
+    def write_shard(path, shard, slot):
+        time.sleep(2.0)
+        return real(path, shard, slot)
+    AsyncCheckpointer._write_shard = staticmethod(write_shard)
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
 def test_sigkill_trainer_then_evaluate_uses_only_complete_checkpoints(tmp_path):
     run = tmp_path / "run"
-    proc = _train(run, _config(tmp_path, max_steps=30))
-    _wait_for(lambda: (run / "checkpoints" / "step_19").is_dir())
+    # a slow disk (each shard write takes 2 s), killed while a background write is in flight
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITES, "train", "--config", str(_config(tmp_path, max_steps=30)), "--output", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True,
+    )
+    _wait_for(lambda: (run / "checkpoints" / "step_19").is_dir() and any((run / "checkpoints").glob("tmp_step_*")))
     proc.kill()
     proc.wait()
     steps = assert_published_checkpoints_intact(run / "checkpoints")
-    assert steps[0] == 18
+    assert steps[0] == 18 and read_training_end(run / "checkpoints") is None
     out = subprocess.run([sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run)], capture_output=True, text=True, env=ENV)
     assert out.returncode in (0, 3), out.stderr
     evaluated = [e.metadata["step"] for e in read_log(run / "mlperf.log").find("eval_accuracy")]
@@ -195,7 +220,7 @@ def test_sigterm_after_checkpoints_leaves_the_result_to_the_evaluator(tmp_path):
 
 def test_sigterm_inside_a_checkpoint_write_waits_for_it():
     reached_end_of_write = False
-    with pytest.raises(Terminated, match="after finishing the checkpoint"):
+    with pytest.raises(Terminated, match="after staging the checkpoint"):
         with GracefulStop() as stopper:
             with stopper.deferred():
                 os.kill(os.getpid(), signal.SIGTERM)  # a real signal, mid "write"
@@ -208,10 +233,54 @@ def test_sigterm_inside_a_checkpoint_write_waits_for_it():
             time.sleep(1)
 
 
-def test_training_info_records_weight_sha256(tmp_path):
+FAIL_AT_STEP_20 = textwrap.dedent(
+    """
+    import errno, sys
+    from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
+    from mlperf_grpo.cli import main
+    real = AsyncCheckpointer._write_shard
+    def write_shard(path, shard, slot):
+        if path.parent.name == "tmp_step_20":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, shard, slot)
+    AsyncCheckpointer._write_shard = staticmethod(write_shard)
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_failing_background_write_mid_run_stops_training_and_leaves_an_evaluable_series(tmp_path):
+    run = tmp_path / "run"
+    cfg = _config(tmp_path, max_steps=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", FAIL_AT_STEP_20, "train", "--config", str(cfg), "--output", str(run)],
+        capture_output=True, text=True, env=ENV, timeout=900,
+    )
+    assert proc.returncode == 1, proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlperf-grpo: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "cannot write checkpoint" in errors[0] and "tmp_step_20: Input/output error" in errors[0]
+    log = read_log(run / "mlperf.log")
+    last_trained = max(e.metadata["step"] for e in log.find("block_stop"))
+    assert 20 <= last_trained <= 22  # stopped at the next step boundary after the failure
+    steps = assert_published_checkpoints_intact(run / "checkpoints")
+    assert steps == [18, 19] and not list((run / "checkpoints").glob("tmp_step_*"))
+    assert read_training_end(run / "checkpoints").last_published_step == 19
+    # evaluable up to the last good checkpoint: the series check accepts it
+    checkpoints = discover_checkpoints(run / "checkpoints")[0]
+    assert check_series(checkpoints, load_config(run / "config.yaml"), log, run / "checkpoints") == []
+
+
+def test_training_info_records_shard_hashes_and_file_fingerprints(tmp_path):
     run = tmp_path / "run"
     proc = _train(run, _config(tmp_path, max_steps=18))
     proc.communicate(timeout=600)
     assert proc.returncode == 0
-    info = json.loads((run / "checkpoints" / "step_18" / "training_info.json").read_text())
-    assert info["weights"]["model.safetensors"]["sha256"] == sha256_file(run / "checkpoints" / "step_18" / "model.safetensors")
+    step = run / "checkpoints" / "step_18"
+    info = json.loads((step / "training_info.json").read_text())
+    shard = "model-00001-of-00001.safetensors"
+    data = (step / shard).read_bytes()
+    assert info["weights"]["shards"] == {shard: {"hash": xxhash.xxh3_128_hexdigest(data), "bytes": len(data)}}
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert info["files"][name]["hash"] == xxhash.xxh3_128_hexdigest((BUILTIN_MODEL_DIR / name).read_bytes())
+    assert read_training_end(run / "checkpoints").last_published_step == 18

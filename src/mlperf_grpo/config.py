@@ -195,6 +195,14 @@ class InferenceConfig(_Strict):
     """True: no CUDA graphs / compilation (fast start-up, slower decoding)."""
 
 
+class CheckpointConfig(_Strict):
+    """Deferred checkpoints (README, Outputs)."""
+
+    max_in_flight: int = Field(2, gt=0)
+    """K: checkpoints staged in host memory but not yet written; when the writers fall
+    behind, training waits. Host memory: K x the rollout-dtype weights' bytes."""
+
+
 class RunConfig(_Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
 
@@ -207,6 +215,7 @@ class RunConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     validation: ValidationConfig = ValidationConfig()
     inference: InferenceConfig = InferenceConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def global_batch_size(self) -> int:

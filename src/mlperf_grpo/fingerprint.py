@@ -1,6 +1,6 @@
 """Proof that an engine holds the weights it claims: a tensor fingerprint and a canary.
 
-After every refit the evaluator compares (1) the sha256 fingerprint of the engine's
+After every refit the evaluator compares (1) the fingerprint of the engine's
 tensors with that of the checkpoint's tensors and (2) the engine's logits on a fixed
 canary input with the logits the trainer recorded for that checkpoint when it wrote it.
 """
@@ -8,9 +8,9 @@ canary input with the logits the trainer recorded for that checkpoint when it wr
 from __future__ import annotations
 
 import copy
-import hashlib
 
 import torch
+import xxhash
 
 CANARY_LENGTH = 16
 CANARY_LOGITS = 32
@@ -21,12 +21,13 @@ CANARY_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
 def weights_fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
-    """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
+    """Hex xxh3_128 over every tensor's name, dtype, shape and bytes, in name order
+    (compared within one process, never stored; a fast hash keeps refits cheap)."""
+    digest = xxhash.xxh3_128()
     for name in sorted(state_dict):
         t = state_dict[name].detach().contiguous().cpu()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
     return digest.hexdigest()
 
 

@@ -4,8 +4,9 @@ Reads top to bottom like the lifecycle it runs::
 
     load the run (config, log path); read the log written so far
     discover step_N/ checkpoints; check the series before evaluating anything
+        (steps, records, tensor headers, non-weight files, the end of training)
     build one engine; for each checkpoint in step order (after those already logged):
-        refit the engine, validate (pass@k), save per-task results
+        read its shards (hash-verified as read), refit the engine, validate (pass@k)
         commit eval_start, eval_accuracy, eval_stop in one write
         first pass: commit run_stop(success, time_ms = weight-update time); stop
     none passed: run_stop(aborted, time_ms = final checkpoint's weight-update time)
@@ -33,13 +34,25 @@ import torch
 from tqdm import tqdm
 
 from mlperf_grpo import rules
-from mlperf_grpo.checkpoint import Checkpoint, CheckpointError, discover_checkpoints, remove_checkpoints, sha256_file
+from mlperf_grpo.checkpoint import (
+    END_FILE,
+    Checkpoint,
+    CheckpointCorruptError,
+    CheckpointError,
+    check_model_files,
+    check_same_tensors,
+    discover_checkpoints,
+    read_training_end,
+    read_weights,
+    remove_checkpoints,
+)
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import TaskResult, validate
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
 from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.model import check_model_path
 from mlperf_grpo.tasks import load_suite, validation_tasks
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
@@ -70,14 +83,22 @@ class EvalOutcome:
     time_to_train_ms: int
 
 
-def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> None:
-    """Refuse a checkpoint series that would give a wrong or unscorable log.
+def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path) -> list[str]:
+    """Refuse a checkpoint series that would give a wrong or unscorable log. Cheap: reads
+    records, safetensors headers and the small non-weight files, never the weights
+    (those are hash-verified as they are read for the refit).
 
+    Returns:
+        notes for the user (a series cut short by a hard kill of training).
     Raises:
         EvaluationError: no checkpoints; first not at the first eval step; a gap;
             ``current_step`` or ``global_batch_size`` disagreeing with the directory or
-            config; weight-update times not increasing or before ``run_start``; a weight
-            file whose sha256 differs from the recorded one.
+            config; weight-update times not increasing or before ``run_start``; tensor
+            names, shapes or dtypes differing between checkpoints or from their record;
+            a non-weight file (tokenizer, config, ...) of a checkpoint or of the model the
+            engine loads differing from its training-time fingerprint; a series that
+            ends before the last step training published (or, after a hard kill, more
+            than ``checkpoint.max_in_flight`` steps before the log's last trained step).
     """
     s0 = config.first_eval_step
     if not checkpoints:
@@ -104,10 +125,44 @@ def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLo
                 f"{previous} (run_start or the previous checkpoint)"
             )
         previous = info.training_step_end_time_ms
-        for name, meta in info.weights.items():
-            path = c.path / name
-            if not path.is_file() or sha256_file(path) != meta.get("sha256"):
-                raise EvaluationError(f"{path}: sha256 differs from training_info.json; the checkpoint is corrupt")
+    try:
+        check_same_tensors(checkpoints)
+        check_model_files(checkpoints[0].info.files, check_model_path(config.model.path), "model.path")
+        for c in checkpoints:
+            if c.info.files != checkpoints[0].info.files:
+                raise CheckpointError(f"{c.path.name}: its non-weight files were fingerprinted differently from {checkpoints[0].path.name}")
+            check_model_files(c.info.files, c.path, c.path.name)
+        end = read_training_end(checkpoint_root)
+    except CheckpointError as err:
+        raise EvaluationError(str(err)) from None
+    return _check_series_end(steps[-1], end, log, config.checkpoint.max_in_flight)
+
+
+def _check_series_end(last: int, end, log: ParsedLog, max_in_flight: int) -> list[str]:
+    """The final checkpoint is the last one training published: deleting the last
+    checkpoints is not a shorter run. Without ``training_end.json`` (training was killed
+    hard) up to ``max_in_flight`` trained steps may have had their checkpoint in flight."""
+    if end is not None:
+        if end.last_published_step != last:
+            raise EvaluationError(
+                f"the last checkpoint is step_{last}, but training published up to step_{end.last_published_step} "
+                f"({END_FILE}); restore the missing checkpoints (a shorter series is not a shorter run)"
+            )
+        return []
+    trained = [e.metadata.get("step") for e in log.find(C.BLOCK_STOP) if isinstance(e.metadata.get("step"), int)]
+    last_trained = max(trained, default=0)
+    if last < last_trained - max_in_flight:
+        raise EvaluationError(
+            f"the last checkpoint is step_{last}, but the log trained to step {last_trained} and training did not "
+            f"record its end ({END_FILE}); a hard kill loses at most {max_in_flight} checkpoints in flight, so "
+            f"step_{last + 1}.. were removed: restore them (a shorter series is not a shorter run)"
+        )
+    if last < last_trained:
+        return [
+            f"note: training was killed before recording its end; the checkpoints of steps {last + 1}..{last_trained} "
+            f"were in flight and never published; the final checkpoint is step_{last}"
+        ]
+    return []
 
 
 def _logged_evals(log: ParsedLog) -> list[tuple[int, float]]:
@@ -320,6 +375,25 @@ def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[
         )
 
 
+def _read_verified(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights, hash-verified as read. Only checkpoints up to the first
+    pass are ever read, so a corrupt one after it never blocks the result.
+
+    Raises:
+        EvaluationError: the checkpoint is corrupt (nothing after the last logged
+            evaluation is logged; the message says what the user can do).
+    """
+    try:
+        return read_weights(checkpoint)
+    except CheckpointCorruptError as err:
+        raise EvaluationError(
+            f"{err}; no earlier checkpoint passed, so the run cannot be scored past it: restore "
+            f"{checkpoint.path.name}/ from a copy and run evaluate again (it resumes there), or train again"
+        ) from None
+    except CheckpointError as err:
+        raise EvaluationError(str(err)) from None
+
+
 def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
     try:
         checkpoints, ignored = discover_checkpoints(run.checkpoints)
@@ -327,7 +401,8 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
         raise EvaluationError(str(err)) from None
     for path in ignored:
         print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
-    check_series(checkpoints, config, log)
+    for note in check_series(checkpoints, config, log, run.checkpoints):
+        print(note, file=sys.stderr)
     done = _logged_evals(log)
     if [s for s, _ in done] != [c.step for c in checkpoints[: len(done)]]:
         raise EvaluationError(f"the log's evaluations {[s for s, _ in done]} are not a prefix of the checkpoint series")
@@ -344,8 +419,8 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     try:
         for checkpoint in checkpoints[len(done):]:
             start_ms = now_ms()
-            weights = checkpoint.load_weights()
-            engine.load_checkpoint(checkpoint.path)  # refit from step_N/, no optimizer state
+            weights = _read_verified(checkpoint)  # hash-verified as read
+            engine.load_weights(weights)  # refit, no optimizer state
             verify_refit(engine, checkpoint, weights)
             accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
             stop_ms = now_ms()

@@ -8,12 +8,14 @@ Reads top to bottom like the lifecycle it runs::
         refit engine <- policy; rollouts; rewards; advantages
         loss over micro-batches; clip; optimizer.step()   -> weight-update time
         block_stop
-        step >= first eval step: write deferred checkpoint step_N/
+        step >= first eval step: stage the weights; step_N/ is written in the background
+    training's end: wait until every checkpoint is published (checkpoints/training_end.json)
     no run_stop: the offline evaluator writes it
 
 The model, tokenizer and device are checked, and the model loaded, before the run
 directory is made, so a setup failure leaves no half-made run. How training ends early
-(SIGTERM, Ctrl-C, an error, a failed checkpoint write) decides who closes the run:
+(SIGTERM, Ctrl-C, an error, a failed checkpoint write) decides who closes the run (the
+checkpoints in flight are published first):
 
     a checkpoint is published -> no run_stop here: the run's result belongs to the
                                  offline evaluator, which evaluates the published series
@@ -33,12 +35,12 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
 from mlperf_grpo import rules
-from mlperf_grpo.checkpoint import TrainingInfo, write_checkpoint
+from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
-from mlperf_grpo.model import DTYPES, check_device, check_model, load_model
+from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
@@ -67,6 +69,8 @@ class TrainResult:
 
     steps: list[StepStats] = field(default_factory=list)
     checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps whose checkpoint was published."""
+    checkpoint_timings: list[CheckpointTiming] = field(default_factory=list)
 
 
 def optimize_step(
@@ -223,7 +227,13 @@ def _train(
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
+    # the non-weight files are snapshotted (and fingerprinted) now, at training start
+    checkpointer = None if inline_eval is not None else AsyncCheckpointer(
+        run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight
+    )
 
+    if checkpointer is not None:
+        checkpointer.prepare(_rollout_weights(engine, policy, checkpoint_dtype))  # host staging buffers, off the clock
     log_hyperparameters(log, config, config_filename)
     log.end(C.INIT_STOP)
     run_start_ms = now_ms()
@@ -235,6 +245,8 @@ def _train(
     completed, completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
     try:
         for step in range(1, g.max_steps + 1):
+            if checkpointer is not None:
+                checkpointer.raise_if_failed()  # a failed background write stops training here
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
             prompts = sampler.sample(g.num_prompts_per_step)
@@ -262,7 +274,7 @@ def _train(
                 weight_update_time_ms=weight_update_time_ms,
             )
             result.steps.append(stats)
-            if step >= first_eval_step and inline_eval is None:
+            if step >= first_eval_step and checkpointer is not None:
                 info = TrainingInfo(
                     current_step=step,
                     consumed_samples=step * g.num_prompts_per_step,
@@ -271,22 +283,23 @@ def _train(
                     global_batch_size=gbs,
                     num_generations_per_prompt=g.num_generations_per_prompt,
                     dtype=config.model.dtype,
-                    weights={},
                     canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
                     else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
                 )
-                state = {k: v.to(checkpoint_dtype) for k, v in policy.state_dict().items()}
-                with stopper.deferred():  # SIGTERM waits for the checkpoint to be published
-                    write_checkpoint(run.checkpoints, state, info)
-                result.checkpoint_steps.append(step)
+                # the engine holds the rollout-dtype weights of this step (refit above)
+                with stopper.deferred():  # SIGTERM waits for the staging copy, then stops
+                    checkpointer.save(_rollout_weights(engine, policy, checkpoint_dtype), info)
             bar.set_postfix(reward=f"{stats.reward_mean:.3f}", acc=f"{stats.rollout_pass_rate:.3f}", refresh=False)
             bar.update(1)
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
-    except BaseException:
+        if checkpointer is not None:
+            checkpointer.finish("finished")  # training's end waits for every write
+    except BaseException as err:
+        if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
+            checkpointer.finish(type(err).__name__, raise_error=False)
         # The run's one run_stop: once a checkpoint is published it is the offline
         # evaluator's (it evaluates the published series, however training ended).
-        # An asynchronous checkpoint writer must be drained or cancelled before this.
         if not run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
             log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed},
                     time_ms=completed_ms)
@@ -294,5 +307,16 @@ def _train(
         raise
     finally:
         bar.close()
+        if checkpointer is not None:
+            result.checkpoint_steps = list(checkpointer.published_steps)
+            result.checkpoint_timings = [checkpointer.timings[s] for s in sorted(checkpointer.timings)]
     return result
 
+
+def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The rollout-dtype weights a checkpoint stores: the HF engine's own tensors (refit
+    already, so nothing is cast on the clock), else the policy's cast to ``dtype``."""
+    model = getattr(engine, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()
+    return {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}

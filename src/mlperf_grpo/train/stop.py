@@ -1,7 +1,7 @@
-"""Clean stops on SIGTERM: raise at a safe point, never in the middle of a checkpoint.
+"""Clean stops on SIGTERM: raise at a safe point, never in the middle of staging a checkpoint.
 
 The CLI holds a :class:`GracefulStop` for the whole command (training and evaluation);
-the trainer holds its own to defer SIGTERM during checkpoint writes.
+the trainer holds its own to defer SIGTERM while it stages a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,17 +19,22 @@ class GracefulStop:
     """While active, SIGTERM raises :class:`Terminated` in the main thread, except
     inside :meth:`deferred` blocks (a checkpoint write), where it is held until the block
     ends, so the checkpoint is finished rather than torn. Ctrl-C (SIGINT) raises
-    ``KeyboardInterrupt`` as usual; an interrupted write is discarded by the writer."""
+    ``KeyboardInterrupt`` as usual. After the first SIGTERM has raised, later ones are
+    ignored, so stopping (publishing the checkpoints in flight) is not cut short."""
 
     def __init__(self) -> None:
         self._depth = 0
         self._pending = False
+        self._stopping = False
         self._previous = None
 
     def _handler(self, signum: int, frame: object) -> None:
+        if self._stopping:
+            return
         if self._depth:
             self._pending = True
             return
+        self._stopping = True
         raise Terminated("stopped by SIGTERM")
 
     def __enter__(self) -> "GracefulStop":
@@ -49,4 +54,5 @@ class GracefulStop:
             self._depth -= 1
         if self._pending and not self._depth:
             self._pending = False
-            raise Terminated("stopped by SIGTERM (after finishing the checkpoint)")
+            self._stopping = True
+            raise Terminated("stopped by SIGTERM (after staging the checkpoint; publishing those in flight)")

@@ -1,0 +1,44 @@
+"""Deferred checkpoints: each ``step_N/`` a complete Hugging Face model directory.
+
+``format`` (layout, ``training_info.json``), ``writer`` (asynchronous staging and
+publish), ``reader`` (discovery, header and file checks, verified reads).
+"""
+
+from mlperf_grpo.checkpoint.format import (
+    END_FILE,
+    HASH_ALGORITHM,
+    INDEX_FILE,
+    INFO_FILE,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    TrainingEnd,
+    TrainingInfo,
+    sha256_file,
+)
+from mlperf_grpo.checkpoint.reader import (
+    Checkpoint,
+    check_model_files,
+    check_same_tensors,
+    discover_checkpoints,
+    read_training_end,
+    read_training_info,
+    read_weights,
+    remove_checkpoints,
+    tensor_specs,
+)
+from mlperf_grpo.checkpoint.writer import AsyncCheckpointer, CheckpointTiming, write_checkpoint
+
+
+def step_dir(checkpoint_root, step: int):
+    """``<checkpoint_root>/step_N``: where a published checkpoint of ``step`` lives."""
+    return checkpoint_root / f"step_{step}"
+
+
+__all__ = [
+    "END_FILE", "HASH_ALGORITHM", "INDEX_FILE", "INFO_FILE", "AsyncCheckpointer", "Checkpoint",
+    "CheckpointCorruptError", "CheckpointError", "CheckpointTiming", "CheckpointWriteError", "TrainingEnd",
+    "TrainingInfo", "check_model_files", "check_same_tensors", "discover_checkpoints", "read_training_end",
+    "read_training_info", "read_weights", "remove_checkpoints", "sha256_file", "step_dir", "tensor_specs",
+    "write_checkpoint",
+]
