@@ -8,7 +8,7 @@ from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model import load_model
 from mlperf_grpo.tasks import arithmetic
-from mlperf_grpo.train.grpo import group_advantages
+from mlperf_grpo.train.grpo import PGLossOptions, group_advantages
 from mlperf_grpo.train.loop import optimize_step
 from mlperf_grpo.train.rollout import build_batch, generate_rollouts
 
@@ -27,7 +27,7 @@ def _batch():
 
 def _step(policy, batch, micro):
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    optimize_step(policy, opt, batch, micro, 1.0, 0.2, grad_clip_norm=1e9)
+    optimize_step(policy, opt, batch, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9)
     return {n: p.detach().clone() for n, p in policy.named_parameters()}
 
 
