@@ -15,6 +15,7 @@ Reads top to bottom like the lifecycle it runs::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from mlperf_grpo.train.grpo import (
     seq_logprob_error_keep,
     token_logprobs,
 )
-from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
+from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.stop import GracefulStop
 from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch
 
@@ -254,21 +255,31 @@ def _train(
         for step in range(1, g.max_steps + 1):
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
+            step_start_s = time.perf_counter()
             rollouts = producer.take(step)  # with age 1, also starts generating step + 1
             tasks, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(tasks, completions) for c in group])
             rewards = torch.tensor(scored).view(len(tasks), g.num_generations_per_prompt)  # [P, G]
             advantages = group_advantages(rewards)  # [P, G]
             batch = build_batch(completions, rewards, advantages, pad_id)
+            train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
             completed = step
-            producer.refit(policy.state_dict(), weights_version=step)  # for the next rollouts
+            policy_training_s = time.perf_counter() - train_start_s
+            weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)  # for the next rollouts
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step})
-            log.commit()
+            log_tracked_stats(log, step, gbs, {
+                "reduced_train_loss": optimized.loss, "reward": float(rewards.mean()), "grad_norm": optimized.grad_norm,
+                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": len(batch.advantages) - optimized.num_sequences_masked_by_logprob_error,
+                "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
+                "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
+                "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
+                "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is,
+            })
             stats = StepStats(
                 step=step,
                 reward_mean=float(rewards.mean()),
