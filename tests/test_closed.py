@@ -168,3 +168,17 @@ def test_inconsistent_loss_options_are_one_line_errors(grpo, msg):
     with pytest.raises(ConfigError) as info:
         parse_config({"grpo": grpo})
     assert msg in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("force,is_correction,threshold,expected", [
+    (True, True, 2.0, True),     # the reference: the pass feeds the log-prob error filter only
+    (True, True, None, False),   # NeMo-RL skips it: the loss uses sg(curr) for prev
+    (False, True, None, True),   # the ratio and the IS weight need the real prev
+    (False, False, None, False),  # open default: generation log-probs stand in for prev
+])
+def test_prev_logprob_pass_runs_when_the_reference_runs_it(force, is_correction, threshold, expected):
+    from mlperf_grpo.config import GRPOConfig
+
+    g = GRPOConfig(force_on_policy_ratio=force, use_importance_sampling_correction=is_correction,
+                   seq_logprob_error_threshold=threshold)
+    assert g.needs_prev_logprobs is expected

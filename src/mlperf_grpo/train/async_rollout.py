@@ -25,6 +25,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams
 from mlperf_grpo.tasks import Task
 from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
@@ -66,6 +68,9 @@ class RolloutProducer:
         seed: run seed (per-completion seeds are derived from it, the step and the index).
         max_trajectory_age_steps: 0 or 1.
         max_steps: no rollouts are generated for a later step.
+        device: the engine's device; with ``cuda`` the background generation runs on
+            its own CUDA stream (after the refit's copies on the default stream), so
+            its kernels can overlap training's instead of queueing behind them.
     Raises:
         ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
     """
@@ -80,6 +85,7 @@ class RolloutProducer:
         seed: int,
         max_trajectory_age_steps: int,
         max_steps: int,
+        device: str = "cpu",
     ) -> None:
         if max_trajectory_age_steps not in (0, 1):
             raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {max_trajectory_age_steps}")
@@ -91,6 +97,7 @@ class RolloutProducer:
         self._max_age = max_trajectory_age_steps
         self._max_steps = max_steps
         self._weights_version = 0
+        self._cuda = device == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._pending: tuple[int, Future[Rollouts]] | None = None
 
@@ -120,7 +127,7 @@ class RolloutProducer:
         rollouts.exposed_generation_s = time.perf_counter() - start
         if self._max_age == 1 and step < self._max_steps:
             nxt = step + 1
-            self._pending = (nxt, self._pool.submit(self._generate, nxt, self._draw(), self._weights_version))
+            self._pending = (nxt, self._pool.submit(self._generate_on_side_stream, nxt, self._draw(), self._weights_version))
         return rollouts
 
     def refit(self, state_dict: dict, weights_version: int) -> float:
@@ -145,6 +152,16 @@ class RolloutProducer:
 
     def _draw(self) -> list[Task]:
         return self._sampler.sample(self._shape[0])
+
+    def _generate_on_side_stream(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
+        if not self._cuda:
+            return self._generate(step, tasks, weights_version)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.default_stream())  # the refit's weight copies come first
+        with torch.cuda.stream(stream):
+            rollouts = self._generate(step, tasks, weights_version)
+        stream.synchronize()
+        return rollouts
 
     def _generate(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
         start = time.perf_counter()

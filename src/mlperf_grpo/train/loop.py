@@ -247,7 +247,7 @@ def _train(
     rollout_params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
     producer = RolloutProducer(
         engine, sampler, g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params,
-        config.seed, g.max_trajectory_age_steps, g.max_steps,
+        config.seed, g.max_trajectory_age_steps, g.max_steps, config.model.device,
     )
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
     completed = 0  # steps whose optimizer step has returned

@@ -49,11 +49,6 @@ class RolloutBatch:
     advantages: torch.Tensor
     rewards: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        """Valid completion tokens in the global batch (the loss normalizer)."""
-        return int(self.completion_mask.sum().item())
-
 
 def generate_rollouts(
     engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int
