@@ -1,6 +1,6 @@
 """GRPO step time with one-step-async rollouts against synchronous ones, in the same run.
 
-    python benchmarks/grpo_step.py [--max-trajectory-age-steps 1] [--steps 6] [--device cpu|cuda]
+    python benchmarks/grpo_step.py [--max-trajectory-age-steps 1] [--steps 6] [--repeat 2] [--device cpu|cuda]
                                    [--model builtin:arithmetic-tiny | --model-shape qwen3-1.4b]
 
 Trains the built-in arithmetic task with the reference algorithm (``rules.REFERENCE_ALGORITHM``:
@@ -11,8 +11,9 @@ baseline) and once with the value asked for, and reads each step's phase times f
 in both modes). ``--model-shape qwen3-1.4b`` builds a random-init Qwen3-shaped model of
 1.4B parameters (Qwen3-1.7B's layers with the built-in tokenizer's vocabulary) in bfloat16.
 
-Prints ONE JSON line: ``ours_step_s`` (mean ``train_step_time`` at the asked age),
-``baseline_age0_step_s``, their ratio, and the per-phase means of both runs in seconds
+Each mode is run ``--repeat`` times, alternating which goes first. Prints ONE JSON line:
+``ours_step_s`` (median ``train_step_time`` at the asked age), ``baseline_age0_step_s``,
+their ratio, and the per-phase medians of both modes in seconds
 (``generation_s``: engine time; ``exposed_generation_s``: time the trainer waited for
 rollouts; ``policy_training_s``: prev log-prob pass + forward/backward + optimizer step;
 ``weight_sync_s``: refit; ``other_s``: scoring, advantages, batching, logging).
@@ -63,22 +64,28 @@ def make_qwen3_1p4b(out: Path) -> Path:
     return out
 
 
-def measure(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int, tmp: Path) -> dict:
-    """Train ``steps`` steps at ``max_trajectory_age_steps = age``; mean phase times of steps 2.."""
+def measure(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int, tmp: Path) -> list[dict]:
+    """Train ``steps`` steps at ``max_trajectory_age_steps = age``; the ``tracked_stats`` of steps 2.."""
     data = {
         "seed": 1,
         "model": {"path": model, "dtype": dtype, "device": device},
         "grpo": {**rules.REFERENCE_ALGORITHM, "max_trajectory_age_steps": age, "num_prompts_per_step": prompts,
                  "micro_batch_size": micro, "max_steps": steps, "first_eval_step": steps},
     }
-    run = RunDir(tmp / f"age{age}")
+    run = RunDir(tmp / f"age{age}-{len(list(tmp.glob('age*')))}")
     train(parse_config(data, "grpo_step"), run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
-    stats = [ev.value for ev in read_log(log_file).find("tracked_stats")][1:]
-    out = {"step_s": statistics.mean(s["train_step_time"] for s in stats)}
+    return [ev.value for ev in read_log(log_file).find("tracked_stats")][1:]
+
+
+def summarize(stats: list[dict]) -> dict:
+    """Median over steps of the step time and of each phase, in seconds."""
+    out = {"step_s": statistics.median(s["train_step_time"] for s in stats)}
     for name, key in PHASES.items():
-        out[name] = statistics.mean(s[key] for s in stats)
-    out["other_s"] = out["step_s"] - out["exposed_generation_s"] - out["policy_training_s"] - out["weight_sync_s"]
+        out[name] = statistics.median(s[key] for s in stats)
+    out["other_s"] = statistics.median(
+        s["train_step_time"] - s["exposed_generation_time"] - s["policy_training_time"] - s["weight_sync_time"] for s in stats
+    )
     out["num_sequences_masked_by_is"] = sum(s["num_sequences_masked_by_is"] for s in stats)
     return out
 
@@ -89,6 +96,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per mode (>= 2)")
     parser.add_argument("--num-prompts-per-step", type=int, default=16, help="GBS = this x 16")
     parser.add_argument("--micro-batch-size", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2, help="runs per mode, alternating the order")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default="builtin:arithmetic-tiny")
     parser.add_argument("--model-shape", choices=("qwen3-1.4b",), help="build a random-init model instead of --model")
@@ -101,14 +109,17 @@ def main() -> None:
         if args.model_shape == "qwen3-1.4b":
             model, dtype = str(make_qwen3_1p4b(tmp / "qwen3-1.4b")), "bfloat16"
         shape = (args.steps, args.num_prompts_per_step, args.micro_batch_size, tmp)
-        baseline = measure(model, dtype, args.device, 0, *shape)
-        ours = baseline if args.max_trajectory_age_steps == 0 else measure(model, dtype, args.device, 1, *shape)
+        runs: dict[int, list[dict]] = {0: [], args.max_trajectory_age_steps: []}
+        for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
+            for age in sorted(runs, reverse=bool(r % 2)):
+                runs[age] += measure(model, dtype, args.device, age, *shape)
+        baseline, ours = summarize(runs[0]), summarize(runs[args.max_trajectory_age_steps])
     print(json.dumps({
         "benchmark": "grpo_step",
         "model": args.model_shape or args.model,
         "device": args.device,
         "global_batch_size": args.num_prompts_per_step * rules.NUM_GENERATIONS_PER_PROMPT,
-        "steps_measured": args.steps - 1,
+        "steps_measured_per_mode": (args.steps - 1) * args.repeat,
         "max_trajectory_age_steps": args.max_trajectory_age_steps,
         "ours_step_s": round(ours["step_s"], 4),
         "baseline_age0_step_s": round(baseline["step_s"], 4),
