@@ -9,7 +9,8 @@ the real trainer (``train.loop.train``), once with ``max_trajectory_age_steps`` 
 baseline) and once with the value asked for, and reads each step's phase times from the
 ``tracked_stats`` events of its MLPerf log. Step 1 is left out (warm-up; it is synchronous
 in both modes). ``--model-shape qwen3-1.4b`` builds a random-init Qwen3-shaped model of
-1.4B parameters (Qwen3-1.7B's layers with the built-in tokenizer's vocabulary) in bfloat16.
+1.4B parameters (Qwen3-1.7B's layers with the built-in tokenizer's vocabulary) in bfloat16
+(``qwen3-tiny``: the same code path at CPU size).
 
 Each mode is run ``--repeat`` times, alternating which goes first. Prints ONE JSON line:
 ``ours_step_s`` (median ``train_step_time`` at the asked age), ``baseline_age0_step_s``,
@@ -44,18 +45,27 @@ PHASES = {
 }
 
 
-def make_qwen3_1p4b(out: Path) -> Path:
-    """A random-init ``Qwen3ForCausalLM``: 28 layers, hidden 2048, MLP 6144, 16 heads, 8 KV
-    heads of 128 (Qwen3-1.7B's blocks, 1.41e9 parameters) with the built-in tokenizer, bf16."""
+SHAPES = {
+    # Qwen3-1.7B's blocks (1.41e9 parameters with the built-in tokenizer's tiny vocabulary)
+    "qwen3-1.4b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    # the same code path at a size a CPU smoke run can take
+    "qwen3-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+}
+
+
+def make_qwen3(shape: str, out: Path) -> Path:
+    """A random-init ``Qwen3ForCausalLM`` of :data:`SHAPES` ``[shape]`` with the built-in
+    tokenizer, saved in bfloat16 as a Hugging Face model directory."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16",
+        vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **SHAPES[shape],
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
@@ -99,15 +109,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs per mode, alternating the order")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default="builtin:arithmetic-tiny")
-    parser.add_argument("--model-shape", choices=("qwen3-1.4b",), help="build a random-init model instead of --model")
+    parser.add_argument("--model-shape", choices=sorted(SHAPES), help="build a random-init model instead of --model")
     args = parser.parse_args()
     if args.steps < 2:
         sys.exit("--steps must be >= 2 (step 1 is left out)")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model, dtype = args.model, "float32"
-        if args.model_shape == "qwen3-1.4b":
-            model, dtype = str(make_qwen3_1p4b(tmp / "qwen3-1.4b")), "bfloat16"
+        if args.model_shape:
+            model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
         shape = (args.steps, args.num_prompts_per_step, args.micro_batch_size, tmp)
         runs: dict[int, list[dict]] = {0: [], args.max_trajectory_age_steps: []}
         for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
