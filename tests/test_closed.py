@@ -30,6 +30,14 @@ OFF_BY_ONE = [
     ("validation", "generations_per_task", 8, "4", "pass@4"),
     ("validation", "temperature", 0.2, "0.1", "validation rollouts"),
     ("validation", "top_p", 1.0, "0.95", "validation rollouts"),
+    # the reference's algorithm (NeMo-RL mlperf-training-qwen35-main async recipe)
+    ("grpo", "ratio_clip_min", 0.1, "0.2", "reference algorithm"),
+    ("grpo", "ratio_clip_max", 0.2, "0.28", "reference algorithm"),
+    ("grpo", "force_on_policy_ratio", False, "True", "reference algorithm"),
+    ("grpo", "truncated_importance_sampling_ratio", 1.01, "1.002", "reference algorithm"),
+    ("grpo", "truncated_importance_sampling_ratio_min", 0.99, "0.999", "reference algorithm"),
+    ("grpo", "seq_logprob_error_threshold", 3.0, "2.0", "reference algorithm"),
+    ("grpo", "max_trajectory_age_steps", 0, "1", "reference algorithm"),
 ]
 
 
@@ -88,8 +96,12 @@ def test_every_violation_is_listed_one_line_each():
 def test_open_division_allows_departures_and_names_them():
     c = parse_config({"division": "open", "grpo": {"first_eval_step": 20}, "optimizer": {"learning_rate": 4e-6}})
     assert c.first_eval_step == 20
-    assert [v.field for v in c.closed_violations()] == ["grpo.first_eval_step", "optimizer.learning_rate"]
-    assert RunConfig(division="open", optimizer={"learning_rate": 1e-6}).closed_violations() == []
+    algorithm = [f"grpo.{k}" for k in ("ratio_clip_max", "force_on_policy_ratio", "use_importance_sampling_correction",
+                 "truncated_importance_sampling_type", "truncated_importance_sampling_ratio",
+                 "truncated_importance_sampling_ratio_min", "seq_logprob_error_threshold", "max_trajectory_age_steps")]
+    assert [v.field for v in c.closed_violations()] == [*algorithm, "grpo.first_eval_step", "optimizer.learning_rate"]
+    reference = parse_config({"division": "closed"}).grpo.model_dump()
+    assert RunConfig(division="open", optimizer={"learning_rate": 1e-6}, grpo=reference).closed_violations() == []
 
 
 def test_unknown_division_is_a_one_line_config_error():
@@ -121,3 +133,55 @@ def test_bad_deferred_env_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DEFERRED_OFFLINE_EVAL", "maybe")
     assert main(["run", "--output", str(tmp_path / "r")]) == 2
     assert "DEFERRED_OFFLINE_EVAL must be 0" in capsys.readouterr().err
+
+
+def test_closed_omitted_algorithm_keys_are_the_reference():
+    c = parse_config({"division": "closed", "grpo": {"num_prompts_per_step": 16}})
+    g = c.grpo
+    assert (g.ratio_clip_min, g.ratio_clip_max, g.force_on_policy_ratio) == (0.2, 0.28, True)
+    assert (g.use_importance_sampling_correction, g.truncated_importance_sampling_type) == (True, "seq-mask-tis")
+    assert (g.truncated_importance_sampling_ratio_min, g.truncated_importance_sampling_ratio) == (0.999, 1.002)
+    assert (g.seq_logprob_error_threshold, g.max_trajectory_age_steps) == (2.0, 1)
+    assert g.needs_prev_logprobs  # the reference computes prev log-probs for the error filter
+    assert RunConfig(division="closed").grpo.max_trajectory_age_steps == 1
+    assert RunConfig().grpo.max_trajectory_age_steps == 0  # open default: synchronous
+
+
+def test_closed_without_is_correction_lists_every_departure():
+    # Turning the IS correction off in a closed config is refused; the truncation that
+    # depends on it must be switched off too, and both are named.
+    data = {"division": "closed", "grpo": {"use_importance_sampling_correction": False,
+            "truncated_importance_sampling_type": None, "max_trajectory_age_steps": 0}}
+    with pytest.raises(ClosedDivisionError) as info:
+        parse_config(data)
+    assert [v.field for v in info.value.violations] == [
+        "grpo.use_importance_sampling_correction", "grpo.truncated_importance_sampling_type", "grpo.max_trajectory_age_steps"]
+
+
+@pytest.mark.parametrize("grpo,msg", [
+    ({"truncated_importance_sampling_type": "seq-mask-tis"}, "needs use_importance_sampling_correction: true"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+      "truncated_importance_sampling_ratio": 0.99, "truncated_importance_sampling_ratio_min": 1.0}, "ratio_min <= "),
+    ({"max_trajectory_age_steps": 1}, "max_trajectory_age_steps: 1 needs use_importance_sampling_correction"),
+    ({"max_trajectory_age_steps": 2}, "max_trajectory_age_steps"),
+    ({"truncated_importance_sampling_type": "icepop"}, "truncated_importance_sampling_type"),
+    ({"ratio_clip_eps": 0.2}, "ratio_clip_eps was renamed: write ratio_clip_min and ratio_clip_max"),
+])
+def test_inconsistent_loss_options_are_one_line_errors(grpo, msg):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"grpo": grpo})
+    assert msg in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("force,is_correction,threshold,expected", [
+    (True, True, 2.0, True),     # the reference: the pass feeds the log-prob error filter only
+    (True, True, None, False),   # NeMo-RL skips it: the loss uses sg(curr) for prev
+    (False, True, None, True),   # the ratio and the IS weight need the real prev
+    (False, False, None, False),  # open default: generation log-probs stand in for prev
+])
+def test_prev_logprob_pass_runs_when_the_reference_runs_it(force, is_correction, threshold, expected):
+    from mlperf_grpo.config import GRPOConfig
+
+    g = GRPOConfig(force_on_policy_ratio=force, use_importance_sampling_correction=is_correction,
+                   seq_logprob_error_threshold=threshold)
+    assert g.needs_prev_logprobs is expected

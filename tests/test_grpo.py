@@ -5,7 +5,27 @@ import math
 import pytest
 import torch
 
-from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
+from mlperf_grpo.train.grpo import (
+    PGLossOptions,
+    clipped_pg_loss_sum,
+    group_advantages,
+    importance_weights,
+    ppo_ratios,
+    seq_logprob_error_keep,
+    seq_mask_tis_keep,
+    token_logprobs,
+)
+
+SYMMETRIC = PGLossOptions(ratio_clip_min=0.2, ratio_clip_max=0.2)
+REFERENCE = PGLossOptions(  # the closed recipe's loss_fn values
+    ratio_clip_min=0.2,
+    ratio_clip_max=0.28,
+    force_on_policy_ratio=True,
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="seq-mask-tis",
+    truncated_importance_sampling_ratio=1.002,
+    truncated_importance_sampling_ratio_min=0.999,
+)
 
 
 def test_group_advantages_by_hand():
@@ -28,7 +48,7 @@ def test_clipped_loss_by_hand():
     current = torch.log(torch.tensor([[0.8, 0.5], [0.3, 0.6]]))  # ratios 1.6, (1.0 pad), 0.6, 1.2
     adv = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    got = clipped_pg_loss_sum(current, rollout, adv, mask, clip_eps=0.2)
+    got = clipped_pg_loss_sum(current, rollout, rollout, adv, mask, SYMMETRIC).loss
     # token 1: A=1, rho=1.6 -> min(1.6, 1.2) = 1.2 -> loss -1.2
     # token 3: A=-2, rho=0.6 -> min(-1.2, 0.8*-2=-1.6) = -1.6 -> loss 1.6
     # token 4: A=-2, rho=1.2 -> min(-2.4, -2.4) -> loss 2.4
@@ -39,7 +59,7 @@ def test_loss_gradient_is_policy_gradient_at_ratio_one():
     logits = torch.zeros(1, 1, 3, requires_grad=True)
     target = torch.tensor([[2]])
     logp = token_logprobs(logits, target, temperature=1.0)
-    loss = clipped_pg_loss_sum(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 1), 0.2)
+    loss = clipped_pg_loss_sum(logp, logp.detach(), logp.detach(), torch.tensor([1.0]), torch.ones(1, 1), SYMMETRIC).loss
     loss.backward()
     # d(-log softmax_2)/d logits = softmax - onehot = [1/3, 1/3, -2/3]
     assert logits.grad[0, 0].tolist() == pytest.approx([1 / 3, 1 / 3, -2 / 3], rel=1e-6)
@@ -83,3 +103,89 @@ def test_graded_rewards_by_hand():
     assert adv[1].tolist() == pytest.approx([-b, -b, b, b], rel=1e-6)
     assert adv[2].tolist() == pytest.approx([-c, -c, -c, 3 * c], rel=1e-5)
     assert adv.dtype == torch.float32
+def test_clip_higher_is_asymmetric_by_hand():
+    # ratios 1.3, 0.7, 0.7, 1.3 against advantages +1, -1, +1, -1; band [0.8, 1.28].
+    prev = torch.zeros(1, 4)
+    curr = torch.log(torch.tensor([[1.3, 0.7, 0.7, 1.3]]))
+    options = PGLossOptions(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    ratios, clamped = ppo_ratios(curr, prev, options)
+    assert clamped[0].tolist() == pytest.approx([1.28, 0.8, 0.8, 1.28], rel=1e-6)
+    per_token = []
+    for t, a in enumerate([1.0, -1.0, 1.0, -1.0]):
+        mask = torch.zeros(1, 4)
+        mask[0, t] = 1
+        per_token.append(clipped_pg_loss_sum(curr, prev, prev, torch.tensor([a]), mask, options).loss.item())
+    # A=+1, r=1.3: max(-1.3, -1.28) = -1.28 (clipped above at 1 + 0.28, not 1.2)
+    # A=-1, r=0.7: max(0.7, 0.8) = 0.8 (clipped below at 1 - 0.2)
+    # A=+1, r=0.7: max(-0.7, -0.8) = -0.7; A=-1, r=1.3: max(1.3, 1.28) = 1.3 (unclipped)
+    assert per_token == pytest.approx([-1.28, 0.8, -0.7, 1.3], rel=1e-6)
+
+
+def test_forced_ratio_is_one_and_ignores_prev():
+    curr = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    options = PGLossOptions(ratio_clip_min=0.2, ratio_clip_max=0.28, force_on_policy_ratio=True)
+    ratios, clamped = ppo_ratios(curr, torch.full((1, 2), -9.0), options)
+    assert ratios.tolist() == [[1.0, 1.0]] and clamped is ratios
+    gen = curr.detach().clone()
+    out = clipped_pg_loss_sum(curr, torch.full((1, 2), -9.0), gen, torch.tensor([3.0]), torch.ones(1, 2), options)
+    # r = 1 in value: loss = 2 tokens * -A = -6; gradient of each curr_t is -A (REINFORCE).
+    assert out.loss.item() == pytest.approx(-6.0)
+    out.loss.backward()
+    assert curr.grad.tolist() == [[-3.0, -3.0]]
+
+
+def test_importance_weights_by_hand():
+    prev = torch.tensor([[0.0, -1.0, float("nan")]])
+    gen = torch.tensor([[-0.5, -1.0, 0.0]])
+    w = importance_weights(prev, gen)
+    assert w[0, :2].tolist() == pytest.approx([math.exp(0.5), 1.0])
+    assert w[0, 2].item() == 0.0  # NaN -> 0, as the reference's nan_to_num
+
+
+def test_seq_mask_tis_band_by_hand():
+    gen = torch.zeros(4, 3)
+    prev = torch.tensor([
+        [0.001, 0.001, 0.0],     # mean over 2 tokens 0.001 -> g = 1.0010005: kept
+        [0.010, -0.002, 0.0],    # mean 0.004 -> g = 1.004 > 1.002: masked
+        [-0.002, -0.002, -0.002],  # mean -0.002 -> g = 0.998 < 0.999: masked
+        [0.5, 0.001, -0.5],      # token 0 and 2 are padding: mean 0.001 -> kept
+    ])
+    token_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    keep, geomean = seq_mask_tis_keep(prev, gen, token_mask, 0.999, 1.002)
+    assert keep.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert geomean.tolist() == pytest.approx([math.exp(0.001), math.exp(0.004), math.exp(-0.002), math.exp(0.001)], rel=1e-6)
+
+
+def test_reference_loss_masks_a_sequence_outside_the_band_by_hand():
+    # force_on_policy_ratio: prev = sg(curr); IS weight exp(curr - gen) per token.
+    curr = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
+    gen = curr.detach() - torch.tensor([[0.001, 0.001], [0.010, -0.002]])  # log-ratios as above
+    adv = torch.tensor([2.0, -1.0])
+    out = clipped_pg_loss_sum(curr, None, gen, adv, torch.ones(2, 2), REFERENCE)
+    w = math.exp(0.001)
+    # sequence 0 kept: 2 tokens x w x (-A=-2); sequence 1 (g = 1.004) masked: contributes 0
+    assert out.loss.item() == pytest.approx(2 * w * -2.0, rel=1e-6)
+    assert out.num_sequences_masked_by_is == 1
+    assert out.importance_weight_sum == pytest.approx(2 * w, rel=1e-6)
+    out.loss.backward()
+    assert curr.grad.flatten().tolist() == pytest.approx([-2.0 * w, -2.0 * w, 0.0, 0.0], rel=1e-6)
+
+
+def test_is_correction_without_forced_ratio_uses_prev_by_hand():
+    # ratio curr/prev = 1.5 (A=+1: clipped to 1.28 with clip-higher); weight prev/gen = e^0.2
+    prev = torch.tensor([[math.log(0.4)]])
+    curr = torch.tensor([[math.log(0.6)]])
+    gen = prev - 0.2
+    options = PGLossOptions(ratio_clip_min=0.2, ratio_clip_max=0.28, use_importance_sampling_correction=True)
+    out = clipped_pg_loss_sum(curr, prev, gen, torch.tensor([1.0]), torch.ones(1, 1), options)
+    assert out.loss.item() == pytest.approx(math.exp(0.2) * -1.28, rel=1e-6)
+
+
+def test_seq_logprob_error_filter_by_hand():
+    gen = torch.zeros(3, 2)
+    prev = torch.tensor([[math.log(3.0), 0.0], [-math.log(4.0), 0.0], [5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    keep, error = seq_logprob_error_keep(prev, gen, mask, threshold=2.0)
+    # mean of exp|d|: (3 + 1)/2 = 2 (kept, <=), (4 + 1)/2 = 2.5 (dropped); no tokens: 0 (kept)
+    assert error.tolist() == pytest.approx([2.0, 2.5, 0.0], rel=1e-6)
+    assert keep.tolist() == [1.0, 0.0, 1.0]

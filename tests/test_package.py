@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
+from mlperf_grpo.mllog import read_log
 from mlperf_grpo.package import olympic_score_min
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -64,6 +65,16 @@ def test_three_closed_runs_pass_the_official_checkers(tmp_path, capsys, monkeypa
         capture_output=True, text=True, cwd=tmp_path)
     assert "closed_qwen35_397b_grpo.yaml" in check.stdout + check.stderr
     assert "SUCCESS" in check.stdout + check.stderr
+
+    # The runs trained with the reference algorithm, and say so in the log as the reference does.
+    log = read_log(Path(runs[0]) / "mlperf.log")
+    assert log.first_value("truncated_importance_sampling_type") == "seq-mask-tis"
+    assert (log.first_value("truncated_importance_sampling_ratio_min"), log.first_value("truncated_importance_sampling_ratio")) == (0.999, 1.002)
+    tracked = {ev.metadata["step"]: ev.value for ev in log.find("tracked_stats")}
+    assert [tracked[s]["rollout_weights_version"] for s in (1, 2, 3, 10)] == [0, 0, 1, 8]  # one-step-async
+    assert all(v["exposed_generation_time"] >= 0 and v["weight_sync_time"] >= 0 for v in tracked.values())
+    # our checker (official checkers + offline-eval lint) is clean on the deferred run
+    assert main(["check", str(Path(runs[0]) / "mlperf.log")]) == 0, capsys.readouterr().out
 
     monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
     out = tmp_path / "submission"

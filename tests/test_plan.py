@@ -79,11 +79,15 @@ def test_shipped_configs_load(name):
 def test_plan_with_open_config_names_the_differences(capsys):
     assert main(["plan", "--config", str(CONFIGS / "open-default.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "open division: 1 value(s) differ from closed:" in out
+    # the learning rate, and the open default's synchronous loss against the reference algorithm
+    assert "open division: 9 value(s) differ from closed:" in out
     assert "optimizer.learning_rate: given 4e-06, required 1e-06" in out
+    assert "grpo.max_trajectory_age_steps: given 0, required 1 (reference algorithm)" in out
+    assert "grpo.ratio_clip_max: given 0.2, required 0.28 (reference algorithm)" in out
 
 
 def test_plan_with_closed_config(capsys):
     assert main(["plan", "--config", str(CONFIGS / "closed-gbs512.yaml")]) == 0
     out = capsys.readouterr().out
     assert "first_eval_step: 10" in out and "every value matches the closed rules" in out
+    assert "truncated_importance_sampling_type: seq-mask-tis" in out and "ratio_clip_max: 0.28" in out

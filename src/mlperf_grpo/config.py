@@ -116,8 +116,25 @@ class GRPOConfig(_Strict):
     max_sequence_length: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
     rollout_temperature: float = Field(rules.ROLLOUT_TEMPERATURE, gt=0)
     rollout_top_p: float = Field(rules.ROLLOUT_TOP_P, gt=0, le=1)
-    ratio_clip_eps: float = Field(0.2, gt=0)
-    """PPO clip range: the ratio is clipped to ``[1 - eps, 1 + eps]``."""
+    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    """The PPO ratio is clipped to ``[1 - ratio_clip_min, 1 + ratio_clip_max]`` (DAPO's
+    "clip-higher" when max > min). Closed: 0.2 and 0.28."""
+    force_on_policy_ratio: bool = False
+    """The PPO ratio is 1 in value (one optimizer step per rollout). Closed: true."""
+    use_importance_sampling_correction: bool = False
+    """Weight each token by ``prev / generation`` log-prob ratio (train/grpo.py). Closed: true."""
+    truncated_importance_sampling_type: Literal["seq-mask-tis"] | None = None
+    """``seq-mask-tis``: drop a sequence whose geometric-mean IS ratio leaves the band
+    ``[truncated_importance_sampling_ratio_min, truncated_importance_sampling_ratio]``."""
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
+    seq_logprob_error_threshold: float | None = Field(None, gt=0)
+    """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs a
+    no-grad forward pass for ``prev``. Closed: 2."""
+    max_trajectory_age_steps: Literal[0, 1] = 0
+    """1: the rollouts of step N+1 are generated while step N trains (weights at most one
+    step old; needs the IS correction). Closed: 1."""
     first_eval_step: int | None = Field(None, gt=0)
     """``null``: derived, ``ceil(2.5 + 3840/GBS)``. Open division only may set a step."""
 
@@ -125,6 +142,44 @@ class GRPOConfig(_Strict):
     def global_batch_size(self) -> int:
         """Completions per optimizer step: prompts x generations."""
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "ratio_clip_eps" in data:
+            raise ValueError(
+                "grpo.ratio_clip_eps was renamed: write ratio_clip_min and ratio_clip_max (the same value each for the old symmetric clip)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _loss_options_agree(self) -> "GRPOConfig":
+        # The reference's own assertions (NeMo-RL ClippedPGLossFn.__init__, async_grpo_train).
+        if self.truncated_importance_sampling_type is not None:
+            if not self.use_importance_sampling_correction:
+                raise ValueError("grpo.truncated_importance_sampling_type needs use_importance_sampling_correction: true")
+            lo, hi = self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio
+            if lo is None or hi is None or lo > hi:
+                raise ValueError(
+                    "seq-mask-tis needs truncated_importance_sampling_ratio_min <= truncated_importance_sampling_ratio, both set"
+                )
+        if self.max_trajectory_age_steps > 0 and not self.use_importance_sampling_correction:
+            raise ValueError("grpo.max_trajectory_age_steps: 1 needs use_importance_sampling_correction: true")
+        return self
+
+    @property
+    def needs_prev_logprobs(self) -> bool:
+        """Whether each step runs a no-grad forward pass for the ``prev`` log-probs.
+
+        As NeMo-RL: unless ``force_on_policy_ratio`` (its loss then uses ``sg(curr)``),
+        or whenever ``seq_logprob_error_threshold`` is set. One simplification, open
+        division only: without the IS correction and without the ratio forced, the
+        generation log-probs stand in for ``prev`` (today's open default; equal weights
+        in synchronous mode, since ``max_trajectory_age_steps: 1`` needs the correction).
+        """
+        if self.seq_logprob_error_threshold is not None:
+            return True
+        return not self.force_on_policy_ratio and self.use_importance_sampling_correction
 
     @model_validator(mode="after")
     def _micro_batch_divides(self) -> "GRPOConfig":
@@ -257,6 +312,26 @@ class RunConfig(_Strict):
             return {**data, "optimizer": {**optimizer, "learning_rate": None}}
         if isinstance(optimizer, OptimizerConfig) and "learning_rate" not in optimizer.model_fields_set:
             return {**data, "optimizer": optimizer.model_copy(update={"learning_rate": None})}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _closed_algorithm_is_the_reference(cls, data: object) -> object:
+        """In a closed config an omitted algorithm key takes the reference's value.
+
+        (:data:`rules.REFERENCE_ALGORITHM`; the open defaults are today's synchronous
+        loss.) An explicit value stays, so :func:`rules.closed_violations` can refuse it.
+        """
+        if not isinstance(data, dict) or data.get("division") != "closed":
+            return data
+        grpo = data.get("grpo")
+        if grpo is None:
+            grpo = {}
+        if isinstance(grpo, dict):
+            return {**data, "grpo": {**rules.REFERENCE_ALGORITHM, **grpo}}
+        if isinstance(grpo, GRPOConfig):
+            update = {k: v for k, v in rules.REFERENCE_ALGORITHM.items() if k not in grpo.model_fields_set}
+            return {**data, "grpo": GRPOConfig.model_validate({**grpo.model_dump(exclude_unset=True), **update})}
         return data
 
     @model_validator(mode="after")

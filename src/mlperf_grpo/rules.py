@@ -39,6 +39,25 @@ ADAMW_WEIGHT_DECAY = 0.0
 LEARNING_RATE_WARMUP_STEPS = 0
 LEARNING_RATE_DECAY_SCHEDULE = "constant"
 
+REFERENCE_RECIPE = "NeMo-RL mlperf-training-qwen35-main grpo_qwen35_397b_swe_openhands_async.yaml"
+"""Where the reference algorithm's values come from (its ``loss_fn``, ``grpo`` and
+``grpo.async_grpo`` sections)."""
+
+REFERENCE_ALGORITHM: dict[str, object] = {
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.28,
+    "force_on_policy_ratio": True,
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "seq-mask-tis",
+    "truncated_importance_sampling_ratio": 1.002,
+    "truncated_importance_sampling_ratio_min": 0.999,
+    "seq_logprob_error_threshold": 2.0,
+    "max_trajectory_age_steps": 1,
+}
+"""Closed division: the reference's GRPO algorithm, as ``grpo.<key>`` values of our config
+(same names as the recipe's keys). Also fixed there and in our trainer: token-level loss,
+no KL penalty, no dual clip, token-level (not sequence-level) importance ratios."""
+
 REFERENCE_SAMPLES_TO_CONVERGE = {256: 4608, 512: 5120, 1024: 7168}
 """Reference convergence (samples) of the RCPs of ruleset 6.1.0, from DESIGN.md."""
 
@@ -189,6 +208,7 @@ def _fixed_rules(config) -> list[tuple[str, object, object, str]]:
         ("grpo.max_sequence_length", g.max_sequence_length, MAX_SEQUENCE_LENGTH, "fixed"),
         ("grpo.rollout_temperature", g.rollout_temperature, ROLLOUT_TEMPERATURE, "fixed: training rollouts"),
         ("grpo.rollout_top_p", g.rollout_top_p, ROLLOUT_TOP_P, "fixed: training rollouts"),
+        *((f"grpo.{key}", getattr(g, key), value, "reference algorithm") for key, value in REFERENCE_ALGORITHM.items()),
         ("optimizer.beta_1", o.beta_1, ADAMW_BETA_1, "fixed: AdamW"),
         ("optimizer.beta_2", o.beta_2, ADAMW_BETA_2, "fixed: AdamW"),
         ("optimizer.epsilon", o.epsilon, ADAMW_EPSILON, "fixed: AdamW"),
@@ -223,7 +243,8 @@ def closed_violations(config) -> list[Violation]:
         config the same list tells which values differ from closed, a derived value
         counting when it differs from the formula by more than 1e-9.
     Source: ``mlperf_logging/compliance_checker/training_6.1.0/closed_qwen35_397b_grpo.yaml``
-    (and the GBS rule: ``num_generations_per_prompt`` 16, ``GBS = prompts x 16``).
+    (and the GBS rule: ``num_generations_per_prompt`` 16, ``GBS = prompts x 16``); the
+    algorithm's values from :data:`REFERENCE_RECIPE` (:data:`REFERENCE_ALGORITHM`).
     """
     closed = config.division == "closed"
     found = [Violation(f, given, req, src) for f, given, req, src in _fixed_rules(config) if given != req]
@@ -285,5 +306,7 @@ def closed_plan(global_batch_size: int, num_later_evals: int = 5) -> dict[str, o
         "max_sequence_length": MAX_SEQUENCE_LENGTH,
         "init_checkpoint_step": INIT_CHECKPOINT_STEP,
         "target": f"eval_accuracy > {TARGET_ACCURACY}",
+        **REFERENCE_ALGORITHM,
+        "reference_algorithm_source": REFERENCE_RECIPE,
         "runs_per_submission": 3,
     }

@@ -1,16 +1,39 @@
-"""GRPO math as pure tensor functions: group-normalized advantages and the clipped loss.
+"""GRPO math as pure tensor functions: advantages, the clipped loss and its corrections.
 
-Source: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), section 4.1 (GRPO,
-outcome supervision), with the token-level mean over the global batch of Yu et al.
-2025, "DAPO" (arXiv:2503.14476), as NeMo-RL's ``ClippedPGLossFn`` computes it with
-``token_level_loss=True``. No KL penalty (beta = 0).
+Sources: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), section 4.1 (GRPO,
+outcome supervision); the token-level mean and asymmetric ("clip-higher") ratio clip of
+Yu et al. 2025, "DAPO" (arXiv:2503.14476); and the reference implementation of this
+benchmark, NVIDIA NeMo-RL ``ClippedPGLossFn`` (``nemo_rl/algorithms/loss/loss_functions.py``)
+and ``compute_and_apply_seq_logprob_error_masking`` (``nemo_rl/algorithms/grpo.py``) on
+branch ``mlperf-training-qwen35-main``, read, not copied. No KL penalty (beta = 0).
+
+Three log-probabilities of each sampled token enter the loss (all ``[B, T]``, natural log,
+at the rollout temperature):
+
+- ``curr``: the training policy's, with gradient, in the optimizer step's forward pass.
+- ``generation``: the generation engine's, returned with the rollout. With
+  ``max_trajectory_age_steps: 1`` the engine may hold the weights of one step earlier.
+- ``prev``: the training policy's *before* the update. NeMo-RL computes it with a separate
+  no-grad forward pass; with ``force_on_policy_ratio`` its loss uses ``curr.detach()``
+  instead (equal in value: one update per rollout), and the separate pass only feeds the
+  sequence log-prob error mask (:func:`seq_logprob_error_keep`).
+
+The PPO ratio is ``curr / prev``; the importance-sampling (IS) weight that corrects for
+the engine is ``prev / generation``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 ADVANTAGE_EPS = 1e-6
+MASKED_MEAN_EPS = 1e-8
+"""Added to the denominator of a per-sequence masked mean, as NeMo-RL's ``masked_mean``."""
+
+TruncatedISType = Literal["seq-mask-tis"]
 
 FLAT_GROUP_RELATIVE_STD = 1e-6
 """A group whose reward standard deviation is at most this fraction of its largest
@@ -50,38 +73,199 @@ def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch
     return torch.where(flat, torch.zeros_like(advantages), advantages).float()
 
 
-def clipped_pg_loss_sum(
-    logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float,
-) -> torch.Tensor:
-    """Sum over valid tokens of the clipped policy-gradient surrogate (to be minimized).
+@dataclass(frozen=True)
+class PGLossOptions:
+    """The clipped policy-gradient loss's options, named as NeMo-RL's ``loss_fn`` keys.
 
-    For each completion token t with advantage A (its completion's) and importance
-    ratio ``rho_t = exp(logprobs_t - rollout_logprobs_t)``::
+    ``ratio_clip_min``/``ratio_clip_max``: the PPO ratio is clipped to
+    ``[1 - ratio_clip_min, 1 + ratio_clip_max]``. ``force_on_policy_ratio``: the ratio
+    is 1 in value (gradient of ``curr`` kept). ``use_importance_sampling_correction``:
+    weight each token by ``prev / generation``. ``truncated_importance_sampling_type``
+    ``"seq-mask-tis"``: zero the weights of a sequence whose geometric-mean IS ratio lies
+    outside ``[truncated_importance_sampling_ratio_min, truncated_importance_sampling_ratio]``.
+    """
 
-        loss_t = -min(rho_t * A, clip(rho_t, 1 - clip_eps, 1 + clip_eps) * A)
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    force_on_policy_ratio: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: TruncatedISType | None = None
+    truncated_importance_sampling_ratio: float | None = None
+    truncated_importance_sampling_ratio_min: float | None = None
 
-    The caller divides the sum by the number of valid tokens in the whole global batch,
-    so gradient accumulation over micro-batches gives the token-level mean exactly.
+    @classmethod
+    def of(cls, grpo_config: object) -> "PGLossOptions":
+        """The options read from an object with attributes of the same names (``GRPOConfig``)."""
+        return cls(**{name: getattr(grpo_config, name) for name in cls.__dataclass_fields__})
+
+
+def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor) -> torch.Tensor:
+    """Token-level IS weights ``w_t = exp(prev_t - generation_t)``, NaN/inf -> 0, no grad.
 
     Args:
-        logprobs: ``[B, T]`` current policy log-probs of the sampled tokens (with grad).
-        rollout_logprobs: ``[B, T]`` log-probs under the rollout policy (no grad).
-        advantages: ``[B]`` one advantage per completion.
-        mask: ``[B, T]`` 1 for completion tokens, 0 for padding.
-        clip_eps: PPO clip range (0.2 in PPO, Schulman et al. 2017).
+        prev_logprobs, generation_logprobs: ``[B, T]`` float.
     Returns:
-        A scalar tensor.
+        ``[B, T]`` float, detached.
+    Source: NeMo-RL ``ClippedPGLossFn``, "Off-policy (actor) importance-sampling correction",
+    token-level branch (``sequence_level_importance_ratios: false``).
     """
-    ratio = torch.exp(logprobs - rollout_logprobs)
+    w = torch.exp(prev_logprobs.detach() - generation_logprobs)
+    return torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def seq_mask_tis_keep(
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    token_mask: torch.Tensor,
+    ratio_min: float,
+    ratio_max: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sequences ``seq-mask-tis`` keeps, by their geometric-mean IS ratio.
+
+    ``g_i = exp( sum_t m_it * d_it / (sum_t m_it + 1e-8) )`` with
+    ``d_it = nan_to_num(prev_it - generation_it, 0)``; sequence ``i`` is kept when
+    ``ratio_min <= g_i <= ratio_max`` (bounds included). A kept sequence keeps its raw,
+    untruncated token weights; a dropped one gets weight 0 on every token.
+
+    Args:
+        prev_logprobs, generation_logprobs: ``[B, T]`` float.
+        token_mask: ``[B, T]`` 1 on completion tokens (the sequence's own tokens; NeMo-RL
+            uses ``token_mask`` here, not ``token_mask * sample_mask``).
+        ratio_min, ratio_max: the band, 0.999 and 1.002 in the reference recipe.
+    Returns:
+        ``(keep, geomean)``: ``[B]`` float 0/1 and ``[B]`` float ``g_i``, detached.
+    Source: NeMo-RL ``ClippedPGLossFn``, ``truncated_importance_sampling_type == "seq-mask-tis"``.
+    """
+    diff = torch.nan_to_num(prev_logprobs.detach() - generation_logprobs, nan=0.0, posinf=0.0, neginf=0.0)
+    mean_log_ratio = (diff * token_mask).sum(dim=-1) / (token_mask.sum(dim=-1) + MASKED_MEAN_EPS)  # [B]
+    geomean = torch.exp(mean_log_ratio)
+    keep = ((geomean >= ratio_min) & (geomean <= ratio_max)).float()
+    return keep, geomean
+
+
+def seq_logprob_error_keep(
+    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sequences the sequence log-prob error filter keeps (``grpo.seq_logprob_error_threshold``).
+
+    ``e_i = sum_t m_it * exp(m_it * |generation_it - prev_it|) / max(sum_t m_it, 1)``, the
+    per-sequence multiplicative probability error; sequence ``i`` is kept when
+    ``e_i <= threshold``. A sequence without valid tokens has ``e_i = 0`` (kept).
+
+    Args:
+        prev_logprobs: ``[B, T]`` from the separate no-grad pass of the training policy.
+        generation_logprobs: ``[B, T]`` the engine's.
+        mask: ``[B, T]`` ``token_mask * sample_mask``.
+        threshold: 2 in the reference recipe.
+    Returns:
+        ``(keep, error)``: ``[B]`` float 0/1 and ``[B]`` float ``e_i``.
+    Source: NeMo-RL ``compute_and_apply_seq_logprob_error_masking`` (``algorithms/grpo.py``);
+    its ``keep`` multiplies ``sample_mask`` before the loss.
+    """
+    lp_error = torch.abs(generation_logprobs - prev_logprobs.detach())
+    num_tokens = mask.sum(dim=-1)
+    error = (torch.exp(lp_error * mask) * mask).sum(dim=-1) / num_tokens.clamp(min=1)
+    error = torch.where(num_tokens > 0, error, torch.zeros_like(error))
+    return (error <= threshold).float(), error
+
+
+def ppo_ratios(
+    curr_logprobs: torch.Tensor, prev_logprobs: torch.Tensor | None, options: PGLossOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PPO ratio and its clipped value, ``[B, T]`` each, with gradient through ``curr``.
+
+    ``force_on_policy_ratio``: ``r_t = exp(curr_t - sg(curr_t))`` (value 1, gradient of
+    ``curr_t``), not clipped, ``prev_logprobs`` unused. Otherwise ``r_t = exp(curr_t - prev_t)``
+    and the clipped ratio is ``clip(r_t, 1 - ratio_clip_min, 1 + ratio_clip_max)``.
+    Raises:
+        ValueError: ``prev_logprobs`` is None without ``force_on_policy_ratio``.
+    Source: NeMo-RL ``ClippedPGLossFn`` ("Calculate clipped loss function"); DAPO for the
+    asymmetric clip.
+    """
+    if options.force_on_policy_ratio:
+        ratios = torch.exp(curr_logprobs - curr_logprobs.detach())
+        return ratios, ratios
+    if prev_logprobs is None:
+        raise ValueError("prev_logprobs is required unless force_on_policy_ratio is set")
+    ratios = torch.exp(curr_logprobs - prev_logprobs.detach())
+    return ratios, ratios.clamp(1.0 - options.ratio_clip_min, 1.0 + options.ratio_clip_max)
+
+
+@dataclass
+class PGLossSum:
+    """What :func:`clipped_pg_loss_sum` returns for one micro-batch.
+
+    ``loss``: scalar sum over valid tokens (with grad). ``importance_weight_sum``: the sum
+    of the IS weights used, over valid tokens. ``num_sequences_masked_by_is``: sequences
+    ``seq-mask-tis`` dropped (0 without it).
+    """
+
+    loss: torch.Tensor
+    importance_weight_sum: float
+    num_sequences_masked_by_is: int
+
+
+def clipped_pg_loss_sum(
+    curr_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor | None,
+    generation_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    options: PGLossOptions,
+) -> PGLossSum:
+    """Sum over valid tokens of the IS-weighted clipped policy-gradient surrogate (minimized).
+
+    For token t of completion i, with advantage ``A_i`` and ratios from :func:`ppo_ratios`::
+
+        loss_t = w_t * max(-A_i * r_t, -A_i * clip(r_t))        (= -w_t * min(r_t A_i, clip(r_t) A_i))
+
+    ``w_t = 1`` without ``use_importance_sampling_correction``; with it
+    ``w_t = exp(p_t - generation_t)``, where ``p = sg(curr)`` under
+    ``force_on_policy_ratio`` and ``prev`` otherwise, times the ``seq-mask-tis`` keep
+    flag of its sequence when that truncation is set. The caller divides the sum by the
+    valid-token count of the whole global batch (token-level loss), so gradient
+    accumulation over micro-batches gives NeMo-RL's token-level mean exactly.
+
+    Args:
+        curr_logprobs: ``[B, T]`` current policy log-probs of the sampled tokens (with grad).
+        prev_logprobs: ``[B, T]`` training policy before the update, or None with
+            ``force_on_policy_ratio``.
+        generation_logprobs: ``[B, T]`` the engine's log-probs from the rollout.
+        advantages: ``[B]`` one advantage per completion.
+        mask: ``[B, T]`` 1 on completion tokens of kept sequences, 0 elsewhere.
+        options: see :class:`PGLossOptions`.
+    Returns:
+        A :class:`PGLossSum`.
+    Source: NeMo-RL ``ClippedPGLossFn.__call__`` with ``token_level_loss: true``,
+    ``reference_policy_kl_penalty: 0``, ``ratio_clip_c: null``,
+    ``sequence_level_importance_ratios: false``, ``disable_ppo_ratio: false``.
+    """
+    if options.force_on_policy_ratio:
+        prev_logprobs = curr_logprobs.detach()
+    ratios, ratios_clamped = ppo_ratios(curr_logprobs, prev_logprobs, options)
     adv = advantages.unsqueeze(1)  # [B, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    return (per_token * mask).sum()
+    per_token = torch.maximum(-adv * ratios, -adv * ratios_clamped)  # [B, T]
+    masked = 0
+    if options.use_importance_sampling_correction:
+        weights = importance_weights(prev_logprobs, generation_logprobs)  # [B, T]
+        if options.truncated_importance_sampling_type == "seq-mask-tis":
+            keep, _ = seq_mask_tis_keep(
+                prev_logprobs,
+                generation_logprobs,
+                (mask > 0).float(),
+                options.truncated_importance_sampling_ratio_min,
+                options.truncated_importance_sampling_ratio,
+            )
+            weights = weights * keep.unsqueeze(1)
+            masked = int(((1.0 - keep) * (mask.sum(dim=-1) > 0).float()).sum().item())
+        per_token = weights * per_token
+    else:
+        weights = torch.ones_like(per_token)
+    return PGLossSum(
+        loss=(per_token * mask).sum(),
+        importance_weight_sum=float((weights.detach() * mask).sum().item()),
+        num_sequences_masked_by_is=masked,
+    )
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

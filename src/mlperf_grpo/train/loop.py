@@ -5,8 +5,9 @@ Reads top to bottom like the lifecycle it runs::
     init_start -> load policy, engine, tasks -> init_stop -> run_start
     for step in 1..max_steps:
         block_start
-        refit engine <- policy; rollouts; rewards; advantages
-        loss over micro-batches; clip; optimizer.step()   -> weight-update time
+        take rollouts (age 1: generated while the previous step trained; train/async_rollout.py)
+        rewards; advantages; loss over micro-batches; clip; optimizer.step() -> weight-update time
+        refit engine <- policy (after the generation in flight)
         block_stop
         step >= first eval step: stage the weights; step_N/ is written in the background
     training's end: wait until every checkpoint is published (checkpoints/training_end.json)
@@ -26,6 +27,7 @@ checkpoints in flight are published first):
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +46,17 @@ from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_pat
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
-from mlperf_grpo.train.grpo import clipped_pg_loss_sum, group_advantages, token_logprobs
-from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start
+from mlperf_grpo.train.async_rollout import RolloutProducer
+from mlperf_grpo.train.grpo import (
+    PGLossOptions,
+    clipped_pg_loss_sum,
+    group_advantages,
+    seq_logprob_error_keep,
+    token_logprobs,
+)
+from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.stop import GracefulStop
-from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch, generate_rollouts
+from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch
 
 
 @dataclass
@@ -61,6 +70,11 @@ class StepStats:
     loss: float
     grad_norm: float
     weight_update_time_ms: int
+    rollout_weights_version: int = 0
+    """Optimizer steps applied to the weights that generated this step's rollouts
+    (``step - 1`` when synchronous, ``step - 2`` with one-step-async from step 2)."""
+    num_sequences_masked_by_is: int = 0
+    """Sequences ``seq-mask-tis`` dropped from the loss."""
 
 
 @dataclass
@@ -73,44 +87,105 @@ class TrainResult:
     checkpoint_timings: list[CheckpointTiming] = field(default_factory=list)
 
 
+@dataclass
+class OptimizeResult:
+    """What one optimizer step measured (see :func:`optimize_step`)."""
+
+    loss: float
+    """Global-batch token-level mean loss."""
+    grad_norm: float
+    """Pre-clip gradient norm."""
+    num_valid_tokens: int
+    """Completion tokens of the sequences kept by the log-prob error filter (the normalizer)."""
+    num_sequences_masked_by_is: int
+    num_sequences_masked_by_logprob_error: int
+    importance_weight_mean: float
+    """Mean IS weight over valid tokens (1 without the correction)."""
+
+
+def policy_logprobs(policy: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """The ``prev`` log-probs: a no-grad forward pass of the training policy over the batch.
+
+    Returns:
+        ``[B, L-1]`` float32 on the CPU, aligned with ``batch.rollout_logprobs``.
+    """
+    device = next(policy.parameters()).device
+    out = []
+    with torch.no_grad():
+        for start in range(0, batch.input_ids.shape[0], micro_batch_size):
+            sl = slice(start, start + micro_batch_size)
+            ids = batch.input_ids[sl].to(device)
+            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
+            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature).cpu())
+    return torch.cat(out)
+
+
 def optimize_step(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: RolloutBatch,
     micro_batch_size: int,
     temperature: float,
-    clip_eps: float,
+    options: PGLossOptions,
     grad_clip_norm: float,
-) -> tuple[float, float]:
+    seq_logprob_error_threshold: float | None = None,
+    needs_prev_logprobs: bool = False,
+) -> OptimizeResult:
     """One optimizer step on a global batch, accumulating gradients over micro-batches.
 
-    Each micro-batch's loss sum is divided by the global batch's valid-token count, so
-    the accumulated gradient equals that of the token-level mean over the whole batch.
-    Returns:
-        ``(loss, grad_norm)``: the global-batch mean loss and the pre-clip gradient norm.
+    With ``needs_prev_logprobs`` a no-grad pass first computes the ``prev`` log-probs
+    (:func:`policy_logprobs`); ``seq_logprob_error_threshold`` then drops sequences from
+    the mask (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`). Without the pass,
+    ``prev`` is ``sg(curr)`` under ``force_on_policy_ratio`` and else the rollout's
+    generation log-probs (GRPOConfig.needs_prev_logprobs). Each micro-batch's loss sum is
+    divided by the global batch's valid-token count, so the accumulated gradient equals
+    that of the token-level mean over the whole batch.
     """
     policy.train()
     optimizer.zero_grad(set_to_none=True)
-    total_tokens = max(batch.num_tokens, 1)
     device = next(policy.parameters()).device  # the batch is built on the CPU
-    loss_total = 0.0
-    for sl, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
-        ids = batch.input_ids[sl, :width].to(device)
-        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl, :width].to(device)).logits
-        logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
-        loss = clipped_pg_loss_sum(
-            logprobs,
-            batch.rollout_logprobs[sl, : width - 1].to(device),
-            batch.advantages[sl].to(device),
-            batch.completion_mask[sl, : width - 1].to(device),
-            clip_eps,
-        ) / total_tokens
+    mask = batch.completion_mask  # [B, L-1]
+    prev = policy_logprobs(policy, batch, micro_batch_size, temperature) if needs_prev_logprobs else None
+    masked_by_error = 0
+    if seq_logprob_error_threshold is not None:
+        if prev is None:
+            raise ValueError("seq_logprob_error_threshold needs the prev log-prob pass (needs_prev_logprobs=True)")
+        keep, _ = seq_logprob_error_keep(prev, batch.rollout_logprobs, mask, seq_logprob_error_threshold)
+        masked_by_error = int(((1 - keep) * (mask.sum(dim=-1) > 0)).sum().item())
+        mask = mask * keep.unsqueeze(1)
+    if prev is None and not options.force_on_policy_ratio:
+        prev = batch.rollout_logprobs
+    total_tokens = max(int(mask.sum().item()), 1)
+    loss_total, weight_sum, masked_by_is = 0.0, 0.0, 0
+    for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
+        ids = batch.input_ids[rows, :width].to(device)
+        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
+        curr = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
+        cols = slice(0, width - 1)
+        part = clipped_pg_loss_sum(
+            curr,
+            None if prev is None else prev[rows, cols].to(device),
+            batch.rollout_logprobs[rows, cols].to(device),
+            batch.advantages[rows].to(device),
+            mask[rows, cols].to(device),
+            options,
+        )
+        loss = part.loss / total_tokens
         loss.backward()
         loss_total += loss.item()
+        weight_sum += part.importance_weight_sum
+        masked_by_is += part.num_sequences_masked_by_is
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm)
     optimizer.step()
     policy.eval()
-    return loss_total, float(grad_norm)
+    return OptimizeResult(
+        loss=loss_total,
+        grad_norm=float(grad_norm),
+        num_valid_tokens=int(mask.sum().item()),
+        num_sequences_masked_by_is=masked_by_is,
+        num_sequences_masked_by_logprob_error=masked_by_error,
+        importance_weight_mean=weight_sum / total_tokens,
+    )
 
 
 def train(
@@ -241,6 +316,11 @@ def _train(
     log.commit()
 
     result = TrainResult()
+    rollout_params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
+    producer = RolloutProducer(
+        engine, sampler, g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params,
+        config.seed, g.max_trajectory_age_steps, g.max_steps, config.model.device,
+    )
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
     completed, completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
     try:
@@ -249,29 +329,41 @@ def _train(
                 checkpointer.raise_if_failed()  # a failed background write stops training here
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
             log.commit()
-            prompts = sampler.sample(g.num_prompts_per_step)
-            params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
-            completions = generate_rollouts(engine, prompts, g.num_generations_per_prompt, params, config.seed, step)
+            step_start_s = time.perf_counter()
+            rollouts = producer.take(step)  # with age 1, also starts generating step + 1
+            prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P, G]
             advantages = group_advantages(rewards)  # [P, G]
             batch = build_batch(completions, rewards, advantages, pad_id)
-            loss, grad_norm = optimize_step(
-                policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, g.ratio_clip_eps, config.gradient_clip_norm
+            train_start_s = time.perf_counter()
+            optimized = optimize_step(
+                policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
+                config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
-            engine.load_weights(policy.state_dict())  # refit for the next rollouts
+            policy_training_s = time.perf_counter() - train_start_s
+            weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)  # for the next rollouts
             block_stop_ms = now_ms()
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
-            log.commit()
+            log_tracked_stats(log, step, gbs, {  # commits the block_stop too
+                "reduced_train_loss": optimized.loss, "reward": float(rewards.mean()), "grad_norm": optimized.grad_norm,
+                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": len(batch.advantages) - optimized.num_sequences_masked_by_logprob_error,
+                "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
+                "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
+                "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
+                "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is,
+            })
             completed, completed_ms = step, block_stop_ms
             stats = StepStats(
                 step=step,
                 reward_mean=float(rewards.mean()),
                 rollout_pass_rate=float((rewards > 0).any(dim=1).float().mean()),
-                loss=loss,
-                grad_norm=grad_norm,
+                loss=optimized.loss,
+                grad_norm=optimized.grad_norm,
                 weight_update_time_ms=weight_update_time_ms,
+                rollout_weights_version=rollouts.weights_version,
+                num_sequences_masked_by_is=optimized.num_sequences_masked_by_is,
             )
             result.steps.append(stats)
             if step >= first_eval_step and checkpointer is not None:
@@ -306,6 +398,7 @@ def _train(
             log.commit()
         raise
     finally:
+        producer.close()  # waits for a generation in flight (with age 1)
         bar.close()
         if checkpointer is not None:
             result.checkpoint_steps = list(checkpointer.published_steps)

@@ -1,0 +1,169 @@
+"""The rollout producer: owns the generation engine, hands the trainer each step's rollouts.
+
+``max_trajectory_age_steps: 0`` (synchronous): the rollouts of step N are generated when
+step N asks for them, with the weights of step N-1.
+
+``max_trajectory_age_steps: 1`` (one-step-async, the reference's ``async_grpo`` with
+``in_flight_weight_updates: false``): as soon as step N has taken its rollouts, the
+rollouts of step N+1 start generating on a background thread with the weights the engine
+holds, while step N trains. The refit after step N waits for that generation to finish,
+then loads the new weights (no weight update in flight)::
+
+    step 1: generate(1, w0)  | take 1 | gen(2, w0) ........ | refit w1
+    step 2:                    take 2 | gen(3, w1) || train 2 | refit w2
+    step N trains on rollouts of w_{N-2} (age 1), step 1 on w0 (age 0)
+
+Each :class:`Rollouts` records ``weights_version`` (optimizer steps applied to the weights
+that generated it), so the trainer knows the age and applies the importance-sampling
+correction (``train/grpo.py``). Prompts are drawn and seeds derived in step order on the
+caller's thread, so a run is reproducible whatever the timing.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams
+from mlperf_grpo.tasks import Task
+from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
+
+
+@dataclass
+class Rollouts:
+    """The rollouts of one training step.
+
+    ``completions``: ``[P][G]``. ``weights_version``: optimizer steps applied to the engine
+    weights that generated them. ``generation_s``: seconds the engine spent on them.
+    ``exposed_generation_s``: seconds the trainer waited for them (0 when they were ready).
+    """
+
+    step: int
+    tasks: list[Task]
+    completions: list[list[Completion]]
+    weights_version: int
+    generation_s: float
+    exposed_generation_s: float = 0.0
+
+    @property
+    def age_steps(self) -> int:
+        """How many optimizer steps older than the trainer's weights (``step - 1``) they are."""
+        return self.step - 1 - self.weights_version
+
+
+class RolloutProducer:
+    """Generates each step's rollouts, one step ahead when ``max_trajectory_age_steps`` is 1.
+
+    Only this object calls the engine (generation on its single worker thread, refit on
+    the caller's); use it as a context manager so a pending generation is waited for.
+
+    Args:
+        engine: the generation engine, holding the weights of version 0.
+        sampler: draws each step's prompts.
+        num_prompts_per_step, num_generations_per_prompt: the batch shape.
+        params: training rollout sampling parameters.
+        seed: run seed (per-completion seeds are derived from it, the step and the index).
+        max_trajectory_age_steps: 0 or 1.
+        max_steps: no rollouts are generated for a later step.
+        device: the engine's device; with ``cuda`` the background generation runs on
+            its own CUDA stream (after the refit's copies on the default stream), so
+            its kernels can overlap training's instead of queueing behind them.
+    Raises:
+        ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        sampler: PromptSampler,
+        num_prompts_per_step: int,
+        num_generations_per_prompt: int,
+        params: SamplingParams,
+        seed: int,
+        max_trajectory_age_steps: int,
+        max_steps: int,
+        device: str = "cpu",
+    ) -> None:
+        if max_trajectory_age_steps not in (0, 1):
+            raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {max_trajectory_age_steps}")
+        self._engine = engine
+        self._sampler = sampler
+        self._shape = (num_prompts_per_step, num_generations_per_prompt)
+        self._params = params
+        self._seed = seed
+        self._max_age = max_trajectory_age_steps
+        self._max_steps = max_steps
+        self._weights_version = 0
+        self._cuda = device == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._pending: tuple[int, Future[Rollouts]] | None = None
+
+    def __enter__(self) -> "RolloutProducer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def take(self, step: int) -> Rollouts:
+        """The rollouts of ``step`` (waiting for them if in flight); then, with age 1,
+        starts generating those of ``step + 1`` in the background.
+
+        Raises:
+            ValueError: steps are taken out of order.
+            Whatever the engine raised while generating.
+        """
+        start = time.perf_counter()
+        if self._pending is not None:
+            pending_step, future = self._pending
+            if pending_step != step:
+                raise ValueError(f"rollouts of step {pending_step} are in flight; step {step} was asked for")
+            self._pending = None
+            rollouts = future.result()
+        else:
+            rollouts = self._generate(step, self._draw(), self._weights_version)
+        rollouts.exposed_generation_s = time.perf_counter() - start
+        if self._max_age == 1 and step < self._max_steps:
+            nxt = step + 1
+            self._pending = (nxt, self._pool.submit(self._generate_on_side_stream, nxt, self._draw(), self._weights_version))
+        return rollouts
+
+    def refit(self, state_dict: dict, weights_version: int) -> float:
+        """Load the trainer's weights (after optimizer step ``weights_version``) into the engine.
+
+        Waits for any generation in flight first (the reference's
+        ``in_flight_weight_updates: false``), so it is not counted in the returned time.
+        Returns:
+            Seconds spent loading the weights (the weight-sync time).
+        """
+        if self._pending is not None:
+            self._pending[1].result()
+        start = time.perf_counter()
+        self._engine.load_weights(state_dict)
+        self._weights_version = weights_version
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Wait for a generation in flight (its result is dropped) and stop the worker."""
+        self._pending = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _draw(self) -> list[Task]:
+        return self._sampler.sample(self._shape[0])
+
+    def _generate_on_side_stream(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
+        if not self._cuda:
+            return self._generate(step, tasks, weights_version)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.default_stream())  # the refit's weight copies come first
+        with torch.cuda.stream(stream):
+            rollouts = self._generate(step, tasks, weights_version)
+        stream.synchronize()
+        return rollouts
+
+    def _generate(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
+        start = time.perf_counter()
+        completions = generate_rollouts(self._engine, tasks, self._shape[1], self._params, self._seed, step)
+        return Rollouts(step, tasks, completions, weights_version, time.perf_counter() - start)

@@ -1,0 +1,107 @@
+"""The rollout producer: which weights generate which step, and overlap with training."""
+
+import threading
+
+import pytest
+
+from mlperf_grpo.inference.base import Completion, SamplingParams
+from mlperf_grpo.tasks import arithmetic
+from mlperf_grpo.train.async_rollout import RolloutProducer
+from mlperf_grpo.train.rollout import PromptSampler
+
+PARAMS = SamplingParams(1.0, 1.0, 4)
+
+
+class FakeEngine:
+    """Records the weights it held for each generate call; can block a call until released."""
+
+    def __init__(self) -> None:
+        self.weights = "w0"
+        self.calls: list[tuple[str, str, int]] = []  # (weights, thread name, number of prompts)
+        self.block_calls_after = None  # generate call index from which to wait for `release`
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def load_weights(self, state_dict):
+        self.weights = state_dict["name"]
+
+    def generate(self, prompts, params, seeds):
+        index = len(self.calls)
+        self.calls.append((self.weights, threading.current_thread().name, len(prompts)))
+        if self.block_calls_after is not None and index >= self.block_calls_after:
+            self.entered.set()
+            assert self.release.wait(timeout=60), "the trainer never released the generation"
+        return [Completion([1], [2], [-0.5], str(s)) for s in seeds]
+
+
+def _producer(engine, age, max_steps=4):
+    sampler = PromptSampler(arithmetic.train_tasks(32, 251, seed=1), seed=1)
+    return RolloutProducer(engine, sampler, 2, 3, PARAMS, seed=7, max_trajectory_age_steps=age, max_steps=max_steps)
+
+
+def _run(age, max_steps=4):
+    engine = FakeEngine()
+    versions, texts = [], []
+    with _producer(engine, age, max_steps) as producer:
+        for step in range(1, max_steps + 1):
+            rollouts = producer.take(step)
+            versions.append((rollouts.weights_version, rollouts.age_steps))
+            texts.append([c.text for group in rollouts.completions for c in group])
+            producer.refit({"name": f"w{step}"}, weights_version=step)
+    return engine, versions, texts
+
+
+def test_synchronous_step_n_uses_the_weights_of_step_n_minus_1():
+    engine, versions, _ = _run(age=0)
+    assert versions == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert [w for w, _, _ in engine.calls] == ["w0", "w1", "w2", "w3"]
+
+
+def test_one_step_async_step_n_uses_the_weights_of_step_n_minus_2():
+    engine, versions, _ = _run(age=1)
+    # step 1 on w0 (age 0), then each step on the weights one step older than the trainer's
+    assert versions == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert [w for w, _, _ in engine.calls] == ["w0", "w0", "w1", "w2"]
+    assert all(name.startswith("rollout") for _, name, _ in engine.calls[1:])  # background thread
+    assert len(engine.calls) == 4  # nothing generated past max_steps
+
+
+def test_prompts_and_seeds_do_not_depend_on_the_mode():
+    _, _, sync = _run(age=0)
+    _, _, async_ = _run(age=1)
+    assert sync == async_  # same prompts drawn in step order, same per-completion seeds
+
+
+def test_generation_of_the_next_step_overlaps_training():
+    engine = FakeEngine()
+    engine.block_calls_after = 1  # step 2's generation waits until "training" of step 1 releases it
+    with _producer(engine, age=1) as producer:
+        producer.take(1)
+        # take(1) returned while step 2's rollouts are still being generated: the trainer
+        # is free to train step 1 now.
+        assert engine.entered.wait(timeout=60)
+        engine.release.set()  # "training of step 1" done
+        weights_before_refit = engine.weights
+        producer.refit({"name": "w1"}, weights_version=1)  # waits for the generation first
+        assert weights_before_refit == "w0"
+        assert producer.take(2).weights_version == 0
+
+
+def test_engine_error_reaches_the_trainer():
+    class Broken(FakeEngine):
+        def generate(self, prompts, params, seeds):
+            if self.calls:
+                raise RuntimeError("engine died")
+            return super().generate(prompts, params, seeds)
+
+    with _producer(Broken(), age=1) as producer:
+        producer.take(1)
+        with pytest.raises(RuntimeError, match="engine died"):
+            producer.take(2)
+
+
+def test_steps_out_of_order_are_refused():
+    with _producer(FakeEngine(), age=1) as producer:
+        producer.take(1)
+        with pytest.raises(ValueError, match="rollouts of step 2 are in flight; step 3 was asked for"):
+            producer.take(3)
