@@ -14,6 +14,9 @@ line:
   first step, warm-up, left out);
 - ``critical_path_s``: median time the loop is held per checkpoint, measured as the
   issue measured it: ``block_stop`` of a checkpointed step to the next ``block_start``;
+- ``back_pressure_wait_s``: the part of it spent waiting for a free staging slot (the
+  writes fall behind when a step is shorter than a checkpoint write: then the disk, not
+  the staging, sets the pace);
 - ``d2h_limit_s``: a pinned device-to-host copy of ``weight_bytes`` (a memcpy on CPU);
 - ``publish_s``: median weight-update time to ``step_N/`` visible;
 - ``write_limit_s``: one plain write + fsync of ``weight_bytes`` to the same disk;
@@ -91,8 +94,9 @@ def run_trainer(root: Path, model_dir: Path, args: argparse.Namespace, dtype: st
     step_s = [starts[s + 1] - starts[s] for s in range(2, steps)]
     held_s = [starts[s + 1] - stops[s] for s in range(2, steps)]
     publish_s = [t.publish_s for t in result.checkpoint_timings if t.publish_s is not None]
+    wait_s = [t.wait_s for t in result.checkpoint_timings if t.step > 2]
     shutil.rmtree(run.root)
-    return {"step_s": step_s, "held_s": held_s, "publish_s": publish_s}
+    return {"step_s": step_s, "held_s": held_s, "publish_s": publish_s, "wait_s": wait_s or [0.0]}
 
 
 def d2h_limit_s(weight_bytes: int, device: str) -> float:
@@ -165,6 +169,7 @@ def main() -> None:
         "step_s_with": statistics.median(with_["step_s"]),
         "critical_path_s": statistics.median(with_["held_s"]),
         "critical_path_s_without": statistics.median(without["held_s"]),
+        "back_pressure_wait_s": statistics.median(with_["wait_s"]),
         "d2h_limit_s": d2h_s,
         "publish_s": statistics.median(with_["publish_s"]),
         "write_limit_s": write_s,
