@@ -387,11 +387,54 @@ SERIES_FAULTS = {
     "renamed-tensor": (_rename_tensor(False), "step_19: tensor names, shapes or dtypes differ from those recorded in training_info.json"),
     "renamed-tensor-and-record": (_rename_tensor(True), "step_19: tensor names, shapes or dtypes differ from step_18"),
     "checkpoint-tokenizer-changed": (_edit_checkpoint_tokenizer, "step_20: " ),
-    "last-checkpoints-deleted": (_drop_last_two, "the last checkpoint is step_28, but training published up to step_30"),
-    "hard-kill-then-deleted": (_hard_kill_then_drop, "the last checkpoint is step_26, but the log trained to step 30"),
     "info-missing": (_info_missing, "step_19/training_info.json is missing"),
     "info-malformed": (_info_malformed, "step_19/training_info.json is not readable JSON"),
 }
+
+
+def _info_malformed_at_25(run):
+    (run / "checkpoints" / "step_25" / "training_info.json").write_text("{")
+
+
+def _shard_missing_at_25(run):
+    for shard in (run / "checkpoints" / "step_25").glob("model-*.safetensors"):
+        shard.unlink()
+
+
+def _config_changed_at_25(run):
+    path = run / "checkpoints" / "step_25" / "config.json"
+    path.write_text(path.read_text().replace("silu", "gelu"))
+
+
+FAULTS_AFTER_THE_PASS = {  # the fixture run passes at step 21
+    "last-checkpoints-deleted": _drop_last_two,
+    "hard-kill-then-deleted": _hard_kill_then_drop,
+    "info-malformed": _info_malformed_at_25,
+    "shard-missing": _shard_missing_at_25,
+    "config-changed": _config_changed_at_25,
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS_AFTER_THE_PASS))
+def test_faults_after_the_pass_never_block_the_result(run, finished, fault):
+    """Any damage after the first passing checkpoint (found by the series check, never
+    read) leaves the result as it is: the run is scored by its checkpoints up to the pass."""
+    FAULTS_AFTER_THE_PASS[fault](run)
+    assert main(["evaluate", str(run), "--retain-checkpoints"]) == 0
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+
+
+def test_deleted_final_checkpoints_without_a_pass_are_refused(run, capsys, monkeypatch):
+    """With no pass before the fault, the deleted checkpoints are needed: refused, nothing logged."""
+    monkeypatch.setattr(rules, "TARGET_ACCURACY", 0.99)  # configs accept only the rules' target
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["validation"]["target_accuracy"] = 0.99
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    _drop_last_two(run)
+    before = (run / "mlperf.log").read_bytes()
+    assert main(["evaluate", str(run)]) == 2
+    assert "the last checkpoint is step_28, but training published up to step_30" in error_lines(capsys.readouterr().err)
+    assert (run / "mlperf.log").read_bytes() == before and not (run / "eval").exists()
 
 
 @pytest.mark.parametrize("fault", list(SERIES_FAULTS))
@@ -459,8 +502,9 @@ def test_series_cut_by_a_hard_kill_within_the_in_flight_bound_is_accepted_with_a
         shutil.rmtree(run / "checkpoints" / f"step_{step}")
     config = load_config(run / "config.yaml")
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    notes = offline.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
-    assert notes == ["note: training was killed before recording its end; the checkpoints of steps 29..30 "
+    notes, problem = offline.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
+    assert problem is None
+    assert notes == ["note: training was killed before recording its end; the checkpoint(s) of steps 29..30 "
                      "were in flight and never published; the final checkpoint is step_28"]
 
 

@@ -268,7 +268,7 @@ def test_failing_background_write_mid_run_stops_training_and_leaves_an_evaluable
     assert read_training_end(run / "checkpoints").last_published_step == 19
     # evaluable up to the last good checkpoint: the series check accepts it
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    assert check_series(checkpoints, load_config(run / "config.yaml"), log, run / "checkpoints") == []
+    assert check_series(checkpoints, load_config(run / "config.yaml"), log, run / "checkpoints") == ([], None)
 
 
 def test_training_info_records_shard_hashes_and_file_fingerprints(tmp_path):

@@ -159,3 +159,41 @@ def test_gbs_mismatch_names_the_global_batch_size_not_a_fractional_step(tmp_path
         merge_logs(write(tmp_path / "t.log", train), e, tmp_path / "o.log")
     assert "samples_count 192 is not a whole step at the training log's global batch size 256" in str(err.value)
     assert "0.75" not in str(err.value)
+
+
+def _shifted(lines, ms):
+    """The same log as another run would write it ``ms`` milliseconds earlier."""
+    import json
+
+    out = []
+    for ln in lines:
+        prefix, _, body = ln.partition(":::MLLOG ")
+        event = json.loads(body)
+        event["time_ms"] -= ms
+        out.append(prefix + ":::MLLOG " + json.dumps(event))
+    return out
+
+
+def test_another_runs_full_log_as_eval_is_refused(tmp_path):
+    """Breaker F2: another run's whole log (its own run_start) merged as --eval gave a log
+    with a negative time-to-train, exit 0."""
+    train, triples, stop = split()
+    other = _shifted(train + [ln for t in triples for ln in t] + stop, 6 * 60_000)
+    with pytest.raises(MergeError, match="an? (init|run)_start of another run"):
+        merge_logs(write(tmp_path / "train.log", train), write(tmp_path / "other.log", other), tmp_path / "out.log")
+    assert not (tmp_path / "out.log").exists()
+
+
+def test_evaluations_timed_before_the_run_started_are_refused(tmp_path):
+    train, triples, stop = split()
+    ev = _shifted([ln for t in triples for ln in t] + stop, 10 ** 9)  # an evaluator log of an earlier run
+    with pytest.raises(MergeError, match="before the training log's run_start"):
+        merge_logs(write(tmp_path / "train.log", train), write(tmp_path / "eval.log", ev), tmp_path / "out.log")
+
+
+def test_merging_the_merged_log_again_is_still_accepted(tmp_path):
+    train, triples, stop = split()
+    merged = tmp_path / "merged.log"
+    write(merged, train + [ln for t in triples for ln in t] + stop)
+    result = merge_logs(write(tmp_path / "train.log", train), merged, tmp_path / "out.log")
+    assert (tmp_path / "out.log").read_text() == merged.read_text() and result.appended == len(triples) * 3 + 1

@@ -117,7 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
         return _print_outcome(outcome, args.output)
     result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default")
-    print(f"trained {len(result.steps)} steps; checkpoints {result.checkpoint_steps[:1]}..{result.checkpoint_steps[-1:]} in {args.output}/checkpoints")
+    steps = result.checkpoint_steps
+    published = f"step_{steps[0]}..step_{steps[-1]}" if steps else "none"
+    print(f"trained {len(result.steps)} steps; checkpoints {published} in {args.output}/checkpoints")
     return EXIT_OK
 
 

@@ -86,6 +86,27 @@ def _passes(e: LogEvent) -> bool:
     return _is_number(e.value) and rules.is_passing(e.value)
 
 
+def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> None:
+    """The evaluation log must be of the training log's run: it may repeat the training
+    log's own ``init_start``/``run_start`` lines (a merged log merged again) but hold no
+    other, and no evaluation or ``run_stop`` of it may be timed before the run started.
+
+    Raises:
+        MergeError: one line naming the line of the evaluation log that shows another run.
+    """
+    own = {_canonical(train_lines, e) for e in train.events if e.key in ("init_start", "run_start")}
+    for e in ev.events:
+        if e.key in ("init_start", "run_start") and _canonical(ev_lines, e) not in own:
+            raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {'an' if e.key[0] == 'i' else 'a'} {e.key} of another run; "
+                             "give the log of this run's evaluator as --eval")
+    run_start_ms = train.find("run_start")[0].time_ms
+    for e in ev.events:
+        if e.key in MERGED_KEYS and isinstance(e.time_ms, (int, float)) and isinstance(run_start_ms, (int, float)) \
+                and e.time_ms < run_start_ms:
+            raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {e.key} at {e.time_ms} ms is before the "
+                             f"training log's run_start ({run_start_ms} ms); the logs are of different runs")
+
+
 def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     """Merge ``eval_log`` into ``train_log`` and write ``output`` atomically.
 
@@ -110,6 +131,7 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     if gbs is None:
         raise MergeError(f"training log {train_log} has no positive integer global_batch_size")
 
+    _refuse_another_run(train, train_lines, ev, ev_lines, eval_log)
     present = {_canonical(train_lines, e) for e in train.events if e.key in MERGED_KEYS}
     groups: dict[int, list[LogEvent]] = {}
     new_stops: list[LogEvent] = []

@@ -42,6 +42,7 @@ from mlperf_grpo.checkpoint import (
     check_model_files,
     check_same_tensors,
     discover_checkpoints,
+    read_training_info,
     read_training_end,
     read_weights,
     remove_checkpoints,
@@ -83,22 +84,43 @@ class EvalOutcome:
     time_to_train_ms: int
 
 
-def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path) -> list[str]:
-    """Refuse a checkpoint series that would give a wrong or unscorable log. Cheap: reads
-    records, safetensors headers and the small non-weight files, never the weights
-    (those are hash-verified as they are read for the refit).
+@dataclass(frozen=True)
+class SeriesProblem:
+    """A fault in the checkpoint series that only matters if evaluation must reach it.
+
+    ``index``: position in the series of the first checkpoint that cannot be evaluated
+    (``len(series)``: the fault lies past the last one, e.g. deleted final checkpoints).
+    ``message``: one line naming the checkpoint and the fault.
+    """
+
+    index: int
+    message: str
+
+
+def check_series(
+    checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path
+) -> tuple[list[str], SeriesProblem | None]:
+    """Check a checkpoint series before anything is evaluated. Cheap: reads records,
+    safetensors headers and the small non-weight files, never the weights (those are
+    hash-verified as they are read for the refit).
+
+    The run is scored by its checkpoints up to the first pass, so a fault in a checkpoint
+    (or a gap, or missing final checkpoints) is returned, not raised: the caller evaluates
+    the checkpoints before it and refuses only if none of them passes.
 
     Returns:
-        notes for the user (a series cut short by a hard kill of training).
+        ``(notes, problem)``: notes for the user (a series cut short by a hard kill of
+        training) and the first fault, or ``None``. Faults: a gap; ``current_step`` or
+        ``global_batch_size`` disagreeing with the directory or config; weight-update
+        times not increasing or before ``run_start``; tensor names, shapes or dtypes
+        differing from the first checkpoint or from the record; a checkpoint's non-weight
+        files differing from their training-time fingerprint; a series that ends before
+        the last step training published (or, after a hard kill, more than
+        ``checkpoint.max_in_flight`` steps before the log's last trained step).
     Raises:
-        EvaluationError: no checkpoints; first not at the first eval step; a gap;
-            ``current_step`` or ``global_batch_size`` disagreeing with the directory or
-            config; weight-update times not increasing or before ``run_start``; tensor
-            names, shapes or dtypes differing between checkpoints or from their record;
-            a non-weight file (tokenizer, config, ...) of a checkpoint or of the model the
-            engine loads differing from its training-time fingerprint; a series that
-            ends before the last step training published (or, after a hard kill, more
-            than ``checkpoint.max_in_flight`` steps before the log's last trained step).
+        EvaluationError: nothing can be evaluated: no checkpoints; the first not at the
+            first eval step; no ``run_start`` in the log; the files of ``model.path`` (what
+            the engine loads) differ from those training fingerprinted.
     """
     s0 = config.first_eval_step
     if not checkpoints:
@@ -106,36 +128,46 @@ def check_series(checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLo
     steps = [c.step for c in checkpoints]
     if steps[0] != s0:
         raise EvaluationError(f"first checkpoint is step_{steps[0]}, but the first eval step is {s0}")
-    if not rules.is_contiguous_eval_series(steps, config.global_batch_size, first_step=s0):
-        missing = sorted(set(range(s0, steps[-1] + 1)) - set(steps))
-        raise EvaluationError(f"checkpoint series has a gap: missing step_{missing[0]}")
     run_starts = log.find(C.RUN_START)
     if not run_starts:
         raise EvaluationError("the MLPerf log has no run_start; was training logged to another file?")
-    previous = run_starts[0].time_ms or 0
-    for c in checkpoints:
-        info = c.info
-        if info.current_step != c.step:
-            raise EvaluationError(f"{c.path.name}: training_info.json says current_step {info.current_step}")
-        if info.global_batch_size != config.global_batch_size:
-            raise EvaluationError(f"{c.path.name}: global_batch_size {info.global_batch_size} != config's {config.global_batch_size}")
-        if info.training_step_end_time_ms <= previous:
-            raise EvaluationError(
-                f"{c.path.name}: weight-update time {info.training_step_end_time_ms} is not after "
-                f"{previous} (run_start or the previous checkpoint)"
-            )
-        previous = info.training_step_end_time_ms
     try:
-        check_same_tensors(checkpoints)
         check_model_files(checkpoints[0].info.files, check_model_path(config.model.path), "model.path")
-        for c in checkpoints:
-            if c.info.files != checkpoints[0].info.files:
-                raise CheckpointError(f"{c.path.name}: its non-weight files were fingerprinted differently from {checkpoints[0].path.name}")
-            check_model_files(c.info.files, c.path, c.path.name)
-        end = read_training_end(checkpoint_root)
     except CheckpointError as err:
         raise EvaluationError(str(err)) from None
-    return _check_series_end(steps[-1], end, log, config.checkpoint.max_in_flight)
+    previous = run_starts[0].time_ms or 0
+    for index, c in enumerate(checkpoints):
+        fault = _checkpoint_fault(c, checkpoints[0], s0 + index, previous, config)
+        if fault is not None:
+            return [], SeriesProblem(index, fault)
+        previous = c.info.training_step_end_time_ms
+    try:
+        notes = _check_series_end(steps[-1], read_training_end(checkpoint_root), log, config.checkpoint.max_in_flight)
+    except (EvaluationError, CheckpointError) as err:
+        return [], SeriesProblem(len(checkpoints), str(err))
+    return notes, None
+
+
+def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, previous_ms: int, config: RunConfig) -> str | None:
+    """What is wrong with one checkpoint of the series (None: nothing found)."""
+    if c.step != expected_step:
+        return f"checkpoint series has a gap: missing step_{expected_step}"
+    info = c.info
+    if info.current_step != c.step:
+        return f"{c.path.name}: training_info.json says current_step {info.current_step}"
+    if info.global_batch_size != config.global_batch_size:
+        return f"{c.path.name}: global_batch_size {info.global_batch_size} != config's {config.global_batch_size}"
+    if info.training_step_end_time_ms <= previous_ms:
+        return (f"{c.path.name}: weight-update time {info.training_step_end_time_ms} is not after "
+                f"{previous_ms} (run_start or the previous checkpoint)")
+    try:
+        check_same_tensors([first, c] if c is not first else [c])
+        if c.info.files != first.info.files:
+            raise CheckpointError(f"{c.path.name}: its non-weight files were fingerprinted differently from {first.path.name}")
+        check_model_files(c.info.files, c.path, c.path.name)
+    except CheckpointError as err:
+        return str(err)
+    return None
 
 
 def _check_series_end(last: int, end, log: ParsedLog, max_in_flight: int) -> list[str]:
@@ -158,8 +190,9 @@ def _check_series_end(last: int, end, log: ParsedLog, max_in_flight: int) -> lis
             f"step_{last + 1}.. were removed: restore them (a shorter series is not a shorter run)"
         )
     if last < last_trained:
+        lost = f"step {last_trained}" if last + 1 == last_trained else f"steps {last + 1}..{last_trained}"
         return [
-            f"note: training was killed before recording its end; the checkpoints of steps {last + 1}..{last_trained} "
+            f"note: training was killed before recording its end; the checkpoint(s) of {lost} "
             f"were in flight and never published; the final checkpoint is step_{last}"
         ]
     return []
@@ -394,18 +427,47 @@ def _read_verified(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
         raise EvaluationError(str(err)) from None
 
 
-def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
+def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
+    """:func:`discover_checkpoints`, but a ``step_N/`` whose ``training_info.json`` is
+    missing or malformed ends the usable series there (a problem, not an error: it only
+    matters if evaluation must reach it)."""
     try:
-        checkpoints, ignored = discover_checkpoints(run.checkpoints)
-    except CheckpointError as err:
-        raise EvaluationError(str(err)) from None
+        checkpoints, ignored = discover_checkpoints(checkpoint_root)
+        return checkpoints, ignored, None
+    except CheckpointError:
+        pass
+    readable: list[Checkpoint] = []
+    ignored = sorted(p for p in checkpoint_root.iterdir() if p.name.startswith("tmp_step_"))
+    dirs = sorted((int(p.name[5:]), p) for p in checkpoint_root.iterdir() if p.is_dir() and p.name[5:].isdigit() and p.name.startswith("step_"))
+    for step, path in dirs:
+        try:
+            readable.append(Checkpoint(step=step, path=path, info=read_training_info(path)))
+        except CheckpointError as err:
+            return readable, ignored, SeriesProblem(len(readable), str(err))
+    return readable, ignored, None
+
+
+def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
+    """Evaluate in step order up to the first pass. When the series has a fault, only the
+    checkpoints before it are evaluated, and their results are committed only if one of
+    them passes (a fault after the pass never blocks the result; one before any pass is
+    refused with nothing logged)."""
+    checkpoints, ignored, problem = _discover(run.checkpoints)
     for path in ignored:
         print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
-    for note in check_series(checkpoints, config, log, run.checkpoints):
+    notes, series_problem = check_series(checkpoints, config, log, run.checkpoints) if checkpoints or problem is None else ([], None)
+    if problem is None or (series_problem is not None and series_problem.index < problem.index):
+        problem = series_problem
+    if problem is not None and not checkpoints:
+        raise EvaluationError(problem.message)
+    for note in notes:
         print(note, file=sys.stderr)
     done = _logged_evals(log)
     if [s for s, _ in done] != [c.step for c in checkpoints[: len(done)]]:
         raise EvaluationError(f"the log's evaluations {[s for s, _ in done]} are not a prefix of the checkpoint series")
+    usable = checkpoints if problem is None else checkpoints[: problem.index]
+    if problem is not None and len(usable) <= len(done):
+        raise EvaluationError(_unscorable(problem))
 
     writer = MLLogWriter(mllog_file)
     suite = load_suite(config)
@@ -414,28 +476,41 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     gbs = config.global_batch_size
     engine = build_engine(config, batch_size=v.batch_size)
-    bar = tqdm(total=len(checkpoints), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
+    bar = tqdm(total=len(usable), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
+    held: list[tuple[Checkpoint, list[TaskResult], float, int, int]] = []  # evaluations not yet committed
     passing = None
     try:
-        for checkpoint in checkpoints[len(done):]:
+        for checkpoint in usable[len(done):]:
             start_ms = now_ms()
             weights = _read_verified(checkpoint)  # hash-verified as read
             engine.load_weights(weights)  # refit, no optimizer state
             verify_refit(engine, checkpoint, weights)
             accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
-            stop_ms = now_ms()
-            write_results(run, checkpoint.step, results, params, seed=config.seed, engine=engine.describe())
-            log_eval(writer, checkpoint.step, gbs, accuracy, start_ms, stop_ms)
+            held.append((checkpoint, results, accuracy, start_ms, now_ms()))
             if rules.is_passing(accuracy, v.target_accuracy):
                 passing = checkpoint
-                _log_run_stop(writer, C.SUCCESS, checkpoint)
-            writer.commit()  # the eval triple (and run_stop on a pass) in one write
+            if problem is None or passing is not None:  # commit now (resumable), in step order
+                for c, res, acc, t0, t1 in held:
+                    write_results(run, c.step, res, params, seed=config.seed, engine=engine.describe())
+                    log_eval(writer, c.step, gbs, acc, t0, t1)
+                if passing is not None:
+                    _log_run_stop(writer, C.SUCCESS, passing)
+                writer.commit()  # the eval triples (and run_stop on a pass) in one write
+                held.clear()
             bar.set_postfix(step=checkpoint.step, acc=f"{accuracy:.3f}", refresh=False)
             bar.update(1)
             if passing:
                 break
+        if passing is None and problem is not None:
+            raise EvaluationError(_unscorable(problem))
         if passing is None:
             _log_run_stop(writer, C.ABORTED, checkpoints[-1])
             writer.commit()
     finally:
         bar.close()
+
+
+def _unscorable(problem: SeriesProblem) -> str:
+    return (f"{problem.message}; no checkpoint before it passed, so the run cannot be scored past it "
+            "(nothing was logged for the checkpoints evaluated): restore the checkpoint from a copy and run "
+            "evaluate again, or train again")
