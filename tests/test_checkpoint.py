@@ -148,18 +148,3 @@ def test_tensor_specs_differing_between_checkpoints_are_named(tmp_path):
     write_checkpoint(tmp_path, {"a": torch.ones(4), "c": torch.ones(3)}, _info(19), BUILTIN_MODEL_DIR)
     with pytest.raises(CheckpointError, match=r"step_19: tensor names, shapes or dtypes differ from step_18 \(first difference: 'b'\)"):
         check_same_tensors(discover_checkpoints(tmp_path)[0])
-
-
-def test_shard_data_is_flushed_while_it_is_written(tmp_path, monkeypatch):
-    """Write-behind: a shard is fdatasync'ed every WRITE_BEHIND_BYTES, so the trainer's
-    small log fsyncs never wait behind gigabytes of dirty checkpoint data."""
-    from mlperf_grpo.checkpoint import writer
-
-    flushed = []
-    monkeypatch.setattr(writer, "WRITE_BEHIND_BYTES", 1000)
-    monkeypatch.setattr(writer.os, "fdatasync", lambda fd: flushed.append(fd))
-    data = bytes(range(256)) * 20  # 5,120 bytes: flushed after 1000, 2000, ... 5000
-    with open(tmp_path / "shard", "wb", buffering=0) as f:
-        writer._write_all(f, data)
-    assert (tmp_path / "shard").read_bytes() == data
-    assert len(flushed) == 5
