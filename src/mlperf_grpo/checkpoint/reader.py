@@ -84,23 +84,42 @@ class Checkpoint:
         return [self.path / name for name in self.info.weights["shards"]]
 
 
+def discover_series(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], tuple[int, str] | None]:
+    """Published checkpoints in ascending step order up to the first unreadable one.
+
+    Returns:
+        ``(checkpoints, ignored, unreadable)``: the readable ``step_N/`` before the first
+        whose ``training_info.json`` is missing or malformed, the ignored ``tmp_step_*``
+        dirs, and ``(step, message)`` of that first unreadable checkpoint (or ``None``).
+    """
+    if not checkpoint_root.is_dir():
+        return [], [], None
+    ignored: list[Path] = []
+    dirs: list[tuple[int, Path]] = []
+    for entry in sorted(checkpoint_root.iterdir()):
+        match = _STEP_DIR.match(entry.name)
+        if entry.name.startswith("tmp_step_"):
+            ignored.append(entry)
+        elif match and entry.is_dir():
+            dirs.append((int(match.group(1)), entry))
+    found: list[Checkpoint] = []
+    for step, path in sorted(dirs):
+        try:
+            found.append(Checkpoint(step=step, path=path, info=read_training_info(path)))
+        except CheckpointError as err:
+            return found, ignored, (step, str(err))
+    return found, ignored, None
+
+
 def discover_checkpoints(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]]:
     """Published checkpoints in ascending step order, and ignored ``tmp_step_*`` dirs.
 
     Raises:
         CheckpointError: a ``step_N/`` has a missing or malformed ``training_info.json``.
     """
-    if not checkpoint_root.is_dir():
-        return [], []
-    found: list[Checkpoint] = []
-    ignored: list[Path] = []
-    for entry in sorted(checkpoint_root.iterdir()):
-        match = _STEP_DIR.match(entry.name)
-        if entry.name.startswith("tmp_step_"):
-            ignored.append(entry)
-        elif match and entry.is_dir():
-            found.append(Checkpoint(step=int(match.group(1)), path=entry, info=read_training_info(entry)))
-    found.sort(key=lambda c: c.step)
+    found, ignored, unreadable = discover_series(checkpoint_root)
+    if unreadable is not None:
+        raise CheckpointError(unreadable[1])
     return found, ignored
 
 

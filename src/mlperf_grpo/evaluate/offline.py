@@ -41,8 +41,7 @@ from mlperf_grpo.checkpoint import (
     CheckpointError,
     check_model_files,
     check_same_tensors,
-    discover_checkpoints,
-    read_training_info,
+    discover_series,
     read_training_end,
     read_weights,
     remove_checkpoints,
@@ -428,23 +427,10 @@ def _read_verified(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
-    """:func:`discover_checkpoints`, but a ``step_N/`` whose ``training_info.json`` is
-    missing or malformed ends the usable series there (a problem, not an error: it only
+    """:func:`discover_series`, its first unreadable checkpoint made a problem (it only
     matters if evaluation must reach it)."""
-    try:
-        checkpoints, ignored = discover_checkpoints(checkpoint_root)
-        return checkpoints, ignored, None
-    except CheckpointError:
-        pass
-    readable: list[Checkpoint] = []
-    ignored = sorted(p for p in checkpoint_root.iterdir() if p.name.startswith("tmp_step_"))
-    dirs = sorted((int(p.name[5:]), p) for p in checkpoint_root.iterdir() if p.is_dir() and p.name[5:].isdigit() and p.name.startswith("step_"))
-    for step, path in dirs:
-        try:
-            readable.append(Checkpoint(step=step, path=path, info=read_training_info(path)))
-        except CheckpointError as err:
-            return readable, ignored, SeriesProblem(len(readable), str(err))
-    return readable, ignored, None
+    checkpoints, ignored, unreadable = discover_series(checkpoint_root)
+    return checkpoints, ignored, None if unreadable is None else SeriesProblem(len(checkpoints), unreadable[1])
 
 
 def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
