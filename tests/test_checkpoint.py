@@ -3,6 +3,7 @@ verification while reading."""
 
 import errno
 import json
+import threading
 import time
 
 import pytest
@@ -148,3 +149,26 @@ def test_tensor_specs_differing_between_checkpoints_are_named(tmp_path):
     write_checkpoint(tmp_path, {"a": torch.ones(4), "c": torch.ones(3)}, _info(19), BUILTIN_MODEL_DIR)
     with pytest.raises(CheckpointError, match=r"step_19: tensor names, shapes or dtypes differ from step_18 \(first difference: 'b'\)"):
         check_same_tensors(discover_checkpoints(tmp_path)[0])
+
+
+def test_before_publish_runs_in_the_writer_before_the_rename_and_its_failure_publishes_nothing(tmp_path):
+    seen = []
+
+    def before_publish():  # the trainer passes MLLogWriter.sync here
+        seen.append((threading.current_thread().name, sorted(p.name for p in tmp_path.glob("*step_*"))))
+
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR, before_publish=before_publish)
+    writer.save({"w": torch.ones(10)}, _info(18))
+    writer.finish()
+    assert len(seen) == 1 and seen[0][0].startswith("checkpoint-writer") and seen[0][1] == ["tmp_step_18"]
+
+    failing = tmp_path / "failing"
+
+    def fail():
+        raise OSError(errno.EIO, "Input/output error")
+
+    writer = AsyncCheckpointer(failing, BUILTIN_MODEL_DIR, before_publish=fail)
+    writer.save({"w": torch.ones(10)}, _info(18))
+    with pytest.raises(CheckpointWriteError, match="Input/output error"):
+        writer.finish()
+    assert discover_checkpoints(failing)[0] == []

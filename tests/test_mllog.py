@@ -1,7 +1,9 @@
 """The log writer commits whole groups of lines; the reader never crashes."""
 
 import json
+import os
 
+from mlperf_grpo import mllog
 from mlperf_grpo.mllog import MLLogWriter, parse_log_text, read_log, time_to_train_ms
 
 
@@ -18,6 +20,22 @@ def test_lines_reach_the_file_only_on_commit(tmp_path):
     assert d["key"] == "eval_accuracy" and d["value"] == 0.5 and d["time_ms"] == 1500
     assert d["metadata"]["samples_count"] == 256
     assert d["metadata"]["file"].endswith("test_mllog.py")  # the caller, not our wrapper
+
+
+def test_a_non_durable_commit_writes_without_fsync_and_sync_makes_it_durable(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(mllog.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    path = tmp_path / "log.txt"
+    w = MLLogWriter(path)
+    w.start("block_start", metadata={"samples_count": 0}, time_ms=1000)
+    w.commit(durable=False)  # the trainer's per-step events: in the file, no fsync on the clock
+    assert len(path.read_text().splitlines()) == 1 and synced == []
+    w.sync()  # the checkpoint writer, before it publishes
+    assert synced == [str(path)]
+    w.end("block_stop", metadata={"samples_count": 256}, time_ms=2000)
+    w.commit()  # durable by default
+    assert len(path.read_text().splitlines()) == 2 and synced == [str(path)] * 2
 
 
 def test_reader_and_time_to_train(tmp_path):

@@ -14,7 +14,8 @@ In the background, one writer thread per checkpoint in flight:
    safetensors format, hashed with xxh3_128 from the same buffers as they are written),
    then the slot is free again; fsync the shards, write the index, the non-weight files
    (snapshotted when training started), ``training_info.json``; fsync the directory;
-4. wait until ``step_{N-1}`` is published, then rename to ``step_N/`` (so ``N+1`` is never
+4. wait until ``step_{N-1}`` is published, call ``before_publish`` (the trainer makes its
+   MLPerf log durable there), then rename to ``step_N/`` (so ``N+1`` is never
    published before ``N``, and nothing is published past a checkpoint that failed).
 
 This is the scheme of torchtitan's async checkpoint mode and ``torch.distributed.
@@ -36,6 +37,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -156,9 +158,14 @@ class AsyncCheckpointer:
         max_in_flight: K, checkpoints staged but not yet written (each holds one host copy
             of the rollout-dtype weights: host memory is K x the weights' bytes).
         max_shard_size: bytes (or ``"5GB"``) per shard; default: transformers' own.
+        before_publish: called in the writer thread right before each ``step_N/`` is
+            renamed into place; an exception from it fails that checkpoint like an I/O error.
     """
 
-    def __init__(self, checkpoint_root: Path, model_dir: Path, max_in_flight: int = 2, max_shard_size: int | str | None = None) -> None:
+    def __init__(
+        self, checkpoint_root: Path, model_dir: Path, max_in_flight: int = 2, max_shard_size: int | str | None = None,
+        before_publish: Callable[[], None] | None = None,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.root = checkpoint_root
@@ -166,6 +173,7 @@ class AsyncCheckpointer:
         self.max_shard_size = default_max_shard_size() if max_shard_size is None else max_shard_size
         self.model_files = snapshot_model_files(model_dir)
         self.files = files_record(self.model_files)
+        self.before_publish = before_publish
         self.timings: dict[int, CheckpointTiming] = {}
         self.published_steps: list[int] = []
         self._free: queue.Queue[StagingSlot] = queue.Queue()
@@ -285,6 +293,8 @@ class AsyncCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # never publish past a missing checkpoint
             raise CheckpointWriteError(f"step_{step} not published: an earlier checkpoint failed")
         try:
+            if self.before_publish is not None:
+                self.before_publish()
             final = self.root / f"step_{step}"
             if final.exists():
                 shutil.rmtree(final)

@@ -304,7 +304,8 @@ def _train(
     checkpoint_dtype = DTYPES[config.model.dtype]
     # the non-weight files are snapshotted (and fingerprinted) now, at training start
     checkpointer = None if inline_eval is not None else AsyncCheckpointer(
-        run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight
+        run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight,
+        before_publish=log.sync,  # a step_N/ never outlives its step's log lines
     )
 
     if checkpointer is not None:
@@ -328,7 +329,7 @@ def _train(
             if checkpointer is not None:
                 checkpointer.raise_if_failed()  # a failed background write stops training here
             log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
-            log.commit()
+            log.commit(durable=False)  # no fsync on the clock: see mllog's module docstring
             step_start_s = time.perf_counter()
             rollouts = producer.take(step)  # with age 1, also starts generating step + 1
             prompts, completions = rollouts.tasks, rollouts.completions
@@ -387,6 +388,7 @@ def _train(
                 break
         if checkpointer is not None:
             checkpointer.finish("finished")  # training's end waits for every write
+        log.commit()  # durable: the whole log is on disk before training returns
     except BaseException as err:
         if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
             checkpointer.finish(type(err).__name__, raise_error=False)

@@ -89,7 +89,8 @@ def truncated_importance_sampling(config: RunConfig) -> dict[str, object]:
 
 
 def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats: dict[str, object]) -> None:
-    """One ``tracked_stats`` event for a finished training step, committed.
+    """One ``tracked_stats`` event for a finished training step, committed (not yet fsynced:
+    see :class:`~mlperf_grpo.mllog.MLLogWriter`; the trainer syncs before publishing).
 
     ``stats`` uses the reference's names (``reduced_train_loss``, ``reward``,
     ``grad_norm``, ``global_valid_toks``, ``global_valid_seqs``, ``train_step_time``,
@@ -98,7 +99,7 @@ def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats
     ``num_sequences_masked_by_is``). Metadata: ``samples_count`` and ``step``, as NeMo-RL.
     """
     log.event("tracked_stats", stats, metadata={C.SAMPLES_COUNT: rules.samples_count(step, global_batch_size), "step": step})
-    log.commit()
+    log.commit(durable=False)
 
 
 
