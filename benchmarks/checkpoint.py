@@ -20,7 +20,11 @@ line:
 - ``d2h_limit_s``: a pinned device-to-host copy of ``weight_bytes`` (a memcpy on CPU);
 - ``publish_s``: median weight-update time to ``step_N/`` visible;
 - ``write_limit_s``: one plain write + fsync of ``weight_bytes`` to the same disk;
-- the ratios the limits are judged by.
+- the ratios the limits are judged by, and ``steady_state_step_ratio_floor``:
+  ``max(1, write_limit_s / step_s_without)``. A checkpoint after every step means writing
+  ``weight_bytes`` per step, so over a long run no design beats this ratio: when a step is
+  shorter than a write, the disk sets the pace (the ``max_in_flight`` staging slots only
+  absorb the first few checkpoints).
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ def main() -> None:
     out["critical_path_over_d2h"] = out["critical_path_s"] / out["d2h_limit_s"]
     out["publish_over_write"] = out["publish_s"] / out["write_limit_s"]
     out["critical_path_over_publish"] = out["critical_path_s"] / out["publish_s"]
+    out["steady_state_step_ratio_floor"] = max(1.0, out["write_limit_s"] / out["step_s_without"])
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
 
 

@@ -188,9 +188,12 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ training path
 
-    def save(self, state_dict: dict[str, torch.Tensor], info: TrainingInfo) -> CheckpointTiming:
+    def save(self, state_dict: dict[str, torch.Tensor], info: TrainingInfo | Callable[[], TrainingInfo]) -> CheckpointTiming:
         """Stage ``state_dict`` (rollout dtype, any device) and queue ``step_N/`` for writing.
 
+        ``info`` may be a function: it is called while the device-to-host copies run (on
+        CUDA they run on their own stream), so work it does on the device, such as the
+        canary logits, overlaps the copies instead of adding to them.
         Returns when the weights are copied: the caller may change them right away.
         Raises:
             CheckpointWriteError: an earlier background write failed (nothing more is
@@ -201,7 +204,7 @@ class AsyncCheckpointer:
         slot = self._free.get()  # back-pressure: at most max_in_flight staged copies
         waited = time.perf_counter()
         try:
-            self._stage(state_dict, slot, self.max_shard_size)
+            info = self._stage(state_dict, slot, self.max_shard_size, info)
         except BaseException:
             slot.layout = ()  # partly copied: rebuilt and refilled on next use
             self._free.put(slot)
@@ -257,16 +260,27 @@ class AsyncCheckpointer:
             self.raise_if_failed()
 
     @staticmethod
-    def _stage(state_dict: dict[str, torch.Tensor], slot: StagingSlot, max_shard_size: int | str) -> None:
+    def _stage(
+        state_dict: dict[str, torch.Tensor], slot: StagingSlot, max_shard_size: int | str,
+        info: TrainingInfo | Callable[[], TrainingInfo],
+    ) -> TrainingInfo:
         unique = unique_tensors(state_dict)
         if slot.layout != _layout(unique):
             slot.build(unique, max_shard_size)
-        for name, src in unique.items():
-            slot.tensors[name].copy_(src, non_blocking=True)
-        if slot.flat.is_pinned():  # one sync for all copies, before training changes the weights
+        if not slot.flat.is_pinned():  # CPU: a memcpy
+            for name, src in unique.items():
+                slot.tensors[name].copy_(src)
+            return info() if callable(info) else info
+        copies = torch.cuda.Stream()
+        copies.wait_stream(torch.cuda.current_stream())  # the weights as the optimizer left them
+        with torch.cuda.stream(copies):
+            for name, src in unique.items():
+                slot.tensors[name].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
+            done.record(copies)
+        info = info() if callable(info) else info  # overlaps the copies
+        done.synchronize()  # one sync for all copies, before training changes the weights
+        return info
 
     # ------------------------------------------------------------------ background
 

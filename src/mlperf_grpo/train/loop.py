@@ -368,17 +368,19 @@ def _train(
             )
             result.steps.append(stats)
             if step >= first_eval_step and checkpointer is not None:
-                info = TrainingInfo(
-                    current_step=step,
-                    consumed_samples=step * g.num_prompts_per_step,
-                    training_step_end_time_ms=weight_update_time_ms,
-                    samples_count=rules.samples_count(step, gbs),
-                    global_batch_size=gbs,
-                    num_generations_per_prompt=g.num_generations_per_prompt,
-                    dtype=config.model.dtype,
-                    canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
-                    else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
-                )
+                def info(step: int = step, weight_update_time_ms: int = weight_update_time_ms) -> TrainingInfo:
+                    return TrainingInfo(  # called by save() while the weights are copied to the host
+                        current_step=step,
+                        consumed_samples=step * g.num_prompts_per_step,
+                        training_step_end_time_ms=weight_update_time_ms,
+                        samples_count=rules.samples_count(step, gbs),
+                        global_batch_size=gbs,
+                        num_generations_per_prompt=g.num_generations_per_prompt,
+                        dtype=config.model.dtype,
+                        canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
+                        else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
+                    )
+
                 # the engine holds the rollout-dtype weights of this step (refit above)
                 with stopper.deferred():  # SIGTERM waits for the staging copy, then stops
                     checkpointer.save(_rollout_weights(engine, policy, checkpoint_dtype), info)
