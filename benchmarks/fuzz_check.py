@@ -21,21 +21,34 @@ seed with 1-6 mutations drawn from these kinds:
 The contract (README, "Log tools"): :func:`mlperf_grpo.check.check_log` returns a report
 (exit 0/1) or raises ``UnreadableLog`` (exit 2); nothing else is raised; the report renders
 as text and JSON; and it answers within the official checkers' time limit plus the lint's
-own time. Prints one JSON line: inputs, contract violations by class, verdict counts, the
-slowest input's seconds and mutation kinds, and the slowest time's ratio to the limit.
+own time. Prints one JSON line: inputs, contract violations by class (with the first input
+numbers of each class), verdict counts, the slowest input's number, seconds and mutation
+kinds, the slowest time's ratio to the limit, and the CPU seconds per input.
 
-    python benchmarks/fuzz_check.py --n 2000 [--seed 0] [--time-limit-s 10]
+Input ``i`` of seed ``s`` is drawn from its own generator (``random.Random(f"{s}:{i}")``),
+so the inputs are the same whatever ``--jobs``, and ``--start i --n 1`` checks input ``i``
+alone. ``--jobs J`` checks them in ``J`` worker processes (each forks the official
+checkers' child per input, as ``check`` does); the time limit is per input, so give each
+worker a core.
+
+    python benchmarks/fuzz_check.py --n 2000 [--seed 0] [--start 0] [--jobs 1] [--time-limit-s 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
+import multiprocessing
+import os
 import random
+import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 
 from mlperf_grpo.check import UnreadableLog, check_log  # noqa: E402
+from mlperf_grpo.check.official import _import_checkers  # noqa: E402
 from mlperf_grpo.check.render import format_reports, to_json  # noqa: E402
 
 TOKENS = ["", "x", "null", '"', "}", "{", "[", "]", ",", "9e999", "-1", "NaN", "\\u0000", "ü", "\x00", "\\", "true"]
@@ -133,39 +147,82 @@ def run_one(path: Path, time_limit_s: float) -> tuple[str, str | None]:
     return ("exit-0" if report.clean else "exit-1") + f" official:{report.official.verdict}", None
 
 
+def make_input(base: list[list[str]], seed: int, index: int) -> tuple[list[str], list[str]]:
+    """Input ``index`` of ``seed``: a seed log and its mutations, from a generator of its own."""
+    rng = random.Random(f"{seed}:{index}")
+    return mutate(rng.choice(base), rng)
+
+
+_worker: dict = {}
+"""Per process: the seed logs, the seed, the time limit and a scratch file."""
+
+
+def _start_worker(seed: int, time_limit_s: float) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="fuzz-check-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    _worker.update(base=seeds(), seed=seed, time_limit_s=time_limit_s, path=folder / "mutated.log")
+
+
+def check_input(index: int) -> tuple[int, str, str | None, float, list[str]]:
+    """``(index, verdict, violation, seconds, mutation kinds)`` for input ``index``."""
+    lines, kinds = make_input(_worker["base"], _worker["seed"], index)
+    path = _worker["path"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogatepass")
+    t = time.perf_counter()
+    verdict, violation = run_one(path, _worker["time_limit_s"])
+    return index, verdict, violation, time.perf_counter() - t, kinds
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and every finished descendant (workers, checker children)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="inputs to check")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0, help="number of the first input (to re-check one)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (one core each)")
     parser.add_argument("--time-limit-s", type=float, default=10.0, help="the official checkers' limit per input")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    base = seeds()
-    violations: Counter[str] = Counter()
-    verdicts: Counter[str] = Counter()
-    slowest = (0.0, [])
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fuzz-check-") as tmp:
-        path = Path(tmp) / "mutated.log"
-        for _ in range(args.n):
-            lines, kinds = mutate(rng.choice(base), rng)
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogatepass")
-            t = time.perf_counter()
-            verdict, violation = run_one(path, args.time_limit_s)
-            seconds = time.perf_counter() - t
-            verdicts[verdict] += 1
-            if violation:
-                violations[violation] += 1
-            if seconds > args.time_limit_s + SLACK_S:
-                violations["over-time"] += 1
-            if seconds > slowest[0]:
-                slowest = (seconds, kinds)
+    if args.n < 1 or args.jobs < 1 or args.start < 0 or args.time_limit_s <= 0:
+        parser.error("--n and --jobs must be at least 1, --start at least 0, --time-limit-s above 0")
+    _import_checkers()  # before the workers fork: they start with the checkers loaded
     limit = args.time_limit_s + SLACK_S
+    violations: Counter[str] = Counter()
+    examples: dict[str, list[int]] = {}
+    verdicts: Counter[str] = Counter()
+    slowest = (0.0, -1, [])
+    start, cpu_start = time.perf_counter(), _cpu_s()
+    indices = range(args.start, args.start + args.n)
+    with contextlib.ExitStack() as stack:
+        if args.jobs == 1:
+            _start_worker(args.seed, args.time_limit_s)
+            results = map(check_input, indices)
+        else:
+            pool = stack.enter_context(ProcessPoolExecutor(
+                args.jobs, mp_context=multiprocessing.get_context("fork"),
+                initializer=_start_worker, initargs=(args.seed, args.time_limit_s)))
+            results = pool.map(check_input, indices, chunksize=8)
+        for index, verdict, violation, seconds, kinds in results:
+            verdicts[verdict] += 1
+            for name in ([violation] if violation else []) + (["over-time"] if seconds > limit else []):
+                violations[name] += 1
+                examples.setdefault(name, [])
+                if len(examples[name]) < 5:
+                    examples[name].append(index)
+            if seconds > slowest[0]:
+                slowest = (seconds, index, kinds)
     print(json.dumps({
-        "inputs": args.n, "seed": args.seed, "contract_violations": sum(violations.values()),
-        "violations_by_class": dict(violations), "verdicts": dict(verdicts),
-        "slowest_s": round(slowest[0], 3), "slowest_mutations": slowest[1], "limit_s": limit,
-        "slowest_to_limit": round(slowest[0] / limit, 3), "total_s": round(time.perf_counter() - start, 1),
+        "inputs": args.n, "seed": args.seed, "start": args.start, "jobs": args.jobs,
+        "contract_violations": sum(violations.values()), "violations_by_class": dict(violations),
+        "first_violating_inputs": examples, "verdicts": dict(verdicts),
+        "slowest_s": round(slowest[0], 3), "slowest_input": slowest[1], "slowest_mutations": slowest[2],
+        "limit_s": limit, "slowest_to_limit": round(slowest[0] / limit, 3),
+        "total_s": round(time.perf_counter() - start, 1),
+        "cpu_s_per_input": round((_cpu_s() - cpu_start) / args.n, 4),
     }))
 
 
