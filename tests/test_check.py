@@ -406,6 +406,49 @@ def test_official_checkers_past_the_time_limit_give_a_timeout_verdict(tmp_path, 
     assert "TIMEOUT" in capsys.readouterr().out
 
 
+def test_official_rule_files_are_parsed_before_the_fork_and_results_are_unchanged(monkeypatch):
+    """The parse cache of the compliance checker's rule files is filled in the parent:
+    with PyYAML's parser broken afterwards, the forked checkers still give the same results."""
+    import yaml
+
+    from mlperf_grpo.check import official
+
+    log = DATA / "mlperf.log"
+    official._import_checkers()
+    before = official.run_official(log)
+    assert before.compliance.verdict == "SUCCESS", before.compliance.messages
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("a rule file was parsed again")
+
+    monkeypatch.setattr(yaml, "load", no_parsing)
+    after = official.run_official(log)
+    assert after.compliance.verdict == "SUCCESS", after.compliance.messages
+    assert (after.compliance.messages, after.compliance.configs) == (before.compliance.messages, before.compliance.configs)
+    assert (after.summarizer, after.rcp) == (before.summarizer, before.rcp)
+
+
+def test_parsed_rule_files_equal_a_fresh_parse_and_each_load_is_a_copy():
+    from pathlib import Path
+
+    import yaml
+    from mlperf_logging.compliance_checker import mlp_compliance
+
+    from mlperf_grpo.check import official
+
+    official._import_checkers()
+    common = Path(mlp_compliance.__file__).parent / "training_6.1.0" / "common.yaml"
+    with open(common) as f:
+        fresh = yaml.load(f, Loader=yaml.BaseLoader)
+    with open(common) as f:
+        first = mlp_compliance.yaml.load(f, Loader=yaml.BaseLoader)
+    assert first == fresh and isinstance(mlp_compliance.yaml, official._ParsedRuleFiles)
+    first.clear()  # what one run does to its copy does not reach the next
+    with open(common) as f:
+        assert mlp_compliance.yaml.load(f, Loader=yaml.BaseLoader) == fresh
+    assert mlp_compliance.yaml.BaseLoader is yaml.BaseLoader
+
+
 def _nested(draw_depth):
     return ":::MLLOG " + "[" * draw_depth
 
