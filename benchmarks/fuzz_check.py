@@ -22,7 +22,8 @@ The contract (README, "Log tools"): :func:`mlperf_grpo.check.check_log` returns 
 (exit 0/1) or raises ``UnreadableLog`` (exit 2); nothing else is raised; the report renders
 as text and JSON; and it answers within the official checkers' time limit plus the lint's
 own time. Prints one JSON line: inputs, contract violations by class (with the first input
-numbers of each class), verdict counts, the slowest input's number, seconds and mutation
+numbers of each class; ``worker-died`` when a worker process died, and then only the inputs
+before it are answered), verdict counts, the slowest input's number, seconds and mutation
 kinds, the slowest time's ratio to the limit, and the CPU seconds per input.
 
 Input ``i`` of seed ``s`` is drawn from its own generator (``random.Random(f"{s}:{i}")``),
@@ -49,6 +50,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,23 +208,27 @@ def main() -> None:
                 args.jobs, mp_context=multiprocessing.get_context("fork"),
                 initializer=_start_worker, initargs=(args.seed, args.time_limit_s)))
             results = pool.map(check_input, indices, chunksize=8)
-        for index, verdict, violation, seconds, kinds in results:
-            verdicts[verdict] += 1
-            for name in ([violation] if violation else []) + (["over-time"] if seconds > limit else []):
-                violations[name] += 1
-                examples.setdefault(name, [])
-                if len(examples[name]) < 5:
-                    examples[name].append(index)
-            if seconds > slowest[0]:
-                slowest = (seconds, index, kinds)
+        try:
+            for index, verdict, violation, seconds, kinds in results:
+                verdicts[verdict] += 1
+                for name in ([violation] if violation else []) + (["over-time"] if seconds > limit else []):
+                    violations[name] += 1
+                    examples.setdefault(name, [])
+                    if len(examples[name]) < 5:
+                        examples[name].append(index)
+                if seconds > slowest[0]:
+                    slowest = (seconds, index, kinds)
+        except BrokenProcessPool:  # a worker died inside check (a signal, the interpreter crashed)
+            violations["worker-died"] += 1
+            examples["worker-died"] = [args.start + sum(verdicts.values())]  # the first input not answered
     print(json.dumps({
-        "inputs": args.n, "seed": args.seed, "start": args.start, "jobs": args.jobs,
+        "inputs": args.n, "answered": sum(verdicts.values()), "seed": args.seed, "start": args.start, "jobs": args.jobs,
         "contract_violations": sum(violations.values()), "violations_by_class": dict(violations),
         "first_violating_inputs": examples, "verdicts": dict(verdicts),
         "slowest_s": round(slowest[0], 3), "slowest_input": slowest[1], "slowest_mutations": slowest[2],
         "limit_s": limit, "slowest_to_limit": round(slowest[0] / limit, 3),
         "total_s": round(time.perf_counter() - start, 1),
-        "cpu_s_per_input": round((_cpu_s() - cpu_start) / args.n, 4),
+        "cpu_s_per_input": round((_cpu_s() - cpu_start) / max(sum(verdicts.values()), 1), 4),
     }))
 
 
