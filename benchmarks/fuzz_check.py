@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 
 from mlperf_grpo.check import UnreadableLog, check_log  # noqa: E402
-from mlperf_grpo.check.official import _import_checkers  # noqa: E402
+from mlperf_grpo.check.official import preload_checkers  # noqa: E402
 from mlperf_grpo.check.render import format_reports, to_json  # noqa: E402
 
 TOKENS = ["", "x", "null", '"', "}", "{", "[", "]", ",", "9e999", "-1", "NaN", "\\u0000", "ü", "\x00", "\\", "true"]
@@ -191,7 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.n < 1 or args.jobs < 1 or args.start < 0 or args.time_limit_s <= 0:
         parser.error("--n and --jobs must be at least 1, --start at least 0, --time-limit-s above 0")
-    _import_checkers()  # before the workers fork: they start with the checkers loaded
+    preload_checkers()  # before the workers fork: they start with the checkers loaded
     limit = args.time_limit_s + SLACK_S
     violations: Counter[str] = Counter()
     examples: dict[str, list[int]] = {}

@@ -414,7 +414,7 @@ def test_official_rule_files_are_parsed_before_the_fork_and_results_are_unchange
     from mlperf_grpo.check import official
 
     log = DATA / "mlperf.log"
-    official._import_checkers()
+    official.preload_checkers()
     before = official.run_official(log)
     assert before.compliance.verdict == "SUCCESS", before.compliance.messages
 
@@ -436,7 +436,7 @@ def test_parsed_rule_files_equal_a_fresh_parse_and_each_load_is_a_copy():
 
     from mlperf_grpo.check import official
 
-    official._import_checkers()
+    official.preload_checkers()
     common = Path(mlp_compliance.__file__).parent / "training_6.1.0" / "common.yaml"
     with open(common) as f:
         fresh = yaml.load(f, Loader=yaml.BaseLoader)

@@ -241,7 +241,7 @@ class _ParsedRuleFiles:
                 self.load(f, Loader=self._yaml.BaseLoader)
 
 
-def _import_checkers() -> None:
+def preload_checkers() -> None:
     """Import the three official tools (seconds, the first time) in this process, and
     parse the ruleset's rule files once (:class:`_ParsedRuleFiles`, about 0.1 s)."""
     from mlperf_logging.compliance_checker import mlp_compliance
@@ -261,7 +261,7 @@ def run_official(path: Path, time_limit_s: float = OFFICIAL_TIME_LIMIT_S) -> Off
     not answered within the limit it is killed and every result says so (compliance
     verdict ``TIMEOUT``). A child that dies is a ``CRASHED`` compliance result. Never raises.
     """
-    _import_checkers()  # once, here: a forked child then starts with them loaded and parsed
+    preload_checkers()  # once, here: a forked child then starts with them loaded and parsed
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     receiver, sender = ctx.Pipe(duplex=False)
