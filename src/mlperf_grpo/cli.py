@@ -124,14 +124,44 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Offline evaluation of a trained run; writes run_stop."""
+    """Offline evaluation of a trained run (or of another trainer's series); writes run_stop."""
     from mlperf_grpo.evaluate.offline import evaluate_run
 
     if not _deferred():
         raise BadInput("DEFERRED_OFFLINE_EVAL=0 evaluates inline during training; 'evaluate' is the deferred driver: unset it or set it to 1")
-    args.phase = "evaluate"
-    outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
-    return _print_outcome(outcome, args.run_dir)
+    foreign = (args.checkpoints, args.mllog, args.config, args.eval_log, args.format)
+    if args.run_dir is not None:
+        if any(v is not None for v in foreign):
+            raise BadInput("give RUN_DIR (a run our trainer wrote) or --checkpoints/--mllog/--config (another "
+                           "trainer's series), not both")
+        args.phase = "evaluate"
+        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
+        return _print_outcome(outcome, args.run_dir)
+    return _evaluate_foreign(args)
+
+
+def _evaluate_foreign(args: argparse.Namespace) -> int:
+    """``evaluate --checkpoints DIR --mllog LOG --config C``: validate the training log
+    (check's messages), then evaluate the series through the offline evaluator."""
+    from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
+    from mlperf_grpo.evaluate.foreign import build_source, evaluate_checkpoints
+    from mlperf_grpo.evaluate.offline import retain_requested
+
+    missing = [flag for flag, v in (("--checkpoints", args.checkpoints), ("--mllog", args.mllog), ("--config", args.config)) if v is None]
+    if missing:
+        raise BadInput(f"evaluate needs RUN_DIR, or --checkpoints DIR --mllog LOG --config FILE (missing {', '.join(missing)})")
+    retain = retain_requested(args.retain_checkpoints)
+    config = _config(args)
+    if args.eval_log is not None and args.eval_log.resolve() == args.mllog.resolve():
+        raise BadInput("--eval-log names the training log; leave it out to append to the training log")
+    steps = build_source(args.checkpoints, args.format or "auto", config).published_steps()
+    try:
+        check_training_log(args.mllog, config.global_batch_size, max(steps, default=None))
+    except TrainingLogError as err:
+        raise BadInput(str(err)) from None
+    args.phase, args.run_dir = "evaluate", args.checkpoints
+    outcome = evaluate_checkpoints(args.checkpoints, args.mllog, config, args.format or "auto", args.eval_log, retain)
+    return _print_outcome(outcome, args.checkpoints)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -297,8 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop", description="evaluate a run's checkpoints offline and write run_stop")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --output of 'train' or 'run'")
+    p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop",
+                       description="evaluate a run's checkpoints offline and write run_stop: RUN_DIR (a run of "
+                                   "'train'), or another trainer's series with --checkpoints, --mllog and --config")
+    p.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the --output of 'train' or 'run'")
+    p.add_argument("--checkpoints", type=Path, metavar="DIR",
+                   help="another trainer's series: NeMo-RL step_N/ dirs, or a manifest.jsonl of Hugging Face dirs")
+    p.add_argument("--mllog", type=Path, metavar="LOG", help="the MLPerf log the series was trained with")
+    p.add_argument("--config", help="a run config with the series' model, task, validation and batch size")
+    p.add_argument("--format", choices=("auto", "ours", "nemo-rl", "hf-dirs"), default=None,
+                   help="the series' layout (default: auto, detected)")
+    p.add_argument("--eval-log", type=Path, metavar="PATH",
+                   help="write evaluations and run_stop to this log instead of --mllog (then 'mlperf-grpo merge')")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -380,9 +420,13 @@ def _stop_message(args: argparse.Namespace, what: str) -> str:
     logged and how to resume."""
     if getattr(args, "phase", None) != "evaluate":
         return what
-    run_dir = args.run_dir if args.command == "evaluate" else args.output
+    if args.command == "evaluate" and args.checkpoints is not None:
+        again = f"mlperf-grpo evaluate --checkpoints {args.checkpoints} --mllog {args.mllog} --config {args.config}"
+        again += f" --eval-log {args.eval_log}" if args.eval_log is not None else ""
+    else:
+        again = f"mlperf-grpo evaluate {args.run_dir if args.command == 'evaluate' else args.output}"
     return (f"evaluation {what}; the log holds only whole evaluations (no partial one, no run_stop): "
-            f"'mlperf-grpo evaluate {run_dir}' resumes it")
+            f"'{again}' resumes it")
 
 
 def _note_unfinished_run(args: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ from mlperf_grpo.checkpoint.reader import (
     check_same_tensors,
     discover_checkpoints,
     discover_series,
+    published_steps,
     read_training_end,
     read_training_info,
     read_weights,
@@ -39,7 +40,7 @@ def step_dir(checkpoint_root, step: int):
 __all__ = [
     "END_FILE", "HASH_ALGORITHM", "INDEX_FILE", "INFO_FILE", "AsyncCheckpointer", "Checkpoint",
     "CheckpointCorruptError", "CheckpointError", "CheckpointTiming", "CheckpointWriteError", "TrainingEnd",
-    "TrainingInfo", "check_model_files", "check_same_tensors", "discover_checkpoints", "discover_series", "read_training_end",
+    "TrainingInfo", "check_model_files", "check_same_tensors", "discover_checkpoints", "discover_series", "published_steps", "read_training_end",
     "read_training_info", "read_weights", "remove_checkpoints", "sha256_file", "step_dir", "tensor_specs",
     "write_checkpoint",
 ]

@@ -111,6 +111,14 @@ def discover_series(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]
     return found, ignored, None
 
 
+def published_steps(checkpoint_root: Path) -> list[int]:
+    """Steps of the published ``step_N/`` directories under the root, ascending (names
+    only: a ``tmp_step_N/`` is unfinished and not counted)."""
+    if not checkpoint_root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in checkpoint_root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
 def discover_checkpoints(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]]:
     """Published checkpoints in ascending step order, and ignored ``tmp_step_*`` dirs.
 

@@ -28,6 +28,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 import torch
@@ -42,6 +43,7 @@ from mlperf_grpo.checkpoint import (
     check_model_files,
     check_same_tensors,
     discover_series,
+    published_steps,
     read_training_end,
     read_weights,
     remove_checkpoints,
@@ -49,7 +51,7 @@ from mlperf_grpo.checkpoint import (
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.validator import TaskResult, validate
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
-from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, read_log, time_to_train_ms
+from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.model import check_model_path
@@ -238,9 +240,10 @@ def _log_run_stop(log: MLLogWriter, status: str, checkpoint: Checkpoint) -> None
     log_run_stop(log, status, checkpoint.step, info.samples_count, info.training_step_end_time_ms)
 
 
-def read_outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
-    """The outcome as read back from the log (its first ``run_stop``)."""
-    log = read_log(mllog_file)
+def read_outcome(run: RunDir, mllog_file: Path, eval_log: Path | None = None) -> EvalOutcome:
+    """The outcome as read back from the log (its first ``run_stop``); with ``eval_log``
+    (the evaluator's own log), from the training log followed by it."""
+    log = _read_logs(mllog_file, eval_log)
     stop = log.find(C.RUN_STOP)[0]
     status = stop.metadata.get(C.STATUS)
     accuracies = {step: acc for step, acc in _logged_evals(log)}
@@ -249,7 +252,7 @@ def read_outcome(run: RunDir, mllog_file: Path) -> EvalOutcome:
         passing_step=stop.metadata.get("step") if status == C.SUCCESS else None,
         run_stop_time_ms=int(stop.time_ms),
         accuracies=accuracies,
-        mllog_file=str(mllog_file),
+        mllog_file=str(eval_log or mllog_file),
         time_to_train_ms=time_to_train_ms(log),
     )
     return outcome
@@ -286,19 +289,92 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress)
+
+
+class SeriesSource(Protocol):
+    """Where a checkpoint series comes from, and how the evaluator reads and proves it.
+
+    Records have ``step``, ``path`` and ``info`` with ``samples_count`` and
+    ``training_step_end_time_ms`` (Unix ms). :class:`RunSeries` is our trainer's series;
+    ``evaluate/foreign.py`` has those of other trainers.
+    """
+
+    root: Path
+
+    def discover(self) -> tuple[list, list[Path], SeriesProblem | None]:
+        """``(checkpoints in step order, ignored unfinished dirs, first unreadable one)``."""
+
+    def check(self, checkpoints: list, config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        """Cheap checks before anything is evaluated (see :func:`check_series`)."""
+
+    def read(self, checkpoint) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors; raises EvaluationError when it cannot be read."""
+
+    def verify(self, engine: InferenceEngine, checkpoint, weights: dict[str, torch.Tensor]) -> None:
+        """Prove the engine runs the checkpoint after a refit; raises RefitError."""
+
+    def published_steps(self) -> list[int]:
+        """Steps of every published checkpoint (names only)."""
+
+    def remove(self) -> None:
+        """Teardown: delete the series."""
+
+
+@dataclass(frozen=True)
+class RunSeries:
+    """Our trainer's series, ``<root>/step_N/`` (hash-verified reads, canary, files)."""
+
+    root: Path
+
+    def discover(self) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
+        return _discover(self.root)
+
+    def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        return check_series(checkpoints, config, log, self.root)
+
+    def read(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+        return _read_verified(checkpoint)
+
+    def verify(self, engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
+        verify_refit(engine, checkpoint, weights)
+
+    def published_steps(self) -> list[int]:
+        return published_steps(self.root)
+
+    def remove(self) -> None:
+        remove_checkpoints(self.root)
+
+
+def evaluate_series(
+    run: RunDir,
+    source: SeriesSource,
+    config: RunConfig,
+    mllog_file: Path,
+    *,
+    eval_log: Path | None = None,
+    retain: bool = False,
+    show_progress: bool = True,
+) -> EvalOutcome:
+    """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
+    the results (``eval/``); ``mllog_file`` is the training log; evaluations and
+    ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
+
+    Raises: as :func:`evaluate_run`.
+    """
     check_engine_available(config)  # before the lock or anything else is written
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
-        log = _read_checked_log(mllog_file)
+        log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
-            return read_outcome(run, mllog_file)  # finished earlier: report, touch nothing
+            return read_outcome(run, mllog_file, eval_log)  # finished earlier: report, touch nothing
         if not log.find(C.RUN_STOP):
-            if _stopped_before_first_checkpoint(run, config, log, mllog_file):
-                _close_aborted(run, config, mllog_file, log)
+            if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
+                _close_aborted(run, config, eval_log or mllog_file, log)
             else:
-                _evaluate_checkpoints(run, config, mllog_file, log, show_progress)
+                _evaluate_checkpoints(run, config, eval_log or mllog_file, log, show_progress, source)
         if not retain:
-            _teardown(run, read_log(mllog_file))
-        outcome = read_outcome(run, mllog_file)
+            _teardown(source, _read_logs(mllog_file, eval_log))
+        outcome = read_outcome(run, mllog_file, eval_log)
         write_summary(run, outcome)  # marks the run finished
     return outcome
 
@@ -325,7 +401,8 @@ def last_trained_step(log: ParsedLog) -> tuple[int, int]:
     return 0, int(log.find(C.RUN_START)[0].time_ms)
 
 
-def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: ParsedLog, mllog_file: Path) -> bool:
+def _stopped_before_first_checkpoint(run: RunDir, source: SeriesSource, config: RunConfig, log: ParsedLog,
+                                     mllog_file: Path) -> bool:
     """True for a run whose training ended before publishing any checkpoint: nothing
     evaluated or published, and the last trained step before the first eval step (no
     checkpoint was due) or at it with ``tmp_step_N/`` left (its write was killed).
@@ -334,7 +411,7 @@ def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: Parsed
     Raises:
         EvaluationError: training never started (no ``run_start``): nothing to score.
     """
-    if run.published_steps() or _logged_evals(log):
+    if source.published_steps() or _logged_evals(log):
         return False
     if not log.find(C.RUN_START):
         raise EvaluationError(
@@ -342,7 +419,7 @@ def _stopped_before_first_checkpoint(run: RunDir, config: RunConfig, log: Parsed
             "evaluate or score; delete the directory and train again"
         )
     last, s0 = last_trained_step(log)[0], config.first_eval_step
-    return last < s0 or (last == s0 and (run.checkpoints / f"tmp_step_{s0}").is_dir())
+    return last < s0 or (last == s0 and (source.root / f"tmp_step_{s0}").is_dir())
 
 
 def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
@@ -358,27 +435,38 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
     )
 
 
-def _teardown(run: RunDir, log: ParsedLog) -> None:
+def _teardown(source: SeriesSource, log: ParsedLog) -> None:
     """Delete the checkpoints of a finished run, unless one was never evaluated and the
     run did not pass (a ``run_stop`` aborted written before they were evaluated)."""
     passed = log.find(C.RUN_STOP)[0].metadata.get(C.STATUS) == C.SUCCESS
     evaluated = {step for step, _ in _logged_evals(log)}
-    unevaluated = [step for step in run.published_steps() if step not in evaluated]
+    unevaluated = [step for step in source.published_steps() if step not in evaluated]
     if unevaluated and not passed:
         print(
-            f"note: kept {run.checkpoints}: checkpoints {unevaluated} were never evaluated and the log's "
+            f"note: kept {source.root}: checkpoints {unevaluated} were never evaluated and the log's "
             "run_stop (aborted) was written before they were; delete them yourself if they are not needed",
             file=sys.stderr,
         )
         return
-    remove_checkpoints(run.checkpoints)
+    source.remove()
 
 
-def _read_checked_log(mllog_file: Path) -> ParsedLog:
+def _read_logs(mllog_file: Path, eval_log: Path | None = None) -> ParsedLog:
+    """The training log, followed by the evaluator's own log when there is one (absent:
+    nothing evaluated yet). Raises OSError."""
+    if eval_log is None:
+        return read_log(mllog_file)
+    text = mllog_file.read_bytes().decode("utf-8", errors="replace")
+    if eval_log.is_file():
+        text = text.rstrip("\n") + "\n" + eval_log.read_bytes().decode("utf-8", errors="replace")
+    return parse_log_text(text)
+
+
+def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedLog:
     try:
-        log = read_log(mllog_file)
+        log = _read_logs(mllog_file, eval_log)
     except OSError as err:
-        raise EvaluationError(f"cannot read the MLPerf log {mllog_file}: {err.strerror}") from None
+        raise EvaluationError(f"cannot read the MLPerf log {err.filename}: {err.strerror}") from None
     if log.bad_lines:
         line_no, reason = log.bad_lines[0]
         raise EvaluationError(f"{mllog_file}:{line_no}: not a valid MLPerf line ({reason}); was a writer killed mid-line? repair the log first")
@@ -433,15 +521,16 @@ def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], Seri
     return checkpoints, ignored, None if unreadable is None else SeriesProblem(len(checkpoints), unreadable[1])
 
 
-def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool) -> None:
+def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool,
+                          source: SeriesSource) -> None:
     """Evaluate in step order up to the first pass. When the series has a fault, only the
     checkpoints before it are evaluated, and their results are committed only if one of
     them passes (a fault after the pass never blocks the result; one before any pass is
     refused with nothing logged)."""
-    checkpoints, ignored, problem = _discover(run.checkpoints)
+    checkpoints, ignored, problem = source.discover()
     for path in ignored:
         print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
-    notes, series_problem = check_series(checkpoints, config, log, run.checkpoints) if checkpoints or problem is None else ([], None)
+    notes, series_problem = source.check(checkpoints, config, log) if checkpoints or problem is None else ([], None)
     if problem is None or (series_problem is not None and series_problem.index < problem.index):
         problem = series_problem
     if problem is not None and not checkpoints:
@@ -468,9 +557,9 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     try:
         for checkpoint in usable[len(done):]:
             start_ms = now_ms()
-            weights = _read_verified(checkpoint)  # hash-verified as read
+            weights = source.read(checkpoint)  # hash-verified as read where the format records hashes
             engine.load_weights(weights)  # refit, no optimizer state
-            verify_refit(engine, checkpoint, weights)
+            source.verify(engine, checkpoint, weights)
             accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
             held.append((checkpoint, results, accuracy, start_ms, now_ms()))
             if rules.is_passing(accuracy, v.target_accuracy):

@@ -1,0 +1,342 @@
+"""Checkpoint series written by other trainers, as one kind of record.
+
+Two layouts besides our own (``format.py``):
+
+- **NeMo-RL** (``nemo_rl/utils/checkpoint.py``, ``nemo_rl/algorithms/grpo.py``): a
+  ``step_N/`` per checkpoint, published by renaming ``tmp_step_N/``::
+
+      step_N/training_info.json   current_step, consumed_samples (prompts),
+                                  training_step_end_time_ms (Unix ms), ...
+      step_N/config.yaml
+      step_N/policy/weights/      the model: a torch distributed checkpoint (DCP, their
+                                  default): ``.metadata`` + ``*.distcp``, either here
+                                  (DTensor v1: the state dict nested under ``"model"``)
+                                  or in ``model/`` (v2: flat, Hugging Face names); or
+                                  Hugging Face safetensors (``model_save_format:
+                                  safetensors``), in ``model/consolidated/``, ``model/``
+                                  or here
+      step_N/policy/tokenizer/
+
+- **Hugging Face directories plus a manifest** (any other trainer): ``manifest.jsonl``,
+  one JSON object per checkpoint: ``step``, ``path`` (a Hugging Face model directory,
+  relative to the manifest's folder or absolute), ``training_step_end_time_ms``.
+
+Each becomes a :class:`ForeignCheckpoint`. What these layouts do not record (weight
+hashes, the canary logits, the trainer's non-weight file fingerprints) is listed in
+``unchecked`` and reported, never invented. DCP weights are read with
+``torch.distributed.checkpoint.load(no_dist=True)``: no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlperf_grpo.checkpoint.format import INFO_FILE, CheckpointCorruptError, CheckpointError
+
+NEMO_RL = "nemo-rl"
+HF_DIRS = "hf-dirs"
+OURS = "ours"
+FORMATS = (OURS, NEMO_RL, HF_DIRS)
+MANIFEST_FILE = "manifest.jsonl"
+DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+UNCHECKED = {
+    NEMO_RL: ("weight file hashes (the layout records none)", "canary logits (the layout records none)",
+              "tokenizer and model config files (the engine uses model.path's)"),
+    HF_DIRS: ("weight file hashes (the manifest records none)", "canary logits (the manifest records none)",
+              "tokenizer files (the engine uses model.path's)"),
+}
+"""What each layout cannot prove, reported to the user (the engine's tensors are still
+compared with the tensors read, after every refit)."""
+
+
+@dataclass(frozen=True)
+class ForeignInfo:
+    """The fields of a foreign checkpoint's record the evaluator uses.
+
+    ``samples_count``: completions, ``step * global_batch_size`` (the MLPerf meaning).
+    ``consumed_samples``: prompts (NeMo-RL's meaning), None when not recorded.
+    ``training_step_end_time_ms``: the weight-update time, Unix ms.
+    """
+
+    current_step: int
+    samples_count: int
+    training_step_end_time_ms: int
+    consumed_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class ForeignCheckpoint:
+    """One checkpoint of a foreign series.
+
+    ``path``: the checkpoint's directory (``step_N/`` or the Hugging Face directory);
+    ``record``: the file its step and weight-update time were read from;
+    ``weights_kind``: ``safetensors`` or ``dcp``; ``weight_files``: the safetensors
+    files, or the DCP directory (the one holding ``.metadata``); ``dcp_nested``: the DCP
+    state dict is nested under ``"model"`` (NeMo-RL DTensor v1); ``config_dir``: a
+    directory holding the checkpoint's ``config.json``, or None.
+    """
+
+    step: int
+    path: Path
+    info: ForeignInfo
+    record: Path
+    weights_kind: str
+    weight_files: tuple[Path, ...]
+    dcp_nested: bool = False
+    config_dir: Path | None = None
+
+
+def detect_format(root: Path) -> str:
+    """``ours``, ``nemo-rl`` or ``hf-dirs`` from what ``root`` holds.
+
+    Raises:
+        CheckpointError: none of the three layouts is recognised; says what was looked for.
+    """
+    if root.is_file() or (root / MANIFEST_FILE).is_file():
+        return HF_DIRS
+    for entry in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if _STEP_DIR.match(entry.name) and entry.is_dir():
+            if (entry / "policy" / "weights").is_dir():
+                return NEMO_RL
+            try:
+                record = json.loads((entry / INFO_FILE).read_text())
+            except (OSError, ValueError):
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("weights"), dict):
+                return OURS
+    raise CheckpointError(
+        f"{root}: no checkpoint layout recognised (looked for {MANIFEST_FILE}, step_N/policy/weights/ of NeMo-RL, "
+        f"step_N/{INFO_FILE} of mlperf-grpo); pass --format"
+    )
+
+
+def _int_field(record: dict, name: str, where: str, *, required: bool = True) -> int | None:
+    value = record.get(name)
+    if value is None and not required:
+        return None
+    if name not in record:
+        raise CheckpointError(f"{where}: field '{name}' is missing; the evaluator needs it "
+                              f"({_WHY.get(name, 'see the README')})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise CheckpointError(f"{where}: field '{name}' must be an integer, got {value!r}")
+    return int(value)
+
+
+_WHY = {
+    "training_step_end_time_ms": "run_stop is backdated to this weight-update time, Unix ms",
+    "current_step": "the step names the eval's samples_count",
+    "step": "the step names the eval's samples_count",
+}
+
+
+# --------------------------------------------------------------------------- NeMo-RL
+
+def _nemo_weights(step_dir: Path) -> tuple[str, tuple[Path, ...], bool]:
+    """``(kind, files, nested)`` of ``step_N/policy/weights/`` (see the module docstring).
+
+    Raises:
+        CheckpointError: neither DCP metadata nor safetensors files found.
+    """
+    weights = step_dir / "policy" / "weights"
+    if (weights / DCP_METADATA).is_file():
+        return "dcp", (weights,), True
+    if (weights / "model" / DCP_METADATA).is_file():
+        return "dcp", (weights / "model",), False
+    for folder in (weights / "model" / "consolidated", weights / "model", weights):
+        files = tuple(sorted(folder.glob("*.safetensors")))
+        if files:
+            return "safetensors", files, False
+    raise CheckpointError(f"{weights}: no model weights (neither a torch distributed checkpoint's {DCP_METADATA} "
+                          "nor *.safetensors, here or in model/); the checkpoint is incomplete")
+
+
+def read_nemo_rl_checkpoint(step_dir: Path, step: int, global_batch_size: int) -> ForeignCheckpoint:
+    """One NeMo-RL ``step_N/``.
+
+    Raises:
+        CheckpointError: ``training_info.json`` missing, not JSON, or without an integer
+            ``current_step`` or ``training_step_end_time_ms`` (names the file and field);
+            no weights under ``policy/weights/``.
+    """
+    path = step_dir / INFO_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not readable JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: must be a JSON object")
+    info = ForeignInfo(
+        current_step=_int_field(record, "current_step", str(path)),
+        samples_count=step * global_batch_size,
+        training_step_end_time_ms=_int_field(record, "training_step_end_time_ms", str(path)),
+        consumed_samples=_int_field(record, "consumed_samples", str(path), required=False),
+    )
+    kind, files, nested = _nemo_weights(step_dir)
+    config_dir = files[0].parent if kind == "safetensors" and (files[0].parent / "config.json").is_file() else None
+    return ForeignCheckpoint(step, step_dir, info, path, kind, files, nested, config_dir)
+
+
+def discover_nemo_rl(root: Path, global_batch_size: int) -> tuple[list[ForeignCheckpoint], list[Path], tuple[int, str] | None]:
+    """NeMo-RL ``step_N/`` in ascending step order up to the first unreadable one; the
+    same contract as :func:`mlperf_grpo.checkpoint.discover_series` (``tmp_step_*``
+    listed apart, never read)."""
+    ignored = sorted(p for p in root.glob("tmp_step_*")) if root.is_dir() else []
+    dirs = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                  if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    found: list[ForeignCheckpoint] = []
+    for step, path in dirs:
+        try:
+            found.append(read_nemo_rl_checkpoint(path, step, global_batch_size))
+        except CheckpointError as err:
+            return found, ignored, (step, str(err))
+    return found, ignored, None
+
+
+# --------------------------------------------------------------------------- manifest
+
+def read_manifest(manifest: Path, global_batch_size: int) -> list[ForeignCheckpoint]:
+    """The checkpoints a ``manifest.jsonl`` lists, in ascending step order.
+
+    Raises:
+        CheckpointError: the manifest is unreadable, a line is not a JSON object, lacks
+            ``step``, ``path`` or ``training_step_end_time_ms`` (names the line and field),
+            repeats a step, or names a directory without ``*.safetensors``.
+    """
+    try:
+        lines = manifest.read_text().splitlines()
+    except OSError as err:
+        raise CheckpointError(f"cannot read the manifest {manifest}: {err.strerror}") from None
+    found: dict[int, ForeignCheckpoint] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{manifest}:{number}"
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise CheckpointError(f"{where}: not valid JSON ({err}); each line must be one JSON object") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{where}: a line must be a JSON object")
+        step = _int_field(record, "step", where)
+        t_update = _int_field(record, "training_step_end_time_ms", where)
+        if not isinstance(record.get("path"), str) or not record["path"]:
+            raise CheckpointError(f"{where}: field 'path' is missing or not a string; it names the checkpoint's "
+                                  "Hugging Face model directory")
+        if step in found:
+            raise CheckpointError(f"{where}: step {step} is listed twice")
+        directory = (manifest.parent / record["path"]).resolve()
+        files = tuple(sorted(directory.glob("*.safetensors")))
+        if not files:
+            raise CheckpointError(f"{where}: {directory} holds no *.safetensors weights")
+        info = ForeignInfo(current_step=step, samples_count=step * global_batch_size, training_step_end_time_ms=t_update)
+        found[step] = ForeignCheckpoint(step, directory, info, manifest, "safetensors", files,
+                                        config_dir=directory if (directory / "config.json").is_file() else None)
+    if not found:
+        raise CheckpointError(f"{manifest}: no checkpoints listed")
+    return [found[s] for s in sorted(found)]
+
+
+# --------------------------------------------------------------------------- reading
+
+def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (dtype name, shape), from safetensors headers or DCP metadata only.
+
+    Raises:
+        CheckpointError: a header or the DCP metadata cannot be read; names the file.
+    """
+    specs: dict[str, tuple[str, list[int]]] = {}
+    if checkpoint.weights_kind == "dcp":
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        directory = checkpoint.weight_files[0]
+        try:
+            metadata = FileSystemReader(str(directory)).read_metadata()
+        except Exception as err:  # noqa: BLE001  (torch raises several types for a bad file)
+            raise CheckpointError(f"{directory / DCP_METADATA}: not a readable torch distributed checkpoint ({err})") from None
+        for key, meta in metadata.state_dict_metadata.items():
+            if isinstance(meta, TensorStorageMetadata):
+                specs[_dcp_name(key, checkpoint.dcp_nested)] = (str(meta.properties.dtype).removeprefix("torch."), list(meta.size))
+        return specs
+    from safetensors import safe_open
+
+    for path in checkpoint.weight_files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    specs[name] = (str(sl.get_dtype()), list(sl.get_shape()))
+        except Exception as err:  # noqa: BLE001  (safetensors raises several types)
+            raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the checkpoint is corrupt") from None
+    return specs
+
+
+def _dcp_name(key: str, nested: bool) -> str:
+    return key.removeprefix("model.") if nested else key
+
+
+def read_weights(checkpoint: ForeignCheckpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as a CPU state dict (Hugging Face names).
+
+    DCP: empty tensors are allocated from the metadata and filled by
+    ``torch.distributed.checkpoint.load(..., no_dist=True)`` (no process group).
+
+    Raises:
+        CheckpointCorruptError: a weight file cannot be parsed; names it.
+    """
+    if checkpoint.weights_kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        directory = checkpoint.weight_files[0]
+        try:
+            metadata = FileSystemReader(str(directory)).read_metadata()
+            state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                     for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        except Exception as err:  # noqa: BLE001  (DCP raises CheckpointException, RuntimeError, ...)
+            raise CheckpointCorruptError(f"{directory}: the torch distributed checkpoint cannot be read "
+                                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        return {_dcp_name(key, checkpoint.dcp_nested): t for key, t in state.items()}
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in checkpoint.weight_files:
+        try:
+            tensors.update(load_file(str(path)))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointCorruptError(f"{path}: not valid safetensors ({err})") from None
+    return tensors
+
+
+def remove_step_dirs(root: Path) -> None:
+    """Teardown of a series kept in ``root`` with other files: delete every ``step_*``
+    and ``tmp_step_*`` directory, keep the rest."""
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if entry.is_dir() and (entry.name.startswith("tmp_step_") or _STEP_DIR.match(entry.name)):
+            shutil.rmtree(entry)
+
+
+def remove_series(checkpoints: list[ForeignCheckpoint], root: Path) -> None:
+    """Teardown: delete each checkpoint's directory and the ``tmp_step_*`` under ``root``."""
+    for c in checkpoints:
+        if c.path.is_dir():
+            shutil.rmtree(c.path)
+    for tmp in root.glob("tmp_step_*") if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)

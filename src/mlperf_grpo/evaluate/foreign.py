@@ -1,0 +1,235 @@
+"""``mlperf-grpo evaluate --checkpoints DIR --mllog LOG --config C``: a series another
+trainer wrote, through the same lifecycle as our own runs (:func:`offline.evaluate_series`:
+lock, resume, series checks, step-order commits, one backdated ``run_stop``, teardown).
+
+``DIR`` holds the series (``checkpoint/foreign.py`` describes the layouts) and, written by
+the evaluator, ``.lock``, ``eval/step_N.jsonl``, ``eval/summary.json`` and
+``eval/source.json`` (the format and what it could not check). Teardown deletes the
+checkpoints (each ``step_N/`` or manifest directory), never ``DIR`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlperf_grpo.checkpoint import CheckpointCorruptError, CheckpointError, published_steps
+from mlperf_grpo.checkpoint import foreign
+from mlperf_grpo.checkpoint.foreign import ForeignCheckpoint
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.evaluate.offline import (
+    EvalOutcome,
+    EvaluationError,
+    RefitError,
+    RunSeries,
+    SeriesProblem,
+    evaluate_series,
+    last_trained_step,
+)
+from mlperf_grpo.fingerprint import weights_fingerprint
+from mlperf_grpo.inference.base import InferenceEngine
+from mlperf_grpo.mllog import ParsedLog
+from mlperf_grpo.model import check_model_path
+from mlperf_grpo.rundir import RunDir
+
+IGNORED_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype", "_name_or_path", "architectures", "use_cache"}
+"""``config.json`` keys a re-save may change without changing the model."""
+
+
+@dataclass(frozen=True)
+class OursAt(RunSeries):
+    """Our trainer's series outside a run directory: teardown deletes the ``step_N/``
+    (and ``tmp_step_N/``) but keeps ``DIR`` with the evaluator's ``eval/`` and lock."""
+
+    def remove(self) -> None:
+        foreign.remove_step_dirs(self.root)
+
+
+@dataclass(frozen=True)
+class ForeignSeries:
+    """A NeMo-RL or manifest series (see ``checkpoint/foreign.py``)."""
+
+    root: Path
+    format: str
+    global_batch_size: int
+    manifest: Path | None = None
+
+    def discover(self) -> tuple[list[ForeignCheckpoint], list[Path], SeriesProblem | None]:
+        if self.format == foreign.HF_DIRS:
+            try:
+                return foreign.read_manifest(self.manifest, self.global_batch_size), [], None
+            except CheckpointError as err:
+                raise EvaluationError(str(err)) from None
+        found, ignored, unreadable = foreign.discover_nemo_rl(self.root, self.global_batch_size)
+        return found, ignored, None if unreadable is None else SeriesProblem(len(found), unreadable[1])
+
+    def check(self, checkpoints: list[ForeignCheckpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        """As :func:`offline.check_series`, with what these layouts record.
+
+        Raises:
+            EvaluationError: no checkpoints; the first not at the first eval step; no
+                ``run_start``; the first checkpoint's tensors or ``config.json`` differ from
+                ``model.path``'s (the model the engine is built from).
+        Returns:
+            ``(notes, problem)``: the first fault (a gap, a step or ``consumed_samples``
+            that disagrees, a weight-update time not increasing, tensors differing from the
+            first checkpoint's, a series ending before the log's last trained step).
+        """
+        s0 = config.first_eval_step
+        if not checkpoints:
+            raise EvaluationError(f"no checkpoints found in {self.root}; the series must start at the first eval step {s0}")
+        if checkpoints[0].step != s0:
+            raise EvaluationError(f"first checkpoint is step {checkpoints[0].step} ({checkpoints[0].record}), "
+                                  f"but the first eval step is {s0}")
+        if not log.find("run_start"):
+            raise EvaluationError("the MLPerf log has no run_start; was training logged to another file?")
+        model_dir = check_model_path(config.model.path)
+        try:
+            first = foreign.tensor_specs(checkpoints[0])
+        except CheckpointError as err:
+            raise EvaluationError(str(err)) from None
+        _check_against_model(checkpoints[0], first, model_dir)
+        previous = int(log.find("run_start")[0].time_ms or 0)
+        for index, c in enumerate(checkpoints):
+            fault = self._fault(c, first, s0 + index, previous, config)
+            if fault is not None:
+                return [], SeriesProblem(index, fault)
+            previous = c.info.training_step_end_time_ms
+        last_trained = last_trained_step(log)[0]
+        if checkpoints[-1].step < last_trained:
+            return [], SeriesProblem(len(checkpoints), (
+                f"the last checkpoint is step {checkpoints[-1].step}, but the log trained to step {last_trained}: restore "
+                f"the checkpoints of steps {checkpoints[-1].step + 1}..{last_trained} (a shorter series is not a shorter run)"))
+        return [], None
+
+    @staticmethod
+    def _fault(c: ForeignCheckpoint, first: dict, expected_step: int, previous_ms: int, config: RunConfig) -> str | None:
+        if c.step != expected_step:
+            return f"checkpoint series has a gap: missing step {expected_step}"
+        if c.info.current_step != c.step:
+            return f"{c.record}: current_step {c.info.current_step} differs from the checkpoint's step {c.step}"
+        prompts = c.step * config.grpo.num_prompts_per_step
+        if c.info.consumed_samples is not None and c.info.consumed_samples != prompts:
+            return (f"{c.record}: consumed_samples {c.info.consumed_samples} != step {c.step} x num_prompts_per_step "
+                    f"{config.grpo.num_prompts_per_step} = {prompts} (trained with another global batch size?)")
+        if c.info.training_step_end_time_ms <= previous_ms:
+            return (f"{c.record}: weight-update time {c.info.training_step_end_time_ms} is not after {previous_ms} "
+                    "(run_start or the previous checkpoint)")
+        try:
+            specs = foreign.tensor_specs(c)
+        except CheckpointError as err:
+            return str(err)
+        if specs != first:
+            differing = sorted(set(specs) ^ set(first)) or sorted(n for n in specs if specs[n] != first[n])
+            return f"{c.path}: tensor names, shapes or dtypes differ from the first checkpoint's (first difference: {differing[0]!r})"
+        return None
+
+    def read(self, checkpoint: ForeignCheckpoint):
+        try:
+            return foreign.read_weights(checkpoint)
+        except CheckpointCorruptError as err:
+            raise EvaluationError(f"{err}; no earlier checkpoint passed, so the run cannot be scored past it: restore it "
+                                  "and run evaluate again (it resumes there)") from None
+        except CheckpointError as err:
+            raise EvaluationError(str(err)) from None
+
+    def verify(self, engine: InferenceEngine, checkpoint: ForeignCheckpoint, weights) -> None:
+        """The engine's tensors equal those read (no canary: the layout records none)."""
+        want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
+        if engine.weights_fingerprint(list(weights)) != want:
+            raise RefitError(f"{checkpoint.path}: the engine's weights differ from the checkpoint after refit")
+
+    def published_steps(self) -> list[int]:
+        if self.format == foreign.HF_DIRS:
+            try:
+                return [c.step for c in foreign.read_manifest(self.manifest, self.global_batch_size) if c.path.is_dir()]
+            except CheckpointError:
+                return []
+        return published_steps(self.root)
+
+    def remove(self) -> None:
+        try:
+            checkpoints = self.discover()[0]
+        except EvaluationError:
+            return
+        foreign.remove_series(checkpoints, self.root)
+
+
+def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: Path) -> None:
+    """The checkpoint holds the tensors of ``model.path``'s model (names and shapes;
+    a tied ``lm_head.weight`` may be absent from either) and its ``config.json``, when
+    it has one, describes the same model."""
+    model_files = sorted(model_dir.glob("*.safetensors"))
+    if model_files:
+        model = foreign.tensor_specs(ForeignCheckpoint(0, model_dir, None, model_dir, "safetensors", tuple(model_files)))  # type: ignore[arg-type]
+        tied = {"lm_head.weight"}
+        missing = sorted(set(model) - set(specs) - tied)
+        unknown = sorted(set(specs) - set(model) - tied)
+        if missing or unknown:
+            raise EvaluationError(
+                f"{checkpoint.path}: its tensors are not those of model.path {model_dir} (missing {missing[:3]}, "
+                f"unknown {unknown[:3]}); evaluate with the model the series was trained from")
+        shapes = [n for n in specs if n in model and specs[n][1] != model[n][1]]
+        if shapes:
+            raise EvaluationError(f"{checkpoint.path}: tensor {shapes[0]!r} has shape {specs[shapes[0]][1]}, "
+                                  f"model.path's has {model[shapes[0]][1]}; evaluate with the model the series was trained from")
+    if checkpoint.config_dir is not None:
+        def load(path: Path) -> dict:
+            data = json.loads(path.read_text())
+            return {k: v for k, v in data.items() if k not in IGNORED_CONFIG_KEYS}
+
+        try:
+            same = load(checkpoint.config_dir / "config.json") == load(model_dir / "config.json")
+        except (OSError, ValueError) as err:
+            raise EvaluationError(f"{checkpoint.config_dir / 'config.json'}: not readable JSON ({err})") from None
+        if not same:
+            raise EvaluationError(
+                f"{checkpoint.config_dir / 'config.json'} describes another model than {model_dir / 'config.json'}; "
+                "the engine is built from model.path: evaluate with the model the series was trained from")
+
+
+def build_source(checkpoints: Path, fmt: str, config: RunConfig):
+    """The series source for ``--checkpoints`` and ``--format`` (``auto`` detects it).
+
+    Raises:
+        CheckpointError: the layout is not recognised, or ``--format`` names another one.
+    """
+    root = checkpoints.parent if checkpoints.is_file() else checkpoints
+    if not checkpoints.exists():
+        raise CheckpointError(f"--checkpoints {checkpoints} does not exist")
+    detected = foreign.detect_format(checkpoints)
+    if fmt != "auto" and fmt != detected:
+        raise CheckpointError(f"--format {fmt}, but {checkpoints} holds the {detected} layout; pass --format {detected} or auto")
+    if detected == foreign.OURS:
+        return OursAt(root)
+    manifest = checkpoints if checkpoints.is_file() else checkpoints / foreign.MANIFEST_FILE
+    return ForeignSeries(root, detected, config.global_batch_size, manifest if detected == foreign.HF_DIRS else None)
+
+
+def evaluate_checkpoints(
+    checkpoints: Path, mllog_file: Path, config: RunConfig, fmt: str = "auto", eval_log: Path | None = None,
+    retain: bool = False, show_progress: bool = True,
+) -> EvalOutcome:
+    """Evaluate a series written by another trainer (or ours, outside a run directory)
+    and write its ``run_stop`` to ``mllog_file`` (or to ``eval_log``).
+
+    The caller validates the training log first (``check.series.check_training_log``).
+
+    Raises:
+        CheckpointError: the layout is not recognised.
+        EvaluationError, RefitError, RunLockedError, ...: as :func:`offline.evaluate_series`.
+    """
+    source = build_source(checkpoints, fmt, config)
+    run = RunDir(source.root)
+    unchecked = foreign.UNCHECKED.get(getattr(source, "format", foreign.OURS), ())
+    for what in unchecked:
+        print(f"note: not checked, the {getattr(source, 'format', 'ours')} layout cannot prove it: {what}", file=sys.stderr)
+    record = run.eval_dir / "source.json"
+    if not record.is_file():
+        run.eval_dir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(
+            {"format": getattr(source, "format", foreign.OURS), "checkpoints": str(checkpoints.resolve()),
+             "unchecked": list(unchecked), "global_batch_size": config.global_batch_size}, indent=2) + "\n")
+    return evaluate_series(run, source, config, mllog_file, eval_log=eval_log, retain=retain, show_progress=show_progress)
