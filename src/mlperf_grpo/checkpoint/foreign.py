@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from mlperf_grpo.checkpoint.format import INFO_FILE, CheckpointCorruptError, CheckpointError
+from mlperf_grpo.checkpoint.format import INFO_FILE, SAFETENSORS_DTYPES, CheckpointCorruptError, CheckpointError
 
 NEMO_RL = "nemo-rl"
 HF_DIRS = "hf-dirs"
@@ -47,6 +47,7 @@ FORMATS = (OURS, NEMO_RL, HF_DIRS)
 MANIFEST_FILE = "manifest.jsonl"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 UNCHECKED = {
     NEMO_RL: ("weight file hashes (the layout records none)", "canary logits (the layout records none)",
@@ -250,7 +251,8 @@ def read_manifest(manifest: Path, global_batch_size: int) -> list[ForeignCheckpo
 # --------------------------------------------------------------------------- reading
 
 def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int]]]:
-    """Tensor name -> (dtype name, shape), from safetensors headers or DCP metadata only.
+    """Tensor name -> (torch dtype name, e.g. ``float32``; shape), from safetensors
+    headers or DCP metadata only (so the two layouts compare equal).
 
     Raises:
         CheckpointError: a header or the DCP metadata cannot be read; names the file.
@@ -276,7 +278,8 @@ def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     sl = f.get_slice(name)
-                    specs[name] = (str(sl.get_dtype()), list(sl.get_shape()))
+                    dtype = _TORCH_DTYPES.get(sl.get_dtype())
+                    specs[name] = (str(dtype).removeprefix("torch.") if dtype else sl.get_dtype(), list(sl.get_shape()))
         except Exception as err:  # noqa: BLE001  (safetensors raises several types)
             raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the checkpoint is corrupt") from None
     return specs

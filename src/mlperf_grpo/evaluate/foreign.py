@@ -34,6 +34,8 @@ from mlperf_grpo.mllog import ParsedLog
 from mlperf_grpo.model import check_model_path
 from mlperf_grpo.rundir import RunDir
 
+SOURCE_FILE = "source.json"
+"""``DIR/eval/source.json``: the series' format and what it could not check."""
 IGNORED_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype", "_name_or_path", "architectures", "use_cache"}
 """``config.json`` keys a re-save may change without changing the model."""
 
@@ -190,6 +192,16 @@ def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: 
                 "the engine is built from model.path: evaluate with the model the series was trained from")
 
 
+def _recorded_format(run: RunDir) -> str | None:
+    """The format an earlier evaluation of this series recorded (``eval/source.json``):
+    after teardown the checkpoints are gone, and a finished evaluation is still reported."""
+    try:
+        recorded = json.loads((run.eval_dir / SOURCE_FILE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if recorded in foreign.FORMATS else None
+
+
 def build_source(checkpoints: Path, fmt: str, config: RunConfig):
     """The series source for ``--checkpoints`` and ``--format`` (``auto`` detects it).
 
@@ -199,7 +211,7 @@ def build_source(checkpoints: Path, fmt: str, config: RunConfig):
     root = checkpoints.parent if checkpoints.is_file() else checkpoints
     if not checkpoints.exists():
         raise CheckpointError(f"--checkpoints {checkpoints} does not exist")
-    detected = foreign.detect_format(checkpoints)
+    detected = _recorded_format(RunDir(root)) or foreign.detect_format(checkpoints)
     if fmt != "auto" and fmt != detected:
         raise CheckpointError(f"--format {fmt}, but {checkpoints} holds the {detected} layout; pass --format {detected} or auto")
     if detected == foreign.OURS:
@@ -226,7 +238,7 @@ def evaluate_checkpoints(
     unchecked = foreign.UNCHECKED.get(getattr(source, "format", foreign.OURS), ())
     for what in unchecked:
         print(f"note: not checked, the {getattr(source, 'format', 'ours')} layout cannot prove it: {what}", file=sys.stderr)
-    record = run.eval_dir / "source.json"
+    record = run.eval_dir / SOURCE_FILE
     if not record.is_file():
         run.eval_dir.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(

@@ -1,6 +1,7 @@
 """Tasks from JSON-lines files: ``task: {name: jsonl, train_path, validation_path}``.
 
-One JSON object per line. The fields (names set in the config; defaults shown):
+One JSON object per line (or, for a path that is a directory or a parquet/arrow file, one
+row of a local Hugging Face dataset: :mod:`mlperf_grpo.tasks.hf_datasets`). The fields (names set in the config; defaults shown):
 
 - ``id``: a string or integer, distinct within a file (pass@k groups by it); with
   ``id_field: null`` the id is ``<file stem>-<line number>``;
@@ -27,6 +28,7 @@ import random
 from pathlib import Path
 
 from mlperf_grpo.tasks.base import Task, TaskError
+from mlperf_grpo.tasks.hf_datasets import is_dataset, read_dataset_rows
 from mlperf_grpo.tasks.verify import final_answer
 
 REWARD = "mlperf_grpo.tasks.verify:math_reward"
@@ -47,22 +49,9 @@ def read_rows(path: Path, id_field: str | None, prompt_field: str, answer_field:
         TaskError: unreadable file, a line that is not a JSON object, a missing or
             mistyped field, an answer with no final answer, a repeated id, no rows.
     """
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise TaskError(f"cannot read task file {path}: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise TaskError(f"{path}: not a UTF-8 text file") from None
     rows: list[tuple[Task, list | None]] = []
     seen: set[str] = set()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{where}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+    for number, where, row in _raw_rows(path):
         if not isinstance(row, dict):
             raise TaskError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
         fields = [f for f in (id_field, prompt_field, answer_field) if f is not None]
@@ -90,6 +79,32 @@ def read_rows(path: Path, id_field: str | None, prompt_field: str, answer_field:
     if not rows:
         raise TaskError(f"{path}: no rows")
     return rows
+
+
+def _raw_rows(path: Path) -> list[tuple[int, str, object]]:
+    """``(number, where, row)`` per row: JSON lines (blank lines skipped, ``where`` is
+    ``file:line``), or the rows of a local ``datasets`` dataset (``where`` is ``path row n``).
+
+    Raises:
+        TaskError: the file is unreadable, not UTF-8, or a line is not JSON.
+    """
+    if is_dataset(path):
+        return [(n, f"{path} row {n}", row) for n, row in enumerate(read_dataset_rows(path), start=1)]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise TaskError(f"cannot read task file {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise TaskError(f"{path}: not a UTF-8 text file") from None
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((number, f"{path}:{number}", json.loads(line)))
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{path}:{number}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+    return out
 
 
 def _config_key(field: str, id_field: str | None, prompt_field: str) -> str:

@@ -1,0 +1,259 @@
+"""``evaluate --checkpoints``: series other trainers wrote (issue 13).
+
+One small run of our trainer (open division, first eval step 3, a learning rate at which
+the built-in model passes at step 4) is evaluated as our trainer wrote it, and as
+converted by ``foreign_layouts`` into NeMo-RL (safetensors, DCP v1, DCP v2) and Hugging
+Face directories plus a manifest: each gives the same accuracies, passing step and
+``run_stop``, and the official compliance checker passes each log.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import foreign_layouts
+from mlperf_grpo.checkpoint import CheckpointError, discover_checkpoints, read_weights
+from mlperf_grpo.checkpoint import foreign
+from mlperf_grpo.cli import main
+from mlperf_grpo.evaluate.offline import evaluate_run
+from mlperf_grpo.mllog import read_log
+from mlperf_grpo.rundir import RunLock
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {"division": "open",
+          "grpo": {"num_prompts_per_step": 2, "max_steps": 6, "first_eval_step": 3, "micro_batch_size": 32},
+          "optimizer": {"learning_rate": 0.00003}}
+"""Measured on CPU: accuracy 0.653, 0.681, 0.689, 0.713 at steps 1-4, so the series
+passes at step 4 after an evaluation that does not (0.69 is the target); the official
+checker needs a pass, and eval_samples 251 (the default validation) in every division."""
+LAYOUTS = {
+    "nemo-rl-safetensors": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "safetensors"),
+    "nemo-rl-dcp": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "dcp"),
+    "nemo-rl-dcp-v2": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "dcp-v2"),
+    "hf-dirs": foreign_layouts.to_hf_dirs,
+}
+
+
+def official_check(log_path):
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                           "--ruleset", "6.1.0", str(log_path)], capture_output=True, text=True, cwd=log_path.parent)
+    return proc.stdout + proc.stderr
+
+
+def results(log_path):
+    """``([(step, accuracy)], run_stop (time_ms, status, samples_count, step))`` of a log."""
+    log = read_log(log_path)
+    (stop,) = log.find("run_stop")
+    evals = [(e.metadata["step"], e.value) for e in log.find("eval_accuracy")]
+    return evals, (stop.time_ms, stop.metadata["status"], stop.metadata["samples_count"], stop.metadata["step"])
+
+
+def error_line(err):
+    lines = [line for line in err.splitlines() if line.startswith("mlperf-grpo:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The run as training left it: checkpoints, a log with no evaluation."""
+    base = tmp_path_factory.mktemp("foreign")
+    (base / "c.yaml").write_text(yaml.safe_dump(CONFIG))
+    run = base / "trained"
+    assert main(["train", "--config", str(base / "c.yaml"), "--output", str(run)]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(trained, tmp_path_factory):
+    """``evaluate`` on a copy of the run as our trainer wrote it."""
+    run = tmp_path_factory.mktemp("foreign") / "reference"
+    shutil.copytree(trained, run)
+    (run / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
+    outcome = evaluate_run(run, retain_checkpoints=True, show_progress=False)
+    assert outcome.status == "success", f"the fixture run must pass for the official checker; got {outcome.accuracies}"
+    return results(run / "mlperf.log")
+
+
+def convert(trained, tmp_path, layout):
+    series = LAYOUTS[layout](trained, tmp_path / layout)
+    log = tmp_path / "train.log"
+    shutil.copy(trained / "mlperf.log", log)
+    return series, log
+
+
+@pytest.mark.parametrize("layout", ["nemo-rl-safetensors", "nemo-rl-dcp", "hf-dirs"])  # DCP v2: tensors test below
+def test_each_layout_gives_the_results_of_the_original(trained, reference, tmp_path, capsys, monkeypatch, layout):
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    series, log = convert(trained, tmp_path, layout)
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "not checked" in err and "weight file hashes" in err and "canary logits" in err  # reported, not invented
+    assert results(log) == reference
+    assert "SUCCESS" in official_check(log)
+    # teardown: the checkpoints are gone, the evaluator's records stay
+    assert not list(series.glob("step_*")) and not list(series.glob("models/ckpt-*")) and not list(series.glob("tmp_step_*"))
+    source = json.loads((series / "eval" / "source.json").read_text())
+    assert source["format"] == ("hf-dirs" if layout == "hf-dirs" else "nemo-rl") and source["unchecked"]
+    # evaluating again reports the outcome and writes nothing
+    before = log.read_bytes()
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
+    assert log.read_bytes() == before
+
+
+def test_eval_log_then_merge_gives_the_same_log(trained, reference, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RETAIN_GRPO_CHECKPOINTS", "1")
+    series, log = convert(trained, tmp_path, "nemo-rl-dcp")
+    training_bytes = log.read_bytes()
+    eval_log = tmp_path / "eval.log"
+    args = ["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml"),
+            "--eval-log", str(eval_log)]
+    assert main(args) == 0
+    assert log.read_bytes() == training_bytes  # the training log is only read
+    assert sorted(p.name for p in series.glob("step_*")) == sorted(p.name for p in (trained / "checkpoints").glob("step_*"))
+    merged = tmp_path / "merged.log"
+    assert main(["merge", "--train", str(log), "--eval", str(eval_log), "--output", str(merged)]) == 0
+    assert results(merged) == reference
+    assert "SUCCESS" in official_check(merged)
+    assert main(args) == 0 and main(["merge", "--train", str(log), "--eval", str(eval_log), "--output", str(merged)]) == 0
+    assert results(merged) == reference  # resumed: nothing evaluated twice
+
+
+def test_ours_outside_a_run_directory(trained, reference, tmp_path, monkeypatch):
+    """Our own layout through --checkpoints: hash-verified reads and the canary still apply."""
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    series = tmp_path / "ckpts"
+    shutil.copytree(trained / "checkpoints", series)
+    log = tmp_path / "train.log"
+    shutil.copy(trained / "mlperf.log", log)
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml"),
+                 "--format", "ours"]) == 0
+    assert results(log) == reference
+    assert not list(series.glob("step_*")) and (series / "eval" / "summary.json").is_file()
+
+
+def test_dcp_is_read_without_a_process_group_into_the_same_tensors(trained, tmp_path):
+    assert not torch.distributed.is_initialized()
+    first = discover_checkpoints(trained / "checkpoints")[0][0]
+    want = read_weights(first)
+    for weights in ("dcp", "dcp-v2", "safetensors"):
+        series = foreign_layouts.to_nemo_rl(trained, tmp_path / weights, weights)
+        c = foreign.discover_nemo_rl(series, 32)[0][0]
+        assert c.step == 3 and c.weights_kind == ("safetensors" if weights == "safetensors" else "dcp")
+        got = foreign.read_weights(c)
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[n], want[n]) for n in want), weights
+        assert foreign.tensor_specs(c) == {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in want.items()}
+
+
+# --------------------------------------------------------------------------- bad inputs: one line, exit 2
+
+def _drop_field(step, field):
+    def damage(series, log):
+        path = series / f"step_{step}" / "training_info.json"
+        info = json.loads(path.read_text())
+        del info[field]
+        path.write_text(json.dumps(info))
+    return damage
+
+
+def _set_field(step, field, value):
+    def damage(series, log):
+        path = series / f"step_{step}" / "training_info.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    return damage
+
+
+def _manifest_without(field):
+    def damage(series, log):
+        path = series / "manifest.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        del rows[0][field]
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return damage
+
+
+def _log_lines(keep):
+    def damage(series, log):
+        log.write_text("".join(line for line in log.read_text().splitlines(keepends=True) if keep(line)))
+    return damage
+
+
+def _gbs(series, log):
+    log.write_text(log.read_text().replace('"key": "global_batch_size", "value": 32', '"key": "global_batch_size", "value": 64'))
+    assert '"value": 64' in log.read_text()
+
+
+def _truncate_log_after_step(step):
+    def damage(series, log):
+        out = []
+        for line in log.read_text().splitlines(keepends=True):
+            out.append(line)
+            if '"block_stop"' in line and f'"step": {step}' in line:
+                break
+        log.write_text("".join(out))
+    return damage
+
+
+BAD = [
+    ("nemo-rl-dcp", _drop_field(3, "training_step_end_time_ms"), "step_3/training_info.json: field 'training_step_end_time_ms' is missing"),
+    ("nemo-rl-dcp", _drop_field(3, "current_step"), "step_3/training_info.json: field 'current_step' is missing"),
+    ("nemo-rl-dcp", _set_field(3, "training_step_end_time_ms", 0), "step_3/training_info.json: weight-update time 0 is not after"),
+    ("nemo-rl-dcp", _set_field(3, "consumed_samples", 7), "consumed_samples 7 != step 3 x num_prompts_per_step 2 = 6"),
+    ("hf-dirs", _manifest_without("training_step_end_time_ms"), "manifest.jsonl:1: field 'training_step_end_time_ms' is missing"),
+    ("hf-dirs", _manifest_without("step"), "manifest.jsonl:1: field 'step' is missing"),
+    ("nemo-rl-dcp", _log_lines(lambda line: '"run_start"' not in line), "run_start: no run_start (run-stop-order"),
+    ("nemo-rl-dcp", _gbs, "global_batch_size 64 differs from the config's 32"),
+    ("nemo-rl-safetensors", _truncate_log_after_step(4), "the log trained to step 4 (samples_count 128), but the series has a checkpoint of step 6"),
+    ("nemo-rl-dcp", lambda series, log: (series / "step_3" / "policy" / "weights" / ".metadata").write_bytes(b"junk"),
+     "not a readable torch distributed checkpoint"),
+    ("nemo-rl-dcp", lambda series, log: shutil.rmtree(series / "step_3" / "policy" / "weights"),
+     "no model weights (neither a torch distributed checkpoint's .metadata nor *.safetensors"),
+]
+
+
+@pytest.mark.parametrize("layout, damage, needle", BAD)
+def test_bad_series_or_log_is_one_line_exit_2(trained, tmp_path, capsys, layout, damage, needle):
+    series, log = convert(trained, tmp_path, layout)
+    damage(series, log)
+    before = log.read_bytes()
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 2
+    assert needle in error_line(capsys.readouterr().err)
+    assert log.read_bytes() == before and not (series / "eval" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--format", "hf-dirs"], "--format hf-dirs, but"),
+    (["RUNDIR"], "give RUN_DIR (a run our trainer wrote) or --checkpoints"),
+    (["--eval-log", "LOG"], "--eval-log names the training log"),
+])
+def test_contradicting_arguments_are_one_line_exit_2(trained, tmp_path, capsys, args, needle):
+    series, log = convert(trained, tmp_path, "nemo-rl-safetensors")
+    args = [str(trained) if a == "RUNDIR" else str(log) if a == "LOG" else a for a in args]
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml"), *args]) == 2
+    assert needle in error_line(capsys.readouterr().err)
+
+
+def test_missing_mllog_is_one_line_exit_2(trained, tmp_path, capsys):
+    series, _ = convert(trained, tmp_path, "hf-dirs")
+    assert main(["evaluate", "--checkpoints", str(series), "--config", str(trained / "config.yaml")]) == 2
+    assert "missing --mllog" in error_line(capsys.readouterr().err)
+
+
+def test_a_second_evaluator_is_refused(trained, tmp_path, capsys):
+    series, log = convert(trained, tmp_path, "hf-dirs")
+    with RunLock(series, "evaluator"):
+        assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 2
+    assert "is being written by the evaluator" in error_line(capsys.readouterr().err)
+
+
+def test_a_layout_that_is_none_of_the_three_is_refused(tmp_path):
+    (tmp_path / "step_1").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint layout recognised"):
+        foreign.detect_format(tmp_path)
