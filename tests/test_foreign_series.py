@@ -71,14 +71,19 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(trained, tmp_path_factory):
+def reference_run(trained, tmp_path_factory):
     """``evaluate`` on a copy of the run as our trainer wrote it."""
     run = tmp_path_factory.mktemp("foreign") / "reference"
     shutil.copytree(trained, run)
     (run / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
     outcome = evaluate_run(run, retain_checkpoints=True, show_progress=False)
     assert outcome.status == "success", f"the fixture run must pass for the official checker; got {outcome.accuracies}"
-    return results(run / "mlperf.log")
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return results(reference_run / "mlperf.log")
 
 
 def convert(trained, tmp_path, layout):
@@ -123,6 +128,25 @@ def test_eval_log_then_merge_gives_the_same_log(trained, reference, tmp_path, ca
     assert "SUCCESS" in official_check(merged)
     assert main(args) == 0 and main(["merge", "--train", str(log), "--eval", str(eval_log), "--output", str(merged)]) == 0
     assert results(merged) == reference  # resumed: nothing evaluated twice
+
+
+def test_an_interrupted_evaluation_resumes_after_its_logged_evaluations(trained, reference_run, reference, tmp_path,
+                                                                         monkeypatch):
+    """The log holds the first checkpoint's evaluation, as an evaluator killed after it
+    leaves it: only the later checkpoints are evaluated, and the log ends as the original."""
+    evals = reference[0]
+    if len(evals) < 2:
+        pytest.skip(f"the run passed at its first checkpoint ({evals}): nothing to resume after")
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    series, log = convert(trained, tmp_path, "hf-dirs")
+    first = [line for line in (reference_run / "mlperf.log").read_text().splitlines(keepends=True)
+             if '"key": "eval_' in line and f'"step": {evals[0][0]}' in line]
+    assert len(first) == 3
+    log.write_text(log.read_text() + "".join(first))
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
+    assert results(log) == reference
+    assert not (series / "eval" / f"step_{evals[0][0]}.jsonl").exists()  # not evaluated again
+    assert (series / "eval" / f"step_{evals[1][0]}.jsonl").is_file()
 
 
 def test_ours_outside_a_run_directory(trained, reference, tmp_path, monkeypatch):
