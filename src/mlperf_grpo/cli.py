@@ -42,6 +42,17 @@ def _config(args: argparse.Namespace):
     return load_config(args.config)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse reports anything else with exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def _new_run_dir() -> Path:
     """The default ``--output``: ``runs/YYYYMMDD-HHMMSS`` (local time), ``-2``, ``-3``...
     appended when that name is taken, so running the default twice never collides."""
@@ -130,7 +141,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if not _deferred():
         raise BadInput("DEFERRED_OFFLINE_EVAL=0 evaluates inline during training; 'evaluate' is the deferred driver: unset it or set it to 1")
     args.phase = "evaluate"
-    outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
+    outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints, workers=args.workers)
     return _print_outcome(outcome, args.run_dir)
 
 
@@ -299,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop", description="evaluate a run's checkpoints offline and write run_stop")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --output of 'train' or 'run'")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="engines evaluating in parallel, one per GPU (or CPU process); the log is committed in step "
+                        "order, the same for any N (default: the config's validation.workers)")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 
