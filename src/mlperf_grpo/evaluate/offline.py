@@ -641,6 +641,24 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
     up to the first pass; one worker runs here, more are torchrun ranks (:func:`launch`)."""
     plan = plan_evaluation(run, config, log)
+    try:
+        _run_workers(run, config, mllog_file, plan, show_progress, workers)
+    except EvaluationError:
+        _remove_if_nothing_committed(run)
+        raise
+
+
+def _remove_if_nothing_committed(run: RunDir) -> None:
+    """A refused run (nothing scorable) leaves no ``eval/``: delete it when it holds only
+    what the workers wrote for results that were never logged (no ``step_N.jsonl``, no
+    summary). Called once every worker has stopped."""
+    import shutil  # TODO(evalfast): move to the top
+
+    if run.eval_dir.is_dir() and not any(run.eval_dir.glob("step_*.jsonl")) and not run.summary_file.exists():
+        shutil.rmtree(run.eval_dir)
+
+
+def _run_workers(run: RunDir, config: RunConfig, mllog_file: Path, plan: EvalPlan, show_progress: bool, workers: int) -> None:
     if workers == 1:
         checkpoints = _series_by_step(run)
         queue = local_queue(len(plan.pending_steps))
