@@ -652,7 +652,7 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
     """A refused run (nothing scorable) leaves no ``eval/``: delete it when it holds only
     what the workers wrote for results that were never logged (no ``step_N.jsonl``, no
     summary). Called once every worker has stopped."""
-    import shutil  # TODO(evalfast): move to the top
+    import shutil
 
     if run.eval_dir.is_dir() and not any(run.eval_dir.glob("step_*.jsonl")) and not run.summary_file.exists():
         shutil.rmtree(run.eval_dir)
