@@ -172,3 +172,89 @@ def test_before_publish_runs_in_the_writer_before_the_rename_and_its_failure_pub
     with pytest.raises(CheckpointWriteError, match="Input/output error"):
         writer.finish()
     assert discover_checkpoints(failing)[0] == []
+
+
+# --------------------------------------------------------------------------- device fingerprint, verified reads
+
+def _words_reference(t: torch.Tensor) -> list[int]:
+    """tensor_checksums computed independently: Python ints over 8-byte little-endian
+    words of the tensor's bytes (zero-padded), reduced modulo 2**64 as signed int64."""
+    import struct
+
+    data = bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    data += b"\0" * (-len(data) % 8)
+    words = [struct.unpack_from("<q", data, i)[0] for i in range(0, len(data), 8)]
+
+    def wrap(v):
+        v %= 1 << 64
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    return [wrap(sum(words)), wrap(sum(a * b for a, b in zip(words, words[1:])))]
+
+
+@pytest.mark.parametrize("shape, dtype", [((37, 29), torch.bfloat16), ((1001,), torch.float32), ((3,), torch.bfloat16), ((1,), torch.float32)])
+def test_tensor_checksums_match_an_independent_computation(shape, dtype):
+    from mlperf_grpo.fingerprint import tensor_checksums
+
+    torch.manual_seed(0)
+    t = (torch.randn(shape) * 1e3).to(dtype)
+    assert tensor_checksums(t).tolist() == _words_reference(t)
+    unaligned = torch.cat([torch.zeros(1, dtype=dtype), t.reshape(-1)])[1:]  # storage offset of one element
+    assert tensor_checksums(unaligned).tolist() == _words_reference(t)
+
+
+def test_fingerprint_catches_swapped_words_a_transpose_and_a_changed_value():
+    from mlperf_grpo.fingerprint import tensor_checksums, weights_fingerprint
+
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    swapped = w.clone().view(-1, 4)  # 4 bfloat16 = one 64-bit word per row
+    swapped[[0, 9]] = swapped[[9, 0]]
+    swapped = swapped.view(64, 64)
+    assert tensor_checksums(w)[0] == tensor_checksums(swapped)[0]  # the plain sum cannot see it
+    assert weights_fingerprint({"w": w}) != weights_fingerprint({"w": swapped})
+    assert weights_fingerprint({"w": w}) != weights_fingerprint({"w": w.t().contiguous()})
+    changed = w.clone()
+    changed[3, 5] = changed[3, 5] * 2 + 1
+    assert weights_fingerprint({"w": w}) != weights_fingerprint({"w": changed})
+    assert weights_fingerprint({"w": w}) != weights_fingerprint({"v": w})  # names count
+    assert weights_fingerprint({"w": w}) == weights_fingerprint({"w": w.clone()})
+
+
+def test_writer_records_the_fingerprint_that_a_verified_read_reproduces(tmp_path):
+    from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
+    from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, weights_fingerprint
+
+    policy = load_model("builtin:arithmetic-tiny", "float32")
+    state = policy.state_dict()
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR, max_shard_size=100_000)
+    writer.save(state, _info(18))
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.add_(0.5)
+    writer.save(policy.state_dict(), _info(19))
+    writer.finish()
+    found, _ = discover_checkpoints(tmp_path)
+    buffers = ReadBuffers()
+    digests = []
+    for checkpoint in found:
+        recorded = checkpoint.info.weights["fingerprint"]
+        assert recorded["algorithm"] == DEVICE_FINGERPRINT_ALGORITHM
+        weights = read_verified(checkpoint, buffers)  # both reads into the same buffers
+        assert weights_fingerprint(weights) == recorded["digest"]
+        expected = {n: t for n, t in policy.state_dict().items() if n != "lm_head.weight"} if checkpoint.step == 19 else None
+        if expected is not None:
+            assert weights_fingerprint(expected) == recorded["digest"]
+        digests.append(recorded["digest"])
+    assert digests[0] != digests[1]
+
+
+def test_read_verified_refuses_a_shard_of_the_right_size_with_other_bytes(tmp_path):
+    from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
+
+    write_checkpoint(tmp_path, {"w": torch.arange(4096, dtype=torch.float32)}, _info(18), BUILTIN_MODEL_DIR)
+    checkpoint = discover_checkpoints(tmp_path)[0][0]
+    shard = checkpoint.shard_paths()[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="step_18/model-00001-of-00001.safetensors: xxh3_128 differs"):
+        read_verified(checkpoint, ReadBuffers())

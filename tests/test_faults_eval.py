@@ -172,7 +172,7 @@ def engine_results(trained):
     def evaluate(engine, step):
         weights = read_weights(checkpoints[step])
         engine.load_weights(weights)
-        verify_refit(engine, checkpoints[step], weights)
+        assert verify_refit(engine, checkpoints[step], list(weights)) == "fingerprint+canary"
         return validate(engine, tasks, arithmetic.reward, v.generations_per_task, params, seed=config.seed)
 
     shared = new_engine()
@@ -537,13 +537,13 @@ def test_verify_refit_catches_stale_weights_and_a_wrong_canary(engine_results):
     w18, w19 = read_weights(checkpoints[18]), read_weights(checkpoints[19])
     engine.load_weights(w18)
     with pytest.raises(RefitError, match="step_19: the engine's weights differ"):
-        verify_refit(engine, checkpoints[19], w19)  # the refit to step 19 "did not happen"
+        verify_refit(engine, checkpoints[19], list(w19))  # the refit to step 19 "did not happen"
     engine.load_weights(w19)
-    verify_refit(engine, checkpoints[19], w19)
+    verify_refit(engine, checkpoints[19], list(w19))
     info = checkpoints[19].info
     bad = dataclasses.replace(checkpoints[19], info=dataclasses.replace(info, canary_logits=[x + 0.01 for x in info.canary_logits]))
     with pytest.raises(RefitError, match="canary logits differ"):
-        verify_refit(engine, bad, w19)
+        verify_refit(engine, bad, list(w19))
 
 
 def test_wrong_canary_in_training_info_stops_evaluation(run, capsys):
@@ -601,3 +601,88 @@ def test_accuracy_equal_to_the_target_is_not_a_pass(run, finished, monkeypatch):
     assert outcome.accuracies[18] == step18
     assert outcome.status == "success" and outcome.passing_step == 19
     assert eval_steps(run / "mlperf.log") == [18, 19]
+
+
+# --------------------------------------------------------------------------- 8. N workers, committed in step order
+
+def never_passing(trained, dst):
+    """The trained run cut after step_20 (as if training had published up to it): no
+    checkpoint passes (step 21 is the first that does)."""
+    run = copy_run(trained, dst)
+    for step in range(21, 31):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
+    end = json.loads((run / "checkpoints" / "training_end.json").read_text())
+    (run / "checkpoints" / "training_end.json").write_text(json.dumps({**end, "last_published_step": 20}))
+    return run
+
+
+def descendants(pid):
+    """Every live process below ``pid`` (Linux /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def evaluate_with(run, workers):
+    assert main(["evaluate", str(run), "--retain-checkpoints", "--workers", str(workers)]) in (0, 3)
+    return normalized(run / "mlperf.log")
+
+
+def test_two_workers_log_equals_one_workers_pass_at_the_4th_checkpoint(trained, finished, tmp_path):
+    run = copy_run(trained, tmp_path / "two")
+    assert evaluate_with(run, 2) == normalized(finished / "mlperf.log")
+    assert eval_steps(run / "mlperf.log") == [18, 19, 20, 21]
+    for step in (18, 19, 20, 21):  # the logged results moved out of eval/unlogged/, the same bytes as serial
+        assert read_results(run / "eval" / f"step_{step}.jsonl") == read_results(finished / "eval" / f"step_{step}.jsonl")
+    assert sorted(p.name for p in (run / "eval").glob("step_*.jsonl")) == [f"step_{s}.jsonl" for s in (18, 19, 20, 21)]
+    assert all(int(p.stem.split("_")[1]) > 21 for p in (run / "eval" / "unlogged").glob("*.jsonl"))
+
+
+def test_two_workers_log_equals_one_workers_when_nothing_passes(trained, tmp_path):
+    one, two = never_passing(trained, tmp_path / "one"), never_passing(trained, tmp_path / "two")
+    assert evaluate_with(one, 1) == evaluate_with(two, 2)
+    log = read_log(two / "mlperf.log")
+    assert eval_steps(two / "mlperf.log") == [18, 19, 20]
+    assert [(e.metadata["status"], e.metadata["step"]) for e in log.find("run_stop")] == [("aborted", 20)]
+
+
+def test_killed_two_worker_evaluation_resumes_with_one_worker_to_the_same_log(trained, finished, tmp_path):
+    run = copy_run(trained, tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run), "--retain-checkpoints",
+                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "killed.err", "w"))
+    assert wait_for(lambda: count_evals(run) >= 1, proc), "the evaluator exited before its first commit"
+    ranks = descendants(proc.pid)
+    assert ranks, "no worker ranks were started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60  # the ranks die with it (PR_SET_PDEATHSIG)
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split(")")[-1][:3] for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived the killed evaluator"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    cut = (run / "mlperf.log").read_text()
+    assert not read_log(run / "mlperf.log").find("run_stop")
+    assert evaluate_with(run, 1) == normalized(finished / "mlperf.log")
+    assert (run / "mlperf.log").read_text().startswith(cut)
+
+
+def test_old_checkpoint_without_a_fingerprint_is_reported_unchecked(engine_results):
+    engine, checkpoints = engine_results.shared, engine_results.checkpoints
+    weights = read_weights(checkpoints[19])
+    engine.load_weights(weights)
+    info = checkpoints[19].info
+    old = dataclasses.replace(checkpoints[19], info=dataclasses.replace(
+        info, weights={k: v for k, v in info.weights.items() if k != "fingerprint"}))
+    assert verify_refit(engine, old, list(weights)) == "canary (fingerprint unchecked: none recorded)"
+    engine.load_weights(read_weights(checkpoints[18]))
+    with pytest.raises(RefitError, match="canary logits differ"):  # the canary is still checked
+        verify_refit(engine, old, list(weights))

@@ -42,6 +42,17 @@ def _config(args: argparse.Namespace):
     return load_config(args.config)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse reports anything else with exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def _new_run_dir() -> Path:
     """The default ``--output``: ``runs/YYYYMMDD-HHMMSS`` (local time), ``-2``, ``-3``...
     appended when that name is taken, so running the default twice never collides."""
@@ -135,7 +146,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise BadInput("give RUN_DIR (a run our trainer wrote) or --checkpoints/--mllog/--config (another "
                            "trainer's series), not both")
         args.phase = "evaluate"
-        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints)
+        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints, workers=args.workers)
         return _print_outcome(outcome, args.run_dir)
     return _evaluate_foreign(args)
 
@@ -150,6 +161,8 @@ def _evaluate_foreign(args: argparse.Namespace) -> int:
     missing = [flag for flag, v in (("--checkpoints", args.checkpoints), ("--mllog", args.mllog), ("--config", args.config)) if v is None]
     if missing:
         raise BadInput(f"evaluate needs RUN_DIR, or --checkpoints DIR --mllog LOG --config FILE (missing {', '.join(missing)})")
+    if args.workers not in (None, 1):
+        raise BadInput("--workers applies to RUN_DIR (a run our trainer wrote); another trainer's series is evaluated by one worker")
     retain = retain_requested(args.retain_checkpoints)
     config = _config(args)
     if args.eval_log is not None and args.eval_log.resolve() == args.mllog.resolve():
@@ -339,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the series' layout (default: auto, detected)")
     p.add_argument("--eval-log", type=Path, metavar="PATH",
                    help="write evaluations and run_stop to this log instead of --mllog (then 'mlperf-grpo merge')")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="engines evaluating in parallel, one per GPU (or CPU process); the log is committed in step "
+                        "order, the same for any N (default: the config's validation.workers)")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 

@@ -217,6 +217,9 @@ class ValidationConfig(_Strict):
     the checkers call a failure."""
     batch_size: int = Field(256, gt=0)
     """Completions generated per engine call."""
+    workers: int = Field(1, gt=0)
+    """Engines ``evaluate`` runs in parallel (``--workers`` overrides): one per GPU
+    (``LOCAL_RANK``) when ``model.device`` is cuda, else one CPU process each."""
 
     @field_validator("target_accuracy")
     @classmethod

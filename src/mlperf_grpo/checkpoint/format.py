@@ -90,8 +90,11 @@ class TrainingInfo:
     the optimizer step returned, before any refit or checkpoint write.
     ``dtype``: the rollout dtype of every stored tensor.
     ``weights``: ``{"hash_algorithm": "xxh3_128", "shards": {file: {"hash": hex,
-    "bytes": size}}, "tensors": hex}``; ``tensors`` is :func:`tensor_specs_digest` of
-    every stored tensor's name, dtype and shape (checked against the shard headers).
+    "bytes": size}}, "tensors": hex, "fingerprint": {"algorithm": name, "digest": hex}}``;
+    ``tensors`` is :func:`tensor_specs_digest` of every stored tensor's name, dtype and
+    shape (checked against the shard headers); ``fingerprint`` is
+    :func:`mlperf_grpo.fingerprint.weights_fingerprint` of the stored tensors (what an
+    engine must hold after a refit; absent in checkpoints written before it existed).
     ``files``: non-weight file name -> ``{"hash": hex, "bytes": size}`` (same algorithm),
     as the model directory held them when training started.
     ``canary_logits`` are the rollout engine's logits on the canary input with these

@@ -5,21 +5,23 @@
 - :func:`tensor_specs`: names, dtypes and shapes from the safetensors headers only.
 - :func:`check_model_files`: the non-weight files fingerprinted at training time against
   a directory (the checkpoint's copies, or the model the evaluator's engine loads).
-- :func:`read_weights`: each shard's bytes read once, hashed, and parsed by
-  ``safetensors.torch.load`` from those same bytes (verification costs no extra pass).
+- :func:`read_verified`: each shard's bytes read once into a reusable (pinned) host
+  buffer, hashed from that memory while the next chunk is read, and viewed as tensors
+  by the safetensors header (verification costs no extra pass, parsing no copy);
+  :func:`read_weights` is the same into fresh memory.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 
 from mlperf_grpo.checkpoint.format import (
     END_FILE,
@@ -27,11 +29,13 @@ from mlperf_grpo.checkpoint.format import (
     INDEX_FILE,
     INFO_FILE,
     NON_WEIGHT_FILES,
+    SAFETENSORS_DTYPES,
     CheckpointCorruptError,
     CheckpointError,
     TrainingEnd,
     TrainingInfo,
     hash_bytes,
+    new_hasher,
     tensor_specs_digest,
 )
 
@@ -233,31 +237,116 @@ def check_model_files(recorded: dict[str, dict], directory: Path, what: str) -> 
             )
 
 
-def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as a CPU state dict, verified as they are read: each
-    shard's bytes are read once, hashed, and parsed from the same bytes.
+READ_CHUNK_BYTES = 64 << 20
+"""Bytes per ``readinto`` of a shard; each chunk is hashed while the next one is read."""
+
+_SAFETENSORS_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+class ReadBuffers:
+    """Reusable host memory for the shards of one checkpoint: one uint8 buffer per shard
+    file name, grown when a shard is larger, pinned when ``pin`` (so a device copy from it
+    is a DMA that needs no staging copy). Reading a series of equal-sized checkpoints
+    allocates once; the tensors of :func:`read_verified` are views into these buffers and
+    stay valid until the next read into the same buffers."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, size_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of exactly ``size_bytes`` for shard ``name``."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < size_bytes:
+            buffer = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[name] = buffer
+        return buffer[:size_bytes]
+
+
+def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights (name -> tensor, views into ``buffers``), each shard read
+    once into its buffer and hashed (:data:`HASH_ALGORITHM`) from the same memory while
+    the next chunk is read; the tensors come from the safetensors header of the verified
+    bytes (no parse copy). Give the views to a device with ``copy_``/``to``.
 
     Raises:
-        CheckpointCorruptError: a shard's hash or size differs from ``training_info.json``,
-            or it does not parse; names the file.
+        CheckpointCorruptError: a shard's size or hash differs from ``training_info.json``,
+            or its verified bytes are not valid safetensors; names the file.
         CheckpointError: a shard is missing.
     """
     tensors: dict[str, torch.Tensor] = {}
-    for path in checkpoint.shard_paths():
-        expected = checkpoint.info.weights["shards"][path.name]
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
-        if len(data) != expected.get("bytes") or hash_bytes(data) != expected.get("hash"):
-            raise CheckpointCorruptError(
-                f"{checkpoint.path.name}/{path.name}: {HASH_ALGORITHM} differs from {INFO_FILE}; the checkpoint is corrupt"
-            )
-        try:
-            tensors.update(load_safetensors(data))
-        except SafetensorError as err:
-            raise CheckpointCorruptError(f"{checkpoint.path.name}/{path.name}: not valid safetensors ({err})") from None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-read-hash") as hashing:
+        for path in checkpoint.shard_paths():
+            expected = checkpoint.info.weights["shards"][path.name]
+            where = f"{checkpoint.path.name}/{path.name}"
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+            if size != expected.get("bytes"):
+                raise CheckpointCorruptError(f"{where}: {size} bytes, {INFO_FILE} recorded {expected.get('bytes')}; the checkpoint is corrupt")
+            data = buffers.get(path.name, size)
+            if _read_hashed(path, data, hashing) != expected.get("hash"):
+                raise CheckpointCorruptError(f"{where}: {HASH_ALGORITHM} differs from {INFO_FILE}; the checkpoint is corrupt")
+            tensors.update(_tensor_views(data, where))
     return tensors
+
+
+def _read_hashed(path: Path, data: torch.Tensor, hashing: ThreadPoolExecutor) -> str:
+    """Read the file into ``data`` (its exact size) chunk by chunk, hashing each chunk in
+    ``hashing`` while the next is read (xxhash releases the interpreter lock)."""
+    view = memoryview(data.numpy())
+    digest = new_hasher()
+    pending = None
+    with open(path, "rb", buffering=0) as f:
+        offset = 0
+        while offset < len(view):
+            got = f.readinto(view[offset: offset + READ_CHUNK_BYTES])
+            if not got:
+                raise CheckpointCorruptError(f"{path}: shorter than its size while read; was it changed during evaluation?")
+            if pending is not None:
+                pending.result()
+            pending = hashing.submit(digest.update, view[offset: offset + got])
+            offset += got
+    if pending is not None:
+        pending.result()
+    return digest.hexdigest()
+
+
+def _tensor_views(data: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file held in ``data`` (uint8), as views where aligned
+    (the format's specification, https://github.com/huggingface/safetensors#format)."""
+    try:
+        size = int.from_bytes(bytes(data[:8].numpy()), "little")
+        header = json.loads(bytes(data[8: 8 + size].numpy()))
+        base = 8 + size
+        out = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
+            start, end = (base + int(o) for o in meta["data_offsets"])
+            shape = [int(d) for d in meta["shape"]]
+            count = math.prod(shape)
+            if not base <= start <= end <= data.numel() or end - start != count * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+            raw = data[start:end]
+            if start % dtype.itemsize:
+                raw = raw.clone()  # views of a wider dtype need an aligned start
+            out[name] = raw.view(dtype).view(shape)
+        return out
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointCorruptError(f"{where}: not valid safetensors ({err})") from None
+
+
+def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as a CPU state dict in fresh memory, verified as read
+    (:func:`read_verified`).
+
+    Raises:
+        CheckpointCorruptError, CheckpointError: as :func:`read_verified`.
+    """
+    return read_verified(checkpoint, ReadBuffers())
 
 
 def remove_checkpoints(checkpoint_root: Path) -> None:

@@ -61,6 +61,7 @@ from mlperf_grpo.checkpoint.format import (
     write_file_synced,
     SAFETENSORS_DTYPES,
 )
+from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest, weights_checksums
 
 SHARD_WRITERS = 4
 """Threads writing the shards of one checkpoint in parallel."""
@@ -91,6 +92,10 @@ class StagingSlot:
     """name -> view into ``flat`` with the tensor's dtype and shape."""
     shards: list[tuple[list[str], int, int]] = field(default_factory=list)
     """(tensor names in file order, start byte, end byte) per shard."""
+    checksums: torch.Tensor | None = None
+    """:func:`~mlperf_grpo.fingerprint.weights_checksums` of the staged weights, taken on
+    their device while staging when that is a GPU (``[T, 2]`` int64, pinned); ``None``:
+    the writer thread computes them from the host copy."""
 
     def build(self, unique: dict[str, torch.Tensor], max_shard_size: int | str) -> None:
         split = split_torch_state_dict_into_shards(unique, max_shard_size=max_shard_size)
@@ -140,6 +145,15 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         seen.add(key)
         out[name] = tensor.detach()
     return out
+
+
+def staged_fingerprint(slot: StagingSlot) -> dict:
+    """``training_info.json``'s ``weights.fingerprint`` of a filled slot: ``{"algorithm":
+    DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}`` of the staged tensors (the checksums
+    taken on the GPU while staging, else computed here from the host copy, off the
+    training path)."""
+    checksums = slot.checksums if slot.checksums is not None else weights_checksums(slot.tensors)
+    return {"algorithm": DEVICE_FINGERPRINT_ALGORITHM, "digest": fingerprint_digest(slot.tensors, checksums)}
 
 
 def _write_all(f, data: memoryview | bytes) -> None:
@@ -267,6 +281,7 @@ class AsyncCheckpointer:
         unique = unique_tensors(state_dict)
         if slot.layout != _layout(unique):
             slot.build(unique, max_shard_size)
+        slot.checksums = None  # CPU: the writer thread computes them from the host copy
         if not slot.flat.is_pinned():  # CPU: a memcpy
             for name, src in unique.items():
                 slot.tensors[name].copy_(src)
@@ -276,6 +291,8 @@ class AsyncCheckpointer:
         with torch.cuda.stream(copies):
             for name, src in unique.items():
                 slot.tensors[name].copy_(src, non_blocking=True)
+            # the fingerprint's checksums: a few ms of GPU work, covered by the one sync below
+            slot.checksums = weights_checksums(unique).to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record(copies)
         info = info() if callable(info) else info  # overlaps the copies
@@ -295,10 +312,11 @@ class AsyncCheckpointer:
             tmp.mkdir()
             try:
                 shards, weight_map, files = self._write_shards(tmp, slot)
+                fingerprint = staged_fingerprint(slot)
             finally:
                 self._free.put(slot)  # the buffers are no longer read
             self._sync_shards(files)
-            self._write_metadata(tmp, info, staged, shards, weight_map)
+            self._write_metadata(tmp, info, staged, shards, weight_map, fingerprint)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             self._fail(self._write_error(tmp, staged, err))
@@ -365,14 +383,16 @@ class AsyncCheckpointer:
             hasher.join()
         return f, {"hash": digest.hexdigest(), "bytes": len(header) + data.nbytes}
 
-    def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str]) -> None:
+    def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str],
+                        fingerprint: dict) -> None:
         total = sum(t.numel() * t.element_size() for t in staged.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         write_file_synced(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
         for name, data in self.model_files.items():
             write_file_synced(tmp / name, data)
         specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in staged.items()}
-        weights = {"hash_algorithm": HASH_ALGORITHM, "shards": shards, "tensors": tensor_specs_digest(specs)}
+        weights = {"hash_algorithm": HASH_ALGORITHM, "shards": shards, "tensors": tensor_specs_digest(specs),
+                   "fingerprint": fingerprint}
         record = replace(info, weights=weights, files=self.files)
         write_file_synced(tmp / INFO_FILE, record.to_json().encode())
         fsync_path(tmp)

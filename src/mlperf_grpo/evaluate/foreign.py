@@ -128,7 +128,8 @@ class ForeignSeries:
             return f"{c.path}: tensor names, shapes or dtypes differ from the first checkpoint's (first difference: {differing[0]!r})"
         return None
 
-    def read(self, checkpoint: ForeignCheckpoint):
+    def read(self, checkpoint: ForeignCheckpoint, buffers=None):
+        """The tensors (``buffers`` unused: these layouts are read by their own readers)."""
         try:
             return foreign.read_weights(checkpoint)
         except CheckpointCorruptError as err:
@@ -137,11 +138,12 @@ class ForeignSeries:
         except CheckpointError as err:
             raise EvaluationError(str(err)) from None
 
-    def verify(self, engine: InferenceEngine, checkpoint: ForeignCheckpoint, weights) -> None:
+    def verify(self, engine: InferenceEngine, checkpoint: ForeignCheckpoint, weights) -> str:
         """The engine's tensors equal those read (no canary: the layout records none)."""
         want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
         if engine.weights_fingerprint(list(weights)) != want:
             raise RefitError(f"{checkpoint.path}: the engine's weights differ from the checkpoint after refit")
+        return "fingerprint of the tensors read (no canary or fingerprint recorded by the trainer)"
 
     def published_steps(self) -> list[int]:
         if self.format == foreign.HF_DIRS:

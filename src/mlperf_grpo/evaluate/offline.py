@@ -5,10 +5,12 @@ Reads top to bottom like the lifecycle it runs::
     load the run (config, log path); read the log written so far
     discover step_N/ checkpoints; check the series before evaluating anything
         (steps, records, tensor headers, non-weight files, the end of training)
-    build one engine; for each checkpoint in step order (after those already logged):
-        read its shards (hash-verified as read), refit the engine, validate (pass@k)
-        commit eval_start, eval_accuracy, eval_stop in one write
-        first pass: commit run_stop(success, time_ms = weight-update time); stop
+    plan: the checkpoints after those already logged (up to a series fault)
+    N workers (one here, or torchrun ranks), each with one engine, claim the next one:
+        read its shards (hash-verified as read; the next one read meanwhile), refit the
+        engine, verify (device fingerprint, canary), validate (pass@k), publish
+    commit strictly in step order: eval_start, eval_accuracy, eval_stop in one write
+        first pass: commit run_stop(success, time_ms = weight-update time); stop all
     none passed: run_stop(aborted, time_ms = final checkpoint's weight-update time)
     teardown: delete the checkpoints unless retained
 
@@ -26,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,17 +49,20 @@ from mlperf_grpo.checkpoint import (
     discover_series,
     published_steps,
     read_training_end,
-    read_weights,
     remove_checkpoints,
 )
+from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.validator import TaskResult, validate
+from mlperf_grpo.evaluate.workers import WorkQueue, die_with_parent, launch, local_queue, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, parse_log_text, read_log, time_to_train_ms
-from mlperf_grpo.fingerprint import canary_mismatch, weights_fingerprint
+from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, canary_mismatch
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.model import check_model_path
 from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks.scoring import VerifierError
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
 """Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
@@ -67,6 +74,10 @@ class EvaluationError(ValueError):
 
 class RefitError(RuntimeError):
     """After a refit the engine does not run the checkpoint's weights; evaluation stops."""
+
+
+_ERRORS: dict[str, type[Exception]] = {"EvaluationError": EvaluationError, "RefitError": RefitError, "VerifierError": VerifierError}
+"""The errors a worker reports as a result (raised again, in step order, by the committer)."""
 
 
 @dataclass(frozen=True)
@@ -205,15 +216,20 @@ def _logged_evals(log: ParsedLog) -> list[tuple[int, float]]:
 
 
 def write_results(
-    run: RunDir, step: int, results: list[TaskResult], params: SamplingParams, seed: int, engine: dict
+    run: RunDir, step: int, results: list[TaskResult], params: SamplingParams, seed: int, engine: dict,
+    refit_check: str = "", path: Path | None = None,
 ) -> None:
-    """``<run>/eval/step_N.jsonl``: a header (sampling, seed, engine), then one line per
-    task; written to a temp file and renamed, so it is whole or absent."""
-    run.eval_dir.mkdir(parents=True, exist_ok=True)
-    path = run.eval_dir / f"step_{step}.jsonl"
+    """``path`` (default ``<run>/eval/step_N.jsonl``): a header (sampling, seed, engine,
+    and ``refit_check`` when given: how the refit was verified), then one line per task; written to a temp file and
+    renamed, so it is whole or absent."""
+    path = run.eval_dir / f"step_{step}.jsonl" if path is None else path
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".jsonl.tmp")
+    header = {"step": step, "sampling": asdict(params), "seed": seed, "engine": engine}
+    if refit_check:
+        header["refit_check"] = refit_check
     with open(tmp, "w") as f:
-        f.write(json.dumps({"step": step, "sampling": asdict(params), "seed": seed, "engine": engine}) + "\n")
+        f.write(json.dumps(header) + "\n")
         for r in results:
             f.write(json.dumps(asdict(r)) + "\n")
         f.flush()
@@ -270,8 +286,12 @@ def retain_requested(flag: bool) -> bool:
     return flag or value == "1"
 
 
-def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True) -> EvalOutcome:
+def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
+
+    ``workers`` engines evaluate checkpoints in parallel (default: the config's
+    ``evaluation.workers``); results are committed strictly in step order, so the log
+    is the same, apart from times, for any number of workers.
 
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
     evaluations already in the log are not repeated, and a finished run (its
@@ -289,7 +309,8 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
-    return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress)
+    return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
+                           workers=config.validation.workers if workers is None else workers)
 
 
 class SeriesSource(Protocol):
@@ -308,11 +329,13 @@ class SeriesSource(Protocol):
     def check(self, checkpoints: list, config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
         """Cheap checks before anything is evaluated (see :func:`check_series`)."""
 
-    def read(self, checkpoint) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors; raises EvaluationError when it cannot be read."""
+    def read(self, checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors (may be views into ``buffers``, reused after the
+        refit); raises EvaluationError or CheckpointError when it cannot be read."""
 
-    def verify(self, engine: InferenceEngine, checkpoint, weights: dict[str, torch.Tensor]) -> None:
-        """Prove the engine runs the checkpoint after a refit; raises RefitError."""
+    def verify(self, engine: InferenceEngine, checkpoint, weights: dict[str, torch.Tensor]) -> str:
+        """Prove the engine runs the checkpoint after a refit from ``weights``; returns
+        how (recorded in the results); raises RefitError."""
 
     def published_steps(self) -> list[int]:
         """Steps of every published checkpoint (names only)."""
@@ -333,11 +356,11 @@ class RunSeries:
     def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
         return check_series(checkpoints, config, log, self.root)
 
-    def read(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-        return _read_verified(checkpoint)
+    def read(self, checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
+        return read_verified(checkpoint, buffers)  # hash-verified as read
 
-    def verify(self, engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
-        verify_refit(engine, checkpoint, weights)
+    def verify(self, engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> str:
+        return verify_refit(engine, checkpoint, list(weights))
 
     def published_steps(self) -> list[int]:
         return published_steps(self.root)
@@ -355,10 +378,13 @@ def evaluate_series(
     eval_log: Path | None = None,
     retain: bool = False,
     show_progress: bool = True,
+    workers: int = 1,
 ) -> EvalOutcome:
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
     ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
+    ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
+    ``source`` its :class:`RunSeries`: the ranks load both from it.
 
     Raises: as :func:`evaluate_run`.
     """
@@ -371,7 +397,7 @@ def evaluate_series(
             if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
-                _evaluate_checkpoints(run, config, eval_log or mllog_file, log, show_progress, source)
+                _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers)
         if not retain:
             _teardown(source, _read_logs(mllog_file, eval_log))
         outcome = read_outcome(run, mllog_file, eval_log)
@@ -475,16 +501,27 @@ def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedL
     return log
 
 
-def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
-    """Prove the engine runs ``checkpoint`` after a refit.
+def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[str]) -> str:
+    """Prove the engine runs ``checkpoint`` after a refit: the fingerprint of the engine's
+    tensors ``names`` (computed on the engine's device) against the one training recorded
+    (``weights.fingerprint``), and the engine's canary logits against the recorded ones.
 
+    Returns:
+        ``"fingerprint+canary"``; ``"canary (fingerprint unchecked: ...)"`` for a
+        checkpoint that records no fingerprint of this algorithm (written before it
+        existed): the canary is then the only check, and the caller says so.
     Raises:
-        RefitError: the engine's tensors differ from the checkpoint's (fingerprint), or its
-            canary logits differ from those recorded when the checkpoint was written.
+        RefitError: the fingerprints differ, or the canary logits differ beyond the dtype's
+            tolerance.
     """
-    want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
-    if engine.weights_fingerprint(list(weights)) != want:
-        raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
+    recorded = checkpoint.info.weights.get("fingerprint") or {}
+    if recorded.get("algorithm") == DEVICE_FINGERPRINT_ALGORITHM:
+        if engine.weights_fingerprint(names) != recorded.get("digest"):
+            raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
+        checked = "fingerprint+canary"
+    else:
+        why = f"algorithm {recorded['algorithm']!r} unknown" if recorded.get("algorithm") else "none recorded"
+        checked = f"canary (fingerprint unchecked: {why})"
     worst = canary_mismatch(
         checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype, up_to_constant=engine.canary_is_log_softmax
     )
@@ -493,25 +530,19 @@ def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[
             f"{checkpoint.path.name}: the engine's canary logits differ from the checkpoint's by {worst:.3g}; "
             "the engine is not running these weights"
         )
+    return checked
 
 
-def _read_verified(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights, hash-verified as read. Only checkpoints up to the first
-    pass are ever read, so a corrupt one after it never blocks the result.
-
-    Raises:
-        EvaluationError: the checkpoint is corrupt (nothing after the last logged
-            evaluation is logged; the message says what the user can do).
-    """
-    try:
-        return read_weights(checkpoint)
-    except CheckpointCorruptError as err:
-        raise EvaluationError(
+def _corrupt(checkpoint: Checkpoint, err: Exception) -> Exception:
+    """The error for a checkpoint whose read failed (the message says what the user can do)."""
+    if isinstance(err, CheckpointCorruptError):
+        return EvaluationError(
             f"{err}; no earlier checkpoint passed, so the run cannot be scored past it: restore "
             f"{checkpoint.path.name}/ from a copy and run evaluate again (it resumes there), or train again"
-        ) from None
-    except CheckpointError as err:
-        raise EvaluationError(str(err)) from None
+        )
+    if isinstance(err, CheckpointError):
+        return EvaluationError(str(err))
+    return err
 
 
 def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
@@ -521,12 +552,23 @@ def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], Seri
     return checkpoints, ignored, None if unreadable is None else SeriesProblem(len(checkpoints), unreadable[1])
 
 
-def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog, show_progress: bool,
-                          source: SeriesSource) -> None:
-    """Evaluate in step order up to the first pass. When the series has a fault, only the
-    checkpoints before it are evaluated, and their results are committed only if one of
-    them passes (a fault after the pass never blocks the result; one before any pass is
-    refused with nothing logged)."""
+@dataclass(frozen=True)
+class EvalPlan:
+    """What is left to evaluate: the steps of ``pending`` (after those already logged, up
+    to a series fault), the series ``problem`` (results are then held until a pass), and
+    the final checkpoint's step (its time is an aborted ``run_stop``'s)."""
+
+    pending_steps: list[int]
+    problem: SeriesProblem | None
+    final_step: int
+
+
+def plan_evaluation(source: SeriesSource, config: RunConfig, log: ParsedLog) -> EvalPlan:
+    """Discover and check the series (notes to stderr) and decide what to evaluate.
+
+    Raises:
+        EvaluationError: nothing can be evaluated, or the log is not a prefix of the series.
+    """
     checkpoints, ignored, problem = source.discover()
     for path in ignored:
         print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
@@ -543,46 +585,237 @@ def _evaluate_checkpoints(run: RunDir, config: RunConfig, mllog_file: Path, log:
     usable = checkpoints if problem is None else checkpoints[: problem.index]
     if problem is not None and len(usable) <= len(done):
         raise EvaluationError(_unscorable(problem))
+    return EvalPlan([c.step for c in usable[len(done):]], problem, checkpoints[-1].step)
 
-    writer = MLLogWriter(mllog_file)
+
+class StepOrderCommitter:
+    """Commits results to the log strictly in step order, whoever evaluated them.
+
+    :meth:`advance` takes the results of the queue's indices in order: each one's
+    ``eval/unlogged/step_N.jsonl`` is moved to ``eval/step_N.jsonl`` and its
+    ``eval_start``/``eval_accuracy``/``eval_stop`` (and ``run_stop`` success on the first
+    pass) committed in one write; after a pass, or once every checkpoint failed
+    (``run_stop`` aborted), the queue is stopped. With a series ``problem`` results are
+    held until one passes (none: nothing is logged). Results after the decision are
+    never logged (their files stay in ``eval/unlogged/``).
+    """
+
+    def __init__(self, run: RunDir, config: RunConfig, mllog_file: Path, plan: EvalPlan, checkpoints: dict[int, Checkpoint],
+                 queue: WorkQueue, show_progress: bool) -> None:
+        self.run, self.plan, self.queue, self.checkpoints = run, plan, queue, checkpoints
+        self.gbs, self.target = config.global_batch_size, config.validation.target_accuracy
+        self.writer = MLLogWriter(mllog_file)
+        self.next = 0
+        self.held: list[tuple[int, dict]] = []
+        self.decided = False
+        self.bar = tqdm(total=len(plan.pending_steps), desc="evaluate", unit="ckpt", disable=not show_progress)
+
+    def advance(self, block: bool) -> bool:
+        """Commit every result available in order (waiting for each when ``block``);
+        True once the run is decided (its ``run_stop`` committed).
+
+        Raises:
+            EvaluationError, RefitError, VerifierError: the next result in step order is
+                that error (the queue is stopped; earlier results are committed).
+        """
+        while not self.decided and self.next < len(self.plan.pending_steps):
+            result = self.queue.result(self.next, block)
+            if result is None:
+                return False
+            step = self.plan.pending_steps[self.next]
+            self.next += 1
+            if "error" in result:
+                self.queue.stop()
+                raise _ERRORS.get(result["error"], RuntimeError)(result["message"])
+            self.held.append((step, result))
+            self.bar.set_postfix(step=step, acc=f"{result['accuracy']:.3f}", refresh=False)
+            self.bar.update(1)
+            passing = rules.is_passing(result["accuracy"], self.target)
+            if self.plan.problem is None or passing:
+                self._commit(step if passing else None)
+        if not self.decided:
+            if self.plan.problem is not None:
+                self.queue.stop()
+                raise EvaluationError(_unscorable(self.plan.problem))
+            _log_run_stop(self.writer, C.ABORTED, self.checkpoints[self.plan.final_step])
+            self.writer.commit()
+            self._decide()
+        return True
+
+    def _commit(self, passing_step: int | None) -> None:
+        for step, result in self.held:
+            os.replace(unlogged_results(self.run, step), self.run.eval_dir / f"step_{step}.jsonl")
+            log_eval(self.writer, step, self.gbs, result["accuracy"], result["start_ms"], result["stop_ms"])
+        if passing_step is not None:
+            _log_run_stop(self.writer, C.SUCCESS, self.checkpoints[passing_step])
+        self.writer.commit()  # the eval triples (and run_stop on a pass) in one write
+        self.held.clear()
+        if passing_step is not None:
+            self._decide()
+
+    def _decide(self) -> None:
+        self.decided = True
+        self.queue.stop()
+        self.close()
+
+    def close(self) -> None:
+        """End the progress bar (before any error line is printed)."""
+        self.bar.close()
+
+
+def unlogged_results(run: RunDir, step: int) -> Path:
+    """``eval/unlogged/step_N.jsonl``: a result evaluated but not (yet) in the log."""
+    return run.eval_dir / "unlogged" / f"step_{step}.jsonl"
+
+
+def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, checkpoints: dict[int, Checkpoint],
+                     plan: EvalPlan, engine: InferenceEngine, after_each=lambda: None) -> None:
+    """One worker: claim the next pending checkpoint, refit from its prefetched verified
+    read (the next one is read meanwhile), verify, validate, write its results to
+    ``eval/unlogged/`` and publish its result (or its error) until none is left or the
+    run is decided. ``after_each()`` runs after every publish (the serial committer)."""
     suite = load_suite(config)
     tasks = validation_tasks(suite, config.validation.num_tasks)
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-    gbs = config.global_batch_size
-    engine = build_engine(config, batch_size=v.batch_size)
-    bar = tqdm(total=len(usable), initial=len(done), desc="evaluate", unit="ckpt", disable=not show_progress)
-    held: list[tuple[Checkpoint, list[TaskResult], float, int, int]] = []  # evaluations not yet committed
-    passing = None
+    prefetcher = CheckpointPrefetcher(source.read, pin=_engine_on_cuda(engine))
     try:
-        for checkpoint in usable[len(done):]:
-            start_ms = now_ms()
-            weights = source.read(checkpoint)  # hash-verified as read where the format records hashes
-            engine.load_weights(weights)  # refit, no optimizer state
-            source.verify(engine, checkpoint, weights)
-            accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
-            held.append((checkpoint, results, accuracy, start_ms, now_ms()))
-            if rules.is_passing(accuracy, v.target_accuracy):
-                passing = checkpoint
-            if problem is None or passing is not None:  # commit now (resumable), in step order
-                for c, res, acc, t0, t1 in held:
-                    write_results(run, c.step, res, params, seed=config.seed, engine=engine.describe())
-                    log_eval(writer, c.step, gbs, acc, t0, t1)
-                if passing is not None:
-                    _log_run_stop(writer, C.SUCCESS, passing)
-                writer.commit()  # the eval triples (and run_stop on a pass) in one write
-                held.clear()
-            bar.set_postfix(step=checkpoint.step, acc=f"{accuracy:.3f}", refresh=False)
-            bar.update(1)
-            if passing:
-                break
-        if passing is None and problem is not None:
-            raise EvaluationError(_unscorable(problem))
-        if passing is None:
-            _log_run_stop(writer, C.ABORTED, checkpoints[-1])
-            writer.commit()
+        claimed = _claim(queue, plan, checkpoints, prefetcher)
+        while claimed and not queue.stopped():
+            wait_start_s = time.perf_counter()
+            item = prefetcher.take()
+            claimed = _claim(queue, plan, checkpoints, prefetcher)  # read it while this one is validated
+            try:
+                if item.error is not None:
+                    raise _corrupt(item.checkpoint, item.error)
+                start_ms, refit_start_s = now_ms(), time.perf_counter()
+                engine.load_weights(item.weights)  # refit, no optimizer state; waits for the copies
+                checked = source.verify(engine, item.checkpoint, item.weights)
+                prefetcher.release(item)
+                generation_start_s = time.perf_counter()
+                accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
+                generation_stop_s = time.perf_counter()
+                write_results(run, item.checkpoint.step, results, params, config.seed, engine.describe(), checked,
+                              unlogged_results(run, item.checkpoint.step))
+                record_timing(run, item.checkpoint.step, read_wait_s=refit_start_s - wait_start_s,
+                              refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s)
+                queue.publish(item.index, {"accuracy": accuracy, "start_ms": start_ms, "stop_ms": now_ms()})
+            except tuple(_ERRORS.values()) as err:
+                queue.publish(item.index, {"error": type(err).__name__, "message": str(err)})
+            after_each()
     finally:
-        bar.close()
+        prefetcher.close()
+
+
+def record_timing(run: RunDir, step: int, **seconds: float) -> None:
+    """Append one line to ``eval/timing.jsonl``: where one checkpoint's evaluation time
+    went, in seconds (``read_wait_s``: waiting for its verified read, the part the
+    prefetch did not hide; ``refit_s``: weights into the engine and verified;
+    ``generation_s``: validation) and which rank evaluated it. Informational only."""
+    record = {"step": step, "rank": int(os.environ.get("RANK", 0)), **{k: round(v, 4) for k, v in seconds.items()}}
+    with open(run.eval_dir / "timing.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _claim(queue: WorkQueue, plan: EvalPlan, checkpoints: dict[int, Checkpoint], prefetcher: CheckpointPrefetcher) -> bool:
+    index = queue.claim()
+    if index is None:
+        return False
+    prefetcher.submit(index, checkpoints[plan.pending_steps[index]])
+    return True
+
+
+def _engine_on_cuda(engine: InferenceEngine) -> bool:
+    return str(getattr(engine, "device", "cpu")).startswith("cuda")
+
+
+def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, log: ParsedLog,
+                          show_progress: bool, workers: int) -> None:
+    """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
+    up to the first pass; one worker runs here, more are torchrun ranks (:func:`launch`)."""
+    plan = plan_evaluation(source, config, log)
+    try:
+        _run_workers(run, source, config, mllog_file, plan, show_progress, workers)
+    except EvaluationError:
+        _remove_if_nothing_committed(run)
+        raise
+
+
+def _remove_if_nothing_committed(run: RunDir) -> None:
+    """A refused run (nothing scorable) leaves no ``eval/``: delete it when it holds only
+    what the workers wrote for results that were never logged (no ``step_N.jsonl``, no
+    summary). Called once every worker has stopped."""
+    import shutil
+
+    if run.eval_dir.is_dir() and not any(run.eval_dir.glob("step_*.jsonl")) and not run.summary_file.exists():
+        shutil.rmtree(run.eval_dir)
+
+
+def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, plan: EvalPlan,
+                 show_progress: bool, workers: int) -> None:
+    if workers == 1:
+        checkpoints = _series_by_step(source)
+        queue = local_queue(len(plan.pending_steps))
+        committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints, queue, show_progress)
+        engine = build_engine(config, batch_size=config.validation.batch_size)
+        try:
+            evaluate_claimed(queue, run, source, config, checkpoints, plan, engine,
+                             after_each=lambda: committer.advance(block=False))
+            committer.advance(block=True)
+        finally:
+            committer.close()
+        return
+    if source != RunSeries(run.checkpoints):
+        raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
+    outcome = launch(evaluate_rank, (str(run.root), plan, show_progress), workers)[0]
+    if outcome is not None:
+        raise _ERRORS.get(outcome["error"], RuntimeError)(outcome["message"])
+
+
+def _series_by_step(source: SeriesSource) -> dict[int, Checkpoint]:
+    return {c.step: c for c in source.discover()[0]}
+
+
+def evaluate_rank(run_dir: str, plan: EvalPlan, show_progress: bool) -> dict | None:
+    """A torchrun rank of ``evaluate --workers N``: one engine on device ``LOCAL_RANK``
+    (CUDA) or a CPU process with its share of the cores; rank 0 also commits (a thread
+    with its own store connection). Dies with the launching evaluator (it holds the lock).
+
+    Returns:
+        rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
+    """
+    die_with_parent()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    run = RunDir(Path(run_dir))
+    config, mllog_file = run.load()
+    if config.model.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    source = RunSeries(run.checkpoints)
+    checkpoints = _series_by_step(source)
+    queue = rank_queue(len(plan.pending_steps), serve=True)
+    failure: list[dict] = []
+    committer_thread = None
+    if rank == 0:
+        committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints,
+                                       rank_queue(len(plan.pending_steps), serve=False), show_progress)
+
+        def commit_all() -> None:
+            try:
+                committer.advance(block=True)
+            except tuple(_ERRORS.values()) as err:
+                failure.append({"error": type(err).__name__, "message": str(err)})
+            finally:
+                committer.close()
+
+        committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
+        committer_thread.start()
+    engine = build_engine(config, batch_size=config.validation.batch_size)
+    evaluate_claimed(queue, run, source, config, checkpoints, plan, engine)
+    if committer_thread is not None:
+        committer_thread.join()
+    return failure[0] if failure else None
 
 
 def _unscorable(problem: SeriesProblem) -> str:

@@ -146,20 +146,29 @@ class HFEngine:
         self.pad_token_id: int = pad if pad is not None else (self.eos_token_id if tokenizer is not None else 0)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Refit in place. Every parameter must be given, except names tied to a given one
-        (e.g. ``lm_head.weight`` tied to the embeddings), which follow it.
+        """Refit in place: each given tensor is copied into the engine's own (any source
+        device; from pinned host memory the copies are asynchronous DMAs, waited for once
+        at the end, so the caller may reuse the source memory when this returns). Every
+        parameter must be given, except names tied to a given one (e.g. ``lm_head.weight``
+        tied to the embeddings), which follow it.
 
         Raises:
-            ValueError: a weight is missing or unknown to the model.
+            ValueError: a weight is missing, unknown to the model, or of another shape.
         """
-        with torch.no_grad():
-            result = self.model.load_state_dict(state_dict, strict=False)
-        missing = set(result.missing_keys) - self._tied_names(state_dict)
-        if missing or result.unexpected_keys:
+        own = self.model.state_dict()
+        missing = set(own) - set(state_dict) - self._tied_names(state_dict)
+        unexpected = set(state_dict) - set(own)
+        wrong = sorted(n for n in set(state_dict) & set(own) if state_dict[n].shape != own[n].shape)
+        if missing or unexpected or wrong:
             raise ValueError(
                 f"weights do not match the engine's model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(result.unexpected_keys)[:5]}"
+                f"unexpected {sorted(unexpected)[:5]}, other shape {wrong[:5]}"
             )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor, non_blocking=True)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from every ``*.safetensors`` file of ``directory`` (a ``step_N/``).
@@ -174,6 +183,11 @@ class HFEngine:
         for path in files:
             state_dict.update(load_file(str(path)))
         self.load_weights(state_dict)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's model lives."""
+        return self.model.device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,85 @@
+"""Read the next checkpoint while the current one is validated.
+
+A background thread reads each submitted checkpoint with
+:func:`~mlperf_grpo.checkpoint.reader.read_verified` (hash-verified as read) into one of
+two reusable host buffer sets (pinned when the engine is on a GPU, so the refit is one
+DMA per tensor): while checkpoint ``k`` is refit and validated from one set, ``k+1`` is
+read into the other. Host memory: two checkpoints' weight bytes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mlperf_grpo.checkpoint import Checkpoint
+from mlperf_grpo.checkpoint.reader import ReadBuffers
+
+
+@dataclass
+class Prefetched:
+    """One read checkpoint: ``weights`` (views into ``buffers``) or the ``error`` its read
+    raised; ``index`` is the caller's tag (its position in the work queue)."""
+
+    index: int
+    checkpoint: Checkpoint
+    weights: dict[str, torch.Tensor] | None
+    error: Exception | None
+    buffers: ReadBuffers
+
+
+class CheckpointPrefetcher:
+    """Reads submitted checkpoints in order in one background thread.
+
+    Args:
+        read: ``read(checkpoint, buffers) -> tensors`` (our series: ``read_verified``,
+            hash-verified as read; raises on a corrupt or unreadable checkpoint).
+        pin: pin the host buffers (the engine is on a GPU).
+        buffer_sets: host copies that may exist at once (2: one refit, one being read).
+    Use: :meth:`submit` a checkpoint, :meth:`take` it (blocks until read), give its
+    buffers back with :meth:`release` once the engine holds the weights; :meth:`close`.
+    """
+
+    def __init__(self, read: Callable[[Checkpoint, ReadBuffers], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2) -> None:
+        self._read = read
+        self._todo: queue.Queue[tuple[int, Checkpoint] | None] = queue.Queue()
+        self._done: queue.Queue[Prefetched] = queue.Queue()
+        self._free: queue.Queue[ReadBuffers | None] = queue.Queue()
+        for _ in range(buffer_sets):
+            self._free.put(ReadBuffers(pin=pin))
+        self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, checkpoint: Checkpoint) -> None:
+        """Queue ``checkpoint`` for reading (tagged ``index``)."""
+        self._todo.put((index, checkpoint))
+
+    def take(self) -> Prefetched:
+        """The next submitted checkpoint, once read (or its read failed)."""
+        return self._done.get()
+
+    def release(self, item: Prefetched) -> None:
+        """``item``'s buffers may be read into again (its tensors become invalid)."""
+        item.weights = None
+        self._free.put(item.buffers)
+
+    def close(self) -> None:
+        """Let the thread end after the read in progress, without waiting for it (a read
+        of a checkpoint nobody will evaluate may take minutes at scale); idempotent."""
+        self._todo.put(None)
+        self._free.put(None)
+
+    def _run(self) -> None:
+        while (job := self._todo.get()) is not None:
+            buffers = self._free.get()
+            if buffers is None:
+                return
+            index, checkpoint = job
+            try:
+                self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers), None, buffers))
+            except Exception as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint)
+                self._done.put(Prefetched(index, checkpoint, None, err, buffers))
