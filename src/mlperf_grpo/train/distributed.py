@@ -152,7 +152,8 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     in fp32 and **summed** (divide factor 1): the loss each rank backpropagates is its
     tokens' sum over the global token count, so the sum over ranks is the global mean's
     gradient. ``activation_checkpointing`` recomputes each decoder layer's activations in
-    the backward pass (``torch.utils.checkpoint``, non-reentrant).
+    the backward pass (``torch.utils.checkpoint``, non-reentrant, wrapped inside each
+    layer's FSDP unit as torchtitan does). The policy's ``config.use_cache`` is set False.
 
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -166,6 +167,9 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(policy).__name__}: no model.layers decoder layers to shard")
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # the policy only trains (the engine generates): no KV cache, which a recomputed
+    # layer would otherwise extend a second time
+    policy.config.use_cache = False
     for i, layer in enumerate(layers):
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer, preserve_rng_state=False)
