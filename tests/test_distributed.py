@@ -59,9 +59,28 @@ def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
     distributed.check_layout(config, world_size=1)  # one rank: anything goes
 
 
-def test_single_process_engines_are_refused_with_several_ranks():
+def test_single_process_features_are_refused_with_several_ranks():
     with pytest.raises(distributed.LayoutError, match="inline"):
         distributed.check_layout(RunConfig(), world_size=2, deferred=False)
+    with pytest.raises(distributed.LayoutError, match="engine vllm"):
+        distributed.check_layout(RunConfig.model_validate({"inference": {"engine": "vllm"}}), world_size=2)
+    distributed.check_layout(RunConfig(), world_size=1, deferred=False)  # one process, no torchrun: as before
+
+
+def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_path):
+    config = tmp_path / "odd.yaml"
+    config.write_text(SMALL.replace("num_prompts_per_step: 4", "num_prompts_per_step: 3").replace("micro_batch_size: 4", "micro_batch_size: 2"))
+    proc = subprocess.run([*TORCHRUN, "train", "--config", str(config), "--output", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("mlperf-grpo: ")]
+    assert sorted(ours) == sorted([
+        "mlperf-grpo: error: grpo.num_prompts_per_step 3 (GBS 12) does not divide over 2 ranks: each rank generates "
+        "whole prompt groups; use a multiple of 2 or another --nproc-per-node",
+        "mlperf-grpo: rank 1: error: grpo.num_prompts_per_step 3 (GBS 12) does not divide over 2 ranks: each rank "
+        "generates whole prompt groups; use a multiple of 2 or another --nproc-per-node",
+    ]), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and proc.returncode != 0  # torchrun reports the ranks' exit 2 and fails
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 # ---------------------------------------------------------------- one step across ranks

@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
-        print(f"mlperf-grpo: error: {err}", file=sys.stderr)
+        print(f"mlperf-grpo: {_rank_tag()}error: {err}", file=sys.stderr)
         _note_unfinished_run(args)
         return code
 
@@ -390,6 +390,12 @@ def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManage
     from mlperf_grpo.train import distributed
 
     return distributed.process_group()
+
+
+def _rank_tag() -> str:
+    """``"rank R: "`` in a torchrun worker other than rank 0 (its lines interleave with rank 0's)."""
+    rank = os.environ.get("RANK", "0") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
+    return "" if rank == "0" else f"rank {rank}: "
 
 
 def _stop_message(args: argparse.Namespace, what: str) -> str:

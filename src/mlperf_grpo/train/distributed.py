@@ -106,9 +106,14 @@ def check_layout(config: RunConfig, world_size: int | None = None, deferred: boo
         LayoutError: ``num_prompts_per_step`` is not a multiple of the world size, the
             per-rank rows ``GBS / N`` are not a multiple of ``micro_batch_size``, or a
             feature that runs in one process only (the vLLM engine, inline evaluation)
-            was asked for with more than one rank.
+            was asked for under torchrun or with more than one rank.
     """
     n = layout().world_size if world_size is None else world_size
+    if n > 1 or launched():  # the policy is FSDP-sharded: these read it as one module
+        if config.inference.engine != "hf":
+            raise LayoutError(f"inference.engine {config.inference.engine} runs in one process, not under torchrun: use engine hf")
+        if not deferred:
+            raise LayoutError("DEFERRED_OFFLINE_EVAL=0 (inline evaluation) runs in one process, not under torchrun: unset it")
     if n == 1:
         return
     g = config.grpo
@@ -123,10 +128,6 @@ def check_layout(config: RunConfig, world_size: int | None = None, deferred: boo
             f"grpo.micro_batch_size {g.micro_batch_size} does not divide the {rows} rows each of {n} ranks trains on "
             f"(GBS {config.global_batch_size} / {n}); set it to a divisor of {rows}"
         )
-    if config.inference.engine != "hf":
-        raise LayoutError(f"inference.engine {config.inference.engine} runs in one process: with {n} ranks use engine hf")
-    if not deferred:
-        raise LayoutError(f"DEFERRED_OFFLINE_EVAL=0 (inline evaluation) runs in one process, not {n} ranks: unset it")
 
 
 def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
