@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (GPUs on cuda)")
     parser.add_argument("--params", type=float, default=None, help="model size (default: 1.4e9 on cuda, 2e6 on cpu)")
     parser.add_argument("--large", action="store_true", help=f"~{LARGE_PARAMS:.0e} parameters, --nproc ranks only")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 6; 4 with --large)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 16 on cuda, 2 on cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 8 on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="rollout length (default: 64 on cuda, 8 on cpu)")
@@ -112,6 +112,7 @@ def main() -> None:
     from checkpoint import build_model_dir  # benchmarks/checkpoint.py
 
     cuda = args.device == "cuda"
+    args.steps = args.steps or (4 if args.large else 6)
     params = LARGE_PARAMS if args.large else args.params or (1.4e9 if cuda else 2e6)
     dtype = "bfloat16" if cuda else "float32"
     prompts = args.prompts or (16 if cuda else 2)

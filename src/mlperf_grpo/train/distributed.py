@@ -5,8 +5,8 @@ runs the same trainer; without it the process is rank 0 of a world of 1 and noth
 communicates (every helper is then the identity), so single-process runs behave as
 before. The decisions, in one place:
 
-- **process group**: :func:`process_group` (the default backends: gloo for CPU tensors,
-  NCCL for CUDA tensors; each rank on the CUDA device ``LOCAL_RANK``).
+- **process group**: :func:`process_group` (gloo for CPU tensors, NCCL for CUDA tensors
+  when CUDA is present; each rank on the CUDA device ``LOCAL_RANK``).
 - **prompts**: :func:`prompt_share`; rank ``r`` of ``N`` generates prompts
   ``[r P/N, (r+1) P/N)`` of the step, with the per-completion seeds of their global
   index, so a completion does not depend on ``N``; a prompt group never spans ranks.
@@ -83,8 +83,11 @@ def process_group() -> Iterator[Layout]:
         yield layout()
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group()  # gloo for CPU tensors, and NCCL for CUDA ones when CUDA is present
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_id)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device_id)  # the small CPU stats go through gloo
+    else:
+        dist.init_process_group("gloo")
     here = layout()
     saved_stdout = sys.stdout
     if here.rank != 0:
