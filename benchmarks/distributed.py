@@ -97,8 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (GPUs on cuda)")
-    parser.add_argument("--params", type=float, default=None, help="model size (default: 1.4e9 on cuda, 2e6 on cpu)")
-    parser.add_argument("--large", action="store_true", help=f"~{LARGE_PARAMS:.0e} parameters, --nproc ranks only")
+    parser.add_argument("--params", type=float, default=None, help="model size (default: 8e9 with --large, else 1.4e9 on cuda, 2e6 on cpu)")
+    parser.add_argument("--large", action="store_true", help="a model too large for one device: --nproc ranks only, with its memory figures")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 6; 4 with --large)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 16 on cuda, 2 on cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 8 on cpu)")
@@ -113,7 +113,7 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     args.steps = args.steps or (4 if args.large else 6)
-    params = LARGE_PARAMS if args.large else args.params or (1.4e9 if cuda else 2e6)
+    params = args.params or (LARGE_PARAMS if args.large else 1.4e9 if cuda else 2e6)
     dtype = "bfloat16" if cuda else "float32"
     prompts = args.prompts or (16 if cuda else 2)
     micro = args.micro_batch_size or (32 if cuda else 8)
