@@ -8,6 +8,7 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -101,14 +102,17 @@ def _start_training(args: argparse.Namespace):
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train.loop import check_training_inputs
 
+    from mlperf_grpo.train import distributed
+
     config = _config(args)
     deferred = _deferred()
+    distributed.check_layout(config, deferred=deferred)
     if args.command == "run" and deferred:
         from mlperf_grpo.evaluate.offline import retain_requested
 
         retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
     if args.output is None:
-        args.output = _new_run_dir()
+        args.output = distributed.broadcast_object(_new_run_dir())  # rank 0's name, on every rank
     check_training_inputs(config, RunDir(args.output))
     _note_open_differences(config)  # after every check: never before an error
     print(f"run directory: {args.output}")
@@ -181,9 +185,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Train, then evaluate offline: the whole benchmark run."""
     from mlperf_grpo.evaluate.offline import evaluate_run
 
+    from mlperf_grpo.train import distributed
+
     if not _deferred():
         return cmd_train(args)  # inline evaluation: training writes run_stop itself
     cmd_train(args)
+    if not distributed.is_writer():
+        return EXIT_OK  # under torchrun rank 0 alone evaluates the run it wrote
     args.phase = "evaluate"
     outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
     return _print_outcome(outcome, args.output)
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        with GracefulStop():  # SIGTERM is handled like Ctrl-C for every command
+        with GracefulStop(), _process_group(args):  # SIGTERM is handled like Ctrl-C for every command
             return args.func(args)
     except BrokenPipeError:  # the reader went away (e.g. `check --json | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -426,9 +434,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
-        print(f"mlperf-grpo: error: {err}", file=sys.stderr)
+        print(f"mlperf-grpo: {_rank_tag()}error: {err}", file=sys.stderr)
         _note_unfinished_run(args)
         return code
+
+
+def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """``train``/``run`` under torchrun: the ranks' process group (train/distributed.py)."""
+    if args.command not in ("train", "run"):
+        return contextlib.nullcontext()
+    from mlperf_grpo.train import distributed
+
+    return distributed.process_group()
+
+
+def _rank_tag() -> str:
+    """``"rank R: "`` in a torchrun worker other than rank 0 (its lines interleave with rank 0's)."""
+    rank = os.environ.get("RANK", "0") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
+    return "" if rank == "0" else f"rank {rank}: "
 
 
 def _stop_message(args: argparse.Namespace, what: str) -> str:

@@ -261,6 +261,15 @@ class CheckpointConfig(_Strict):
     behind, training waits. Host memory: K x the rollout-dtype weights' bytes."""
 
 
+class DistributedConfig(_Strict):
+    """Data-parallel training under ``torchrun`` (README, "Distributed training"); read
+    only when launched by torchrun."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory,
+    about one more forward pass of compute)."""
+
+
 class RunConfig(_Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
 
@@ -274,6 +283,7 @@ class RunConfig(_Strict):
     validation: ValidationConfig = ValidationConfig()
     inference: InferenceConfig = InferenceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @property
     def global_batch_size(self) -> int:

@@ -54,6 +54,28 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class DiscardingLogWriter:
+    """The :class:`MLLogWriter` interface, writing nothing: the log of a data-parallel
+    rank other than 0 (rank 0 alone writes the run's one MLPerf log)."""
+
+    path = None
+
+    def event(self, key: str, value: Any = None, metadata: dict | None = None, time_ms: int | None = None) -> None:
+        """Drop the event."""
+
+    def start(self, key: str, value: Any = None, metadata: dict | None = None, time_ms: int | None = None) -> None:
+        """Drop the event."""
+
+    def end(self, key: str, value: Any = None, metadata: dict | None = None, time_ms: int | None = None) -> None:
+        """Drop the event."""
+
+    def commit(self, durable: bool = True) -> None:
+        """Nothing to write."""
+
+    def sync(self) -> None:
+        """Nothing to flush."""
+
+
 class MLLogWriter:
     """Appends MLPerf events to one log file; lines are written on :meth:`commit`.
 

@@ -22,6 +22,7 @@ caller's thread, so a run is reproducible whatever the timing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -71,6 +72,10 @@ class RolloutProducer:
         device: the engine's device; with ``cuda`` the background generation runs on
             its own CUDA stream (after the refit's copies on the default stream), so
             its kernels can overlap training's instead of queueing behind them.
+        prompt_share: which of each step's ``num_prompts_per_step`` prompts this
+            producer generates (a data-parallel rank's share; default all). Every
+            producer draws the whole step's prompts, so the shares never overlap, and
+            seeds follow the prompt's index in the step.
     Raises:
         ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
     """
@@ -86,6 +91,7 @@ class RolloutProducer:
         max_trajectory_age_steps: int,
         max_steps: int,
         device: str = "cpu",
+        prompt_share: slice = slice(None),
     ) -> None:
         if max_trajectory_age_steps not in (0, 1):
             raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {max_trajectory_age_steps}")
@@ -98,6 +104,7 @@ class RolloutProducer:
         self._max_steps = max_steps
         self._weights_version = 0
         self._cuda = device == "cuda"
+        self._share = prompt_share
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._pending: tuple[int, Future[Rollouts]] | None = None
 
@@ -138,10 +145,15 @@ class RolloutProducer:
         Returns:
             Seconds spent loading the weights (the weight-sync time).
         """
+        return self.refit_with(lambda engine: engine.load_weights(state_dict), weights_version)
+
+    def refit_with(self, load: Callable[[InferenceEngine], None], weights_version: int) -> float:
+        """:meth:`refit` through ``load(engine)``, e.g. a sharded policy's parameters
+        copied in one at a time (``train/distributed.py``). Returns the seconds ``load`` took."""
         if self._pending is not None:
             self._pending[1].result()
         start = time.perf_counter()
-        self._engine.load_weights(state_dict)
+        load(self._engine)
         self._weights_version = weights_version
         return time.perf_counter() - start
 
@@ -151,7 +163,7 @@ class RolloutProducer:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _draw(self) -> list[Task]:
-        return self._sampler.sample(self._shape[0])
+        return self._sampler.sample(self._shape[0])[self._share]
 
     def _generate_on_side_stream(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
         if not self._cuda:
@@ -165,5 +177,7 @@ class RolloutProducer:
 
     def _generate(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
         start = time.perf_counter()
-        completions = generate_rollouts(self._engine, tasks, self._shape[1], self._params, self._seed, step)
+        completions = generate_rollouts(
+            self._engine, tasks, self._shape[1], self._params, self._seed, step, self._share.start or 0
+        )
         return Rollouts(step, tasks, completions, weights_version, time.perf_counter() - start)

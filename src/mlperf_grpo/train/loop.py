@@ -41,11 +41,12 @@ from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, Training
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
-from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
+from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
 from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
+from mlperf_grpo.train import distributed
 from mlperf_grpo.train.async_rollout import RolloutProducer
 from mlperf_grpo.train.grpo import (
     PGLossOptions,
@@ -139,7 +140,9 @@ def optimize_step(
     ``prev`` is ``sg(curr)`` under ``force_on_policy_ratio`` and else the rollout's
     generation log-probs (GRPOConfig.needs_prev_logprobs). Each micro-batch's loss sum is
     divided by the global batch's valid-token count, so the accumulated gradient equals
-    that of the token-level mean over the whole batch.
+    that of the token-level mean over the whole batch. Under torchrun the batch is this
+    rank's share and the count is the global batch's (summed over ranks), as are the
+    returned loss, counts and IS weight mean; the gradient norm is over all shards.
     """
     policy.train()
     optimizer.zero_grad(set_to_none=True)
@@ -155,7 +158,8 @@ def optimize_step(
         mask = mask * keep.unsqueeze(1)
     if prev is None and not options.force_on_policy_ratio:
         prev = batch.rollout_logprobs
-    total_tokens = max(int(mask.sum().item()), 1)
+    num_valid_tokens = int(distributed.all_reduce_sum([mask.sum().item()])[0])  # the global batch's
+    total_tokens = max(num_valid_tokens, 1)
     loss_total, weight_sum, masked_by_is = 0.0, 0.0, 0
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
         ids = batch.input_ids[rows, :width].to(device)
@@ -175,15 +179,18 @@ def optimize_step(
         loss_total += loss.item()
         weight_sum += part.importance_weight_sum
         masked_by_is += part.num_sequences_masked_by_is
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm)
+    grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm))
     optimizer.step()
     policy.eval()
+    loss_total, weight_sum, masked_by_is, masked_by_error = distributed.all_reduce_sum(
+        [loss_total, weight_sum, masked_by_is, masked_by_error]
+    )
     return OptimizeResult(
         loss=loss_total,
-        grad_norm=float(grad_norm),
-        num_valid_tokens=int(mask.sum().item()),
-        num_sequences_masked_by_is=masked_by_is,
-        num_sequences_masked_by_logprob_error=masked_by_error,
+        grad_norm=grad_norm,
+        num_valid_tokens=num_valid_tokens,
+        num_sequences_masked_by_is=int(masked_by_is),
+        num_sequences_masked_by_logprob_error=int(masked_by_error),
         importance_weight_mean=weight_sum / total_tokens,
     )
 
@@ -214,8 +221,18 @@ def train(
         On a failure during setup nothing of the run is written (a run directory this call
         created is removed). On a failure after ``run_start``: ``run_stop`` aborted when no
         checkpoint is published yet, else no ``run_stop`` (the offline evaluator's).
+
+    Under torchrun every rank calls this; rank 0 alone writes the run directory (see
+    ``train/distributed.py``), the others train their share and return the steps' stats.
     """
-    suite, train_pool = check_training_inputs(config, run)
+    distributed.check_layout(config, deferred=inline_eval is None)
+    writer = distributed.is_writer()
+    suite, train_pool = check_training_inputs(config, run, check_output=writer)
+    distributed.barrier()  # every rank has checked the output before rank 0 creates it
+    if not writer:
+        with GracefulStop() as stopper:
+            setup = _setup(config, train_pool)
+            return _train(config, None, None, config_filename, False, None, stopper, setup, suite)
     root_existed = run.root.exists()
     try:
         run.root.mkdir(parents=True, exist_ok=True)
@@ -234,8 +251,9 @@ def train(
         return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
 
 
-def check_training_inputs(config: RunConfig, run: RunDir) -> tuple[tasks.TaskSuite, list[tasks.Task]]:
-    """Everything that can be checked before training starts, cheaply (no weights loaded).
+def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = True) -> tuple[tasks.TaskSuite, list[tasks.Task]]:
+    """Everything that can be checked before training starts, cheaply (no weights loaded);
+    the output only with ``check_output``.
 
     Returns:
         ``(suite, train_pool)``: the task suite and its checked training pool.
@@ -251,7 +269,8 @@ def check_training_inputs(config: RunConfig, run: RunDir) -> tuple[tasks.TaskSui
     check_model(config.model.path, sample_text=validation[0].prompt)
     check_device(config.model.device)
     check_engine_available(config)
-    run.check_unused()
+    if check_output:
+        run.check_unused()
     return suite, train_pool
 
 
@@ -270,6 +289,9 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
     init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
     policy = load_model(config.model.path, "float32", config.model.device)
+    if distributed.layout().distributed:  # fp32 master weights sharded; compute in the rollout dtype on CUDA
+        compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
+        policy = distributed.shard_policy(policy, compute_dtype, config.distributed.activation_checkpointing)
     engine = build_engine(config)
     optimizer = torch.optim.AdamW(
         policy.parameters(),
@@ -284,8 +306,8 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
 
 def _train(
     config: RunConfig,
-    run: RunDir,
-    mllog_file: Path,
+    run: RunDir | None,
+    mllog_file: Path | None,
     config_filename: str,
     show_progress: bool,
     inline_eval: Callable[[int, torch.nn.Module], bool] | None,
@@ -293,7 +315,8 @@ def _train(
     setup: _Setup,
     suite: tasks.TaskSuite,
 ) -> TrainResult:
-    log = MLLogWriter(mllog_file)
+    here = distributed.layout()
+    log = MLLogWriter(mllog_file) if mllog_file is not None else DiscardingLogWriter()  # rank 0 writes
     log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
 
     policy, engine, optimizer, sampler = setup.policy, setup.engine, setup.optimizer, setup.sampler
@@ -303,14 +326,14 @@ def _train(
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
     # the non-weight files are snapshotted (and fingerprinted) now, at training start
-    checkpointer = None if inline_eval is not None else AsyncCheckpointer(
+    checkpointer = None if inline_eval is not None or run is None else AsyncCheckpointer(
         run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight,
         before_publish=log.sync,  # a step_N/ never outlives its step's log lines
     )
 
     if checkpointer is not None:
         checkpointer.prepare(_rollout_weights(engine, policy, checkpoint_dtype))  # host staging buffers, off the clock
-    log_hyperparameters(log, config, config_filename)
+    log_hyperparameters(log, config, config_filename, here.world_size)
     log.end(C.INIT_STOP)
     run_start_ms = now_ms()
     log.start(C.RUN_START, time_ms=run_start_ms)
@@ -321,6 +344,7 @@ def _train(
     producer = RolloutProducer(
         engine, sampler, g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params,
         config.seed, g.max_trajectory_age_steps, g.max_steps, config.model.device,
+        prompt_share=distributed.prompt_share(g.num_prompts_per_step, here),
     )
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
     completed, completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
@@ -334,22 +358,27 @@ def _train(
             rollouts = producer.take(step)  # with age 1, also starts generating step + 1
             prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
-            rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P, G]
-            advantages = group_advantages(rewards)  # [P, G]
+            rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
+            advantages = group_advantages(rewards)  # [P/N, G]: a group never spans ranks
             batch = build_batch(completions, rewards, advantages, pad_id)
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
             )
+            distributed.barrier()  # every rank's optimizer.step() has returned
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
             policy_training_s = time.perf_counter() - train_start_s
-            weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)  # for the next rollouts
+            if here.distributed:  # for the next rollouts
+                weight_sync_s = producer.refit_with(lambda e: distributed.refit_engine(e.model, policy), weights_version=step)
+            else:
+                weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)
+            rewards = distributed.all_gather_rows(rewards)  # [P, G] the step's, for its stats
             block_stop_ms = now_ms()
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
             log_tracked_stats(log, step, gbs, {  # commits the block_stop too
                 "reduced_train_loss": optimized.loss, "reward": float(rewards.mean()), "grad_norm": optimized.grad_norm,
-                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": len(batch.advantages) - optimized.num_sequences_masked_by_logprob_error,
+                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": rewards.numel() - optimized.num_sequences_masked_by_logprob_error,
                 "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
                 "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
                 "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
@@ -396,7 +425,7 @@ def _train(
             checkpointer.finish(type(err).__name__, raise_error=False)
         # The run's one run_stop: once a checkpoint is published it is the offline
         # evaluator's (it evaluates the published series, however training ended).
-        if not run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
+        if run is not None and not run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
             log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed},
                     time_ms=completed_ms)
             log.commit()

@@ -11,11 +11,14 @@ from mlperf_grpo.mllog import MLLogWriter
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
 
 
-def hyperparameters(config: RunConfig, config_filename: str) -> dict[str, object]:
-    """Every hyperparameter key the 6.1.0 checker requires for ``qwen35_397b_grpo``.
+def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size: int = 1) -> dict[str, object]:
+    """Every hyperparameter key the 6.1.0 checker requires for ``qwen35_397b_grpo``, and
+    ``data_parallelism`` (the torchrun world size; the checker neither requires nor refuses it).
 
+    ``gradient_accumulation_steps`` is per rank: ``GBS / (data_parallel_size x micro_batch_size)``.
     Returns:
-        key -> value, in the order they are logged. Parallelism is 1 (one process).
+        key -> value, in the order they are logged. Tensor, pipeline, context and expert
+        parallelism are 1 (the policy is sharded data-parallel only: FSDP).
     """
     g = config.grpo
     return {
@@ -41,11 +44,12 @@ def hyperparameters(config: RunConfig, config_filename: str) -> dict[str, object
         "generation_training_rollout_top_p": g.rollout_top_p,
         "generation_validation_rollout_temperature": config.validation.temperature,
         "generation_validation_rollout_top_p": config.validation.top_p,
-        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // g.micro_batch_size,
+        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * g.micro_batch_size),
         "micro_batch_size": g.micro_batch_size,
         "lowest_numerical_precision_in_linear": PRECISION[config.model.dtype],
         "lowest_numerical_precision_in_attn": PRECISION[config.model.dtype],
         "lowest_numerical_precision_in_comm": PRECISION[config.model.dtype],
+        "data_parallelism": data_parallel_size,
         "tensor_parallelism": 1,
         "pipeline_parallelism": 1,
         "context_parallelism": 1,
@@ -103,8 +107,8 @@ def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats
 
 
 
-def log_hyperparameters(log: MLLogWriter, config: RunConfig, config_filename: str) -> None:
+def log_hyperparameters(log: MLLogWriter, config: RunConfig, config_filename: str, data_parallel_size: int = 1) -> None:
     """All of :func:`hyperparameters`, committed."""
-    for key, value in hyperparameters(config, config_filename).items():
+    for key, value in hyperparameters(config, config_filename, data_parallel_size).items():
         log.event(key, value)
     log.commit()

@@ -69,16 +69,18 @@ class RolloutBatch:
 
 
 def generate_rollouts(
-    engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int
+    engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int,
+    first_prompt_index: int = 0,
 ) -> list[list[Completion]]:
     """``generations_per_prompt`` completions of each task: ``[P][G]``.
 
     Completion ``j`` of the ``i``-th prompt of ``step`` is sampled with
-    ``derive_seed("rollout", seed, step, i, j)``.
+    ``derive_seed("rollout", seed, step, i, j)``; ``tasks[k]`` is prompt
+    ``i = first_prompt_index + k`` of the step (a rank's share starts past the others').
     """
     g = generations_per_prompt
     prompts = [t.prompt for t in tasks for _ in range(g)]
-    seeds = [derive_seed("rollout", seed, step, i, j) for i in range(len(tasks)) for j in range(g)]
+    seeds = [derive_seed("rollout", seed, step, first_prompt_index + i, j) for i in range(len(tasks)) for j in range(g)]
     flat = engine.generate(prompts, params, seeds)
     return [flat[i * g:(i + 1) * g] for i in range(len(tasks))]
 

@@ -1,0 +1,169 @@
+"""Data-parallel GRPO training: N ranks against 1, the same config, launched with torchrun.
+
+    python benchmarks/distributed.py --device cpu --params 2e6 --nproc 2         # CPU, gloo (smoke)
+    python benchmarks/distributed.py --device cuda --params 1.4e9 --nproc 2      # 2 GPUs vs 1 GPU
+    python benchmarks/distributed.py --device cuda --large --nproc 2             # ~8B: does not fit on 1 GPU
+
+Builds a random-init Qwen3-shaped model directory (``benchmarks/checkpoint.py``'s
+``build_model_dir``; bfloat16 on CUDA, float32 on CPU), then runs the real trainer
+(``mlperf_grpo.train.loop.train``, FSDP2 under torchrun: ``train/distributed.py``) in a
+worker launched with ``torchrun --standalone --nproc-per-node K`` for K = 1 and K =
+``--nproc`` (``--large``: K = ``--nproc`` only), same config, same global batch. Prints
+ONE JSON line:
+
+- ``steps_per_s_1`` / ``steps_per_s_n``: 1 / median ``train_step_time`` of the
+  ``tracked_stats`` events (steps 2..N-1: the first is warm-up, the last writes the one
+  checkpoint), and ``speedup`` (their ratio; the goal on 2 GPUs is >= 1.7);
+- ``max_grad_norm_rel_diff`` and ``max_loss_abs_diff``: the two runs step for step
+  (identical up to the reduction order in fp32 on CPU; bfloat16 compute on CUDA), and
+  ``nonzero_grad_steps``: a random-init model often earns no reward on the built-in
+  task, and a step whose groups all have equal rewards has zero advantages, loss and
+  gradient (its forward and backward passes still run, so the timing is real);
+- ``peak_memory_bytes_per_rank``: ``torch.cuda.max_memory_allocated`` of each rank (the
+  process's peak RSS on CPU);
+- with ``--large``: ``params``, ``one_device_state_bytes`` (fp32 weights + gradients +
+  AdamW's two moments, 16 bytes a parameter, plus the bfloat16 engine copy, 2 bytes a
+  parameter: what one GPU would need before any activation) and ``device_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LARGE_PARAMS = 8e9
+
+
+def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
+    """One torchrun rank: train, then rank 0 writes every rank's peak memory to ``result_file``."""
+    import torch
+    import torch.distributed as dist
+
+    from mlperf_grpo.config import load_config
+    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train.loop import train
+
+    config = load_config(str(config_file))
+    with distributed.process_group() as here:
+        train(config, RunDir(out_dir), config_filename=config_file.name, show_progress=False)
+        if config.model.device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peaks = [0] * here.world_size
+        dist.all_gather_object(peaks, peak)
+        if here.rank == 0:
+            result_file.write_text(json.dumps({"peak_memory_bytes_per_rank": peaks}))
+
+
+def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
+    """Run :func:`worker` under ``torchrun --standalone --nproc-per-node nproc``; returns
+    the per-step ``tracked_stats`` and the peak memory per rank.
+
+    Raises:
+        SystemExit: the run failed (its stderr's tail is printed).
+    """
+    result = out_dir.with_suffix(".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           __file__, "--worker", str(config_file), str(out_dir), str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not result.is_file():
+        sys.exit(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    from mlperf_grpo.mllog import read_log
+
+    stats = [e.value for e in read_log(out_dir / "mlperf.log").events if e.key == "tracked_stats"]
+    return {"stats": stats, **json.loads(result.read_text())}
+
+
+def steps_per_s(stats: list[dict]) -> float:
+    """1 / median step time over the steps past the first (warm-up), before the last (checkpoint)."""
+    timed = stats[1:-1] or stats[1:] or stats
+    return 1.0 / statistics.median(s["train_step_time"] for s in timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (GPUs on cuda)")
+    parser.add_argument("--params", type=float, default=None, help="model size (default: 8e9 with --large, else 1.4e9 on cuda, 2e6 on cpu)")
+    parser.add_argument("--large", action="store_true", help="a model too large for one device: --nproc ranks only, with its memory figures")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 6; 4 with --large)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 16 on cuda, 2 on cpu)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 8 on cpu)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="rollout length (default: 64 on cuda, 8 on cpu)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*(Path(p) for p in args.worker))
+        return
+    from checkpoint import build_model_dir  # benchmarks/checkpoint.py
+
+    cuda = args.device == "cuda"
+    args.steps = args.steps or (4 if args.large else 6)
+    params = args.params or (LARGE_PARAMS if args.large else 1.4e9 if cuda else 2e6)
+    dtype = "bfloat16" if cuda else "float32"
+    prompts = args.prompts or (16 if cuda else 2)
+    micro = args.micro_batch_size or (32 if cuda else 8)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        n_params = build_model_dir(tmp / "model", params, dtype)
+        config = {
+            "seed": 1,
+            "model": {"path": str(tmp / "model"), "dtype": dtype, "device": args.device},
+            "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "max_steps": args.steps,
+                     "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
+            "checkpoint": {"max_in_flight": 1},
+            "distributed": {"activation_checkpointing": args.activation_checkpointing},
+        }
+        config_file = tmp / "bench.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        many = launch(args.nproc, config_file, tmp / f"run{args.nproc}")
+        one = None if args.large else launch(1, config_file, tmp / "run1")
+    line: dict[str, object] = {
+        "benchmark": "distributed",
+        "device": args.device,
+        "nproc": args.nproc,
+        "params": n_params,
+        "dtype": dtype,
+        "global_batch_size": prompts * 16,
+        "micro_batch_size": micro,
+        "steps": args.steps,
+        "steps_per_s_n": round(steps_per_s(many["stats"]), 4),
+        "peak_memory_bytes_per_rank": many["peak_memory_bytes_per_rank"],
+    }
+    if one is not None:
+        pairs = list(zip(one["stats"], many["stats"]))
+        line.update({
+            "steps_per_s_1": round(steps_per_s(one["stats"]), 4),
+            "speedup": round(steps_per_s(many["stats"]) / steps_per_s(one["stats"]), 3),
+            "speedup_goal": 1.7 if args.nproc == 2 else None,
+            "max_grad_norm_rel_diff": max(abs(b["grad_norm"] - a["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30) for a, b in pairs),
+            "nonzero_grad_steps": sum(a["grad_norm"] > 0 for a, _ in pairs),
+            "max_loss_abs_diff": max(abs(b["reduced_train_loss"] - a["reduced_train_loss"]) for a, b in pairs),
+            "peak_memory_bytes_1": one["peak_memory_bytes_per_rank"][0],
+        })
+    if args.large:
+        import torch
+
+        line["one_device_state_bytes"] = n_params * (16 + 2)
+        line["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()

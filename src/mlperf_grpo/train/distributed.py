@@ -1,0 +1,259 @@
+"""Data-parallel training under ``torchrun``: the one place that decides who does what.
+
+Launched by ``torchrun`` (``torch.distributed.is_torchelastic_launched()``), every rank
+runs the same trainer; without it the process is rank 0 of a world of 1 and nothing here
+communicates (every helper is then the identity), so single-process runs behave as
+before. The decisions, in one place:
+
+- **process group**: :func:`process_group` (gloo for CPU tensors, NCCL for CUDA tensors
+  when CUDA is present; each rank on the CUDA device ``LOCAL_RANK``).
+- **prompts**: :func:`prompt_share`; rank ``r`` of ``N`` generates prompts
+  ``[r P/N, (r+1) P/N)`` of the step, with the per-completion seeds of their global
+  index, so a completion does not depend on ``N``; a prompt group never spans ranks.
+- **policy**: :func:`shard_policy` wraps each decoder layer and the root with FSDP2
+  ``fully_shard`` (fp32 master weights, optional bf16 compute, fp32 gradient reduction,
+  gradients summed, not averaged, because the loss is already normalized by the global
+  token count: :func:`all_reduce_sum`).
+- **refit**: :func:`refit_engine` copies the sharded policy into a rank's engine one
+  parameter at a time (``DTensor.full_tensor()``), never the whole model gathered.
+- **who writes**: rank 0 alone writes the run directory, the MLPerf log and the deferred
+  checkpoints (from its engine, which holds the full rollout-dtype weights after the
+  refit); :func:`is_writer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlperf_grpo.config import ConfigError, RunConfig
+
+
+class LayoutError(ConfigError):
+    """The config does not divide over the launched ranks (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: ``rank`` of ``world_size`` data-parallel ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """True under ``torchrun`` (even with one rank): the policy is FSDP-sharded."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def launched() -> bool:
+    """True when this process was started by ``torchrun`` (its environment is set)."""
+    return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def layout() -> Layout:
+    """This process's :class:`Layout` (rank 0 of 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return Layout(dist.get_rank(), dist.get_world_size())
+    return Layout()
+
+
+def is_writer() -> bool:
+    """True on the one rank that writes the run directory, the log and checkpoints."""
+    return layout().rank == 0
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[Layout]:
+    """Under ``torchrun``: join the process group for the duration (rank ``RANK`` of
+    ``WORLD_SIZE``, rendezvous from torchrun's environment), pin this rank to CUDA device
+    ``LOCAL_RANK`` when CUDA is present, and send the stdout of ranks other than 0 to
+    ``/dev/null`` (rank 0 prints the run's outcome). Without torchrun: nothing.
+
+    Yields:
+        The :class:`Layout`.
+    """
+    if not launched() or dist.is_initialized():
+        yield layout()
+        return
+    if torch.cuda.is_available():
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_id)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device_id)  # the small CPU stats go through gloo
+    else:
+        dist.init_process_group("gloo")
+    here = layout()
+    saved_stdout = sys.stdout
+    if here.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (closed below)
+    try:
+        yield here
+    finally:
+        if sys.stdout is not saved_stdout:
+            sys.stdout.close()
+            sys.stdout = saved_stdout
+        dist.destroy_process_group()
+
+
+def check_layout(config: RunConfig, world_size: int | None = None, deferred: bool = True) -> None:
+    """Refuse a config that does not divide over ``world_size`` ranks (default: this
+    process's world).
+
+    Raises:
+        LayoutError: ``num_prompts_per_step`` is not a multiple of the world size, the
+            per-rank rows ``GBS / N`` are not a multiple of ``micro_batch_size``, or a
+            feature that runs in one process only (the vLLM engine, inline evaluation)
+            was asked for under torchrun or with more than one rank.
+    """
+    n = layout().world_size if world_size is None else world_size
+    if n > 1 or launched():  # the policy is FSDP-sharded: these read it as one module
+        if config.inference.engine != "hf":
+            raise LayoutError(f"inference.engine {config.inference.engine} runs in one process, not under torchrun: use engine hf")
+        if not deferred:
+            raise LayoutError("DEFERRED_OFFLINE_EVAL=0 (inline evaluation) runs in one process, not under torchrun: unset it")
+    if n == 1:
+        return
+    g = config.grpo
+    if g.num_prompts_per_step % n:
+        raise LayoutError(
+            f"grpo.num_prompts_per_step {g.num_prompts_per_step} (GBS {config.global_batch_size}) does not divide over "
+            f"{n} ranks: each rank generates whole prompt groups; use a multiple of {n} or another --nproc-per-node"
+        )
+    rows = config.global_batch_size // n
+    if rows % g.micro_batch_size:
+        raise LayoutError(
+            f"grpo.micro_batch_size {g.micro_batch_size} does not divide the {rows} rows each of {n} ranks trains on "
+            f"(GBS {config.global_batch_size} / {n}); set it to a divisor of {rows}"
+        )
+
+
+def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
+    """The prompts of a step this rank generates and trains on: ``[r P/N, (r+1) P/N)``.
+
+    Raises:
+        LayoutError: ``num_prompts`` is not a multiple of the world size.
+    """
+    here = layout() if here is None else here
+    if num_prompts % here.world_size:
+        raise LayoutError(f"{num_prompts} prompts do not divide over {here.world_size} ranks")
+    per_rank = num_prompts // here.world_size
+    return slice(here.rank * per_rank, (here.rank + 1) * per_rank)
+
+
+def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool) -> torch.nn.Module:
+    """Wrap a Hugging Face causal LM with FSDP2, as torchtitan's ``parallelize`` does:
+    ``fully_shard`` on each decoder layer (``policy.model.layers``), then on the root.
+
+    Parameters stay fp32 (the optimizer's master weights, sharded over the ranks along
+    dim 0); ``compute_dtype`` (e.g. ``torch.bfloat16``) is what they are all-gathered to
+    for the forward and backward passes (``None``: fp32). Gradients are reduce-scattered
+    in fp32 and **summed** (divide factor 1): the loss each rank backpropagates is its
+    tokens' sum over the global token count, so the sum over ranks is the global mean's
+    gradient. ``activation_checkpointing`` recomputes each decoder layer's activations in
+    the backward pass (``torch.utils.checkpoint``, non-reentrant, wrapped inside each
+    layer's FSDP unit as torchtitan does). The policy's ``config.use_cache`` is set False.
+
+    Returns:
+        The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
+    Raises:
+        ValueError: the model has no ``model.layers`` list of decoder layers.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    layers = getattr(getattr(policy, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(policy).__name__}: no model.layers decoder layers to shard")
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # the policy only trains (the engine generates): no KV cache, which a recomputed
+    # layer would otherwise extend a second time
+    policy.config.use_cache = False
+    for i, layer in enumerate(layers):
+        if activation_checkpointing:
+            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+            layers[i] = layer
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
+    for module in policy.modules():  # each fully_shard group reduces its own gradients
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return policy
+
+
+def refit_engine(engine_model: torch.nn.Module, policy: torch.nn.Module) -> None:
+    """Copy the policy's weights into an engine's model in place, one parameter at a time.
+
+    Each sharded parameter is all-gathered alone (``full_tensor()``: every rank must call
+    this, in the same order) and cast into the engine's tensor of the same name, so at
+    most one full parameter exists besides the engine's copy. Names tied in the engine
+    (``lm_head.weight`` to the embeddings) are written once per name, harmlessly.
+
+    Raises:
+        ValueError: the policy has a weight the engine lacks, or the engine one the policy lacks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    own = engine_model.state_dict()
+    given = set()
+    with torch.no_grad():
+        for name, tensor in policy.state_dict().items():
+            name = name.replace("._checkpoint_wrapped_module", "")
+            if name not in own:
+                raise ValueError(f"refit: the engine's model has no weight {name}")
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            own[name].copy_(full)
+            given.add(name)
+    missing = set(own) - given
+    if missing:
+        raise ValueError(f"refit: the policy gave no weight for {sorted(missing)[:5]}")
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """The sum over ranks of each value (float64 on the CPU, gloo); the values
+    themselves without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``[n, ...]`` CPU tensor along dim 0, in rank order
+    (``[N n, ...]``); ``t`` itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def barrier() -> None:
+    """Wait for every rank (e.g. after the optimizer step, so the weight-update time is
+    when all ranks' updates returned); nothing without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's ``obj`` on every rank; ``obj`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def full_value(t: torch.Tensor) -> float:
+    """A scalar as a Python float; a ``DTensor`` (e.g. the gradient norm that
+    ``clip_grad_norm_`` computes over sharded gradients) is reduced over its ranks first."""
+    from torch.distributed.tensor import DTensor
+
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)

@@ -1,0 +1,247 @@
+"""Data-parallel training under torchrun (CPU, gloo): the same run on 1 and 2 ranks.
+
+The end-to-end tests launch the real CLI with ``torchrun --nproc-per-node 2`` and
+compare it with a plain one-process run of the same small config, step for step.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.mllog import read_log
+from mlperf_grpo.model import load_model
+from mlperf_grpo.train import distributed
+from mlperf_grpo.train.grpo import PGLossOptions
+from mlperf_grpo.train.loop import optimize_step
+
+pytestmark = pytest.mark.slow
+MODEL = "builtin:arithmetic-tiny"
+SMALL = """\
+grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 4, max_steps: 3, micro_batch_size: 4, first_eval_step: 2}
+validation: {generations_per_task: 4, temperature: 1.0, top_p: 1.0}  # passes at step 2: a log the checker passes
+task: {num_train_tasks: 64}
+"""
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+            str(Path(sys.executable).parent / "mlperf-grpo")]
+
+
+# ---------------------------------------------------------------- layout rules
+
+
+def test_prompt_shares_cover_the_step_once_in_order():
+    shares = [distributed.prompt_share(16, distributed.Layout(r, 4)) for r in range(4)]
+    assert [list(range(16))[s] for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("grpo, needle", [
+    ({"num_prompts_per_step": 3, "micro_batch_size": 16, "first_eval_step": 2}, "does not divide over 2 ranks"),
+    ({"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 16, "first_eval_step": 2}, "divisor of 8"),
+])
+def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
+    config = RunConfig.model_validate({"grpo": grpo})
+    with pytest.raises(distributed.LayoutError, match=needle):
+        distributed.check_layout(config, world_size=2)
+    distributed.check_layout(config, world_size=1)  # one rank: anything goes
+
+
+def test_single_process_features_are_refused_with_several_ranks():
+    with pytest.raises(distributed.LayoutError, match="inline"):
+        distributed.check_layout(RunConfig(), world_size=2, deferred=False)
+    with pytest.raises(distributed.LayoutError, match="engine vllm"):
+        distributed.check_layout(RunConfig.model_validate({"inference": {"engine": "vllm"}}), world_size=2)
+    distributed.check_layout(RunConfig(), world_size=1, deferred=False)  # one process, no torchrun: as before
+
+
+def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_path):
+    config = tmp_path / "odd.yaml"
+    config.write_text(SMALL.replace("num_prompts_per_step: 4", "num_prompts_per_step: 3").replace("micro_batch_size: 4", "micro_batch_size: 2"))
+    proc = subprocess.run([*TORCHRUN, "train", "--config", str(config), "--output", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("mlperf-grpo: ")]
+    assert sorted(ours) == sorted([
+        "mlperf-grpo: error: grpo.num_prompts_per_step 3 (GBS 12) does not divide over 2 ranks: each rank generates "
+        "whole prompt groups; use a multiple of 2 or another --nproc-per-node",
+        "mlperf-grpo: rank 1: error: grpo.num_prompts_per_step 3 (GBS 12) does not divide over 2 ranks: each rank "
+        "generates whole prompt groups; use a multiple of 2 or another --nproc-per-node",
+    ]), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and proc.returncode != 0  # torchrun reports the ranks' exit 2 and fails
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+# ---------------------------------------------------------------- one step across ranks
+
+
+def _rows(batch, rows: slice, prompts: slice):
+    return replace(batch, input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
+                   completion_mask=batch.completion_mask[rows], rollout_logprobs=batch.rollout_logprobs[rows],
+                   advantages=batch.advantages[rows], rewards=batch.rewards[prompts])
+
+
+def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        here = distributed.Layout(rank, world)
+        prompts = distributed.prompt_share(batch.rewards.shape[0], here)
+        g = batch.rewards.shape[1]
+        share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
+        result = optimize_step(policy, opt, share, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+        engine = HFEngine(MODEL, "float32")
+        distributed.refit_engine(engine.model, policy)  # one parameter at a time
+        if rank == 0:
+            torch.save({"engine": engine.model.state_dict(), "loss": result.loss, "grad_norm": result.grad_norm,
+                        "tokens": result.num_valid_tokens}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path):
+    """The accumulation invariant across ranks: 2 ranks x 2 micro-batches of 16 rows give
+    the update of one 64-row batch in one process (global token-mean loss, summed
+    gradients), and the refit engine holds exactly the updated weights."""
+    from test_trainer import _batch, _step
+
+    batch = _batch()
+    whole_policy = load_model(MODEL, "float32")
+    whole = _step(whole_policy, batch, micro=64)
+    opt = torch.optim.SGD(load_model(MODEL, "float32").parameters(), lr=0.0)
+    expected = optimize_step(load_model(MODEL, "float32"), opt, batch, 64, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_sharded_step, args=(2, str(tmp_path / "pg"), batch, 16, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["tokens"] == expected.num_valid_tokens == batch.num_tokens
+    assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
+    assert got["loss"] == pytest.approx(expected.loss, abs=1e-6)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(got["engine"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the CLI on 1 and 2 ranks
+
+
+def _stats(log: Path) -> list[dict]:
+    return [e.value for e in read_log(log).events if e.key == "tracked_stats"]
+
+
+def _accuracies(log: Path) -> list[tuple[int, float]]:
+    return [(e.metadata["samples_count"], e.value) for e in read_log(log).events if e.key == "eval_accuracy"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    (root / "small.yaml").write_text(SMALL)
+    one = root / "one"
+    assert main(["run", "--config", str(root / "small.yaml"), "--output", str(one), "--retain-checkpoints"]) == 0
+    two = root / "two"
+    proc = subprocess.run([*TORCHRUN, "run", "--config", str(root / "small.yaml"), "--output", str(two),
+                           "--retain-checkpoints"], capture_output=True, text=True, env=ENV, cwd=root, timeout=600)
+    return one, two, proc
+
+
+def test_two_ranks_train_step_for_step_like_one(runs):
+    one, two, proc = runs
+    assert (two / "eval" / "summary.json").is_file(), proc.stderr[-3000:]
+    a, b = _stats(one / "mlperf.log"), _stats(two / "mlperf.log")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        # the step's loss is ~0 by construction (zero-mean group advantages, ratio 1):
+        # compared absolutely, against per-token terms of size |A| ~ 1
+        assert y["reduced_train_loss"] == pytest.approx(x["reduced_train_loss"], abs=1e-6)
+        assert (y["reward"], y["global_valid_toks"], y["global_valid_seqs"]) == (x["reward"], x["global_valid_toks"], x["global_valid_seqs"])
+    assert _accuracies(two / "mlperf.log") == _accuracies(one / "mlperf.log")
+    assert _accuracies(one / "mlperf.log")[0][0] == 2 * 16  # the first checkpoint, step 2, was evaluated
+
+
+def test_two_ranks_publish_the_same_checkpoints(runs):
+    one, two, _ = runs
+    steps = sorted(p.name for p in (one / "checkpoints").glob("step_*"))
+    assert steps == sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    for step in steps:
+        files = sorted(p.name for p in (one / "checkpoints" / step).glob("*.safetensors"))
+        assert files == sorted(p.name for p in (two / "checkpoints" / step).glob("*.safetensors"))
+        for name in files:
+            wa, wb = load_file(one / "checkpoints" / step / name), load_file(two / "checkpoints" / step / name)
+            assert wa.keys() == wb.keys()
+            for key in wa:
+                torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
+
+
+def test_rank_0_alone_writes_a_log_that_describes_the_layout(runs):
+    one, two, _ = runs
+    from test_pipeline import official_check
+
+    text = official_check(two / "mlperf.log")
+    assert "SUCCESS" in text, text
+    values = {e.key: e.value for e in read_log(two / "mlperf.log").events}
+    assert values["data_parallelism"] == 2
+    assert values["gradient_accumulation_steps"] == 16 // (2 * 4)
+    assert {e.key: e.value for e in read_log(one / "mlperf.log").events}["data_parallelism"] == 1
+    assert sum(1 for e in read_log(two / "mlperf.log").events if e.key == "run_start") == 1
+
+
+def test_a_rank_killed_mid_run_takes_the_job_down_leaving_complete_checkpoints(tmp_path):
+    config = tmp_path / "long.yaml"
+    config.write_text(SMALL.replace("max_steps: 3", "max_steps: 200"))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*TORCHRUN, "train", "--config", str(config), "--output", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_3").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 3"
+        time.sleep(0.2)
+    rank1 = _rank_pid(proc.pid, rank=1)
+    os.kill(rank1, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    from test_faults_train import assert_published_checkpoints_intact
+
+    steps = assert_published_checkpoints_intact(run / "checkpoints")
+    assert steps[:2] == [2, 3] and steps == list(range(2, 2 + len(steps))) and steps[-1] < 200
+    assert main(["evaluate", str(run)]) in (0, 3)  # evaluable up to its last published step
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert summary["status"] in ("success", "aborted")
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of the worker with ``RANK=rank`` among torchrun's descendants."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env and _descends(ppid, torchrun_pid):
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} worker under pid {torchrun_pid}")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
