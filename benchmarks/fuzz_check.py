@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 
-from mlperf_grpo.check import UnreadableLog, check_log  # noqa: E402
+from mlperf_grpo.check import MAX_LINE_CHARS, UnreadableLog, check_log  # noqa: E402
 from mlperf_grpo.check.official import preload_checkers  # noqa: E402
 from mlperf_grpo.check.render import format_reports, to_json  # noqa: E402
 
@@ -96,7 +96,8 @@ def _mutate_json(line: str, rng: random.Random, kind: str) -> str:
         d["key"] = "eval_accuracy" if rng.random() < 0.5 else d.get("key")
         d["value"] = rng.choice([None, "0.7", float("nan"), 1.5, [0.7]])
     else:  # long
-        d["value"] = "v" * rng.choice([10_000, 16_000, 17_000, 100_000, 1_000_000])
+        # just under, at and over the line limit, and far over it
+        d["value"] = "v" * rng.choice([MAX_LINE_CHARS // 2, MAX_LINE_CHARS - 200, MAX_LINE_CHARS + 100, 100_000, 1_000_000])
     return ":::MLLOG " + json.dumps(d)
 
 
