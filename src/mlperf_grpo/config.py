@@ -64,6 +64,25 @@ class ModelConfig(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the policy trains and the engine generates (one device; ``cuda`` = the
     current CUDA device). The built-in calibration is for ``cpu``."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the training forward/backward passes (``torch.autocast``; the master
+    weights, their gradients and the optimizer state stay float32). ``auto``: ``bfloat16``
+    when ``device`` is ``cuda`` and ``dtype`` is ``bfloat16``, else ``float32`` (the CPU
+    calibration's path). ``bfloat16`` needs ``dtype: bfloat16`` (the logged lowest precision)."""
+
+    @model_validator(mode="after")
+    def _compute_dtype_logged(self) -> "ModelConfig":
+        if self.compute_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("model.compute_dtype bfloat16 needs model.dtype bfloat16 (the logged lowest precision); "
+                             "set model.dtype: bfloat16 or model.compute_dtype: float32")
+        return self
+
+    @property
+    def train_compute_dtype(self) -> str:
+        """``compute_dtype`` with ``auto`` resolved: ``"float32"`` or ``"bfloat16"``."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "bfloat16" if self.device == "cuda" and self.dtype == "bfloat16" else "float32"
 
 
 class TaskConfig(_Strict):

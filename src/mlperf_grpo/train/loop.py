@@ -103,21 +103,34 @@ class OptimizeResult:
     """Mean IS weight over valid tokens (1 without the correction)."""
 
 
-def policy_logprobs(policy: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """The ``prev`` log-probs: a no-grad forward pass of the training policy over the batch.
+def policy_logprobs(
+    policy: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, temperature: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The ``prev`` log-probs: a no-grad forward pass of the training policy over the batch
+    (under :func:`compute_autocast` of ``compute_dtype``).
 
     Returns:
         ``[B, L-1]`` float32 on the CPU, aligned with ``batch.rollout_logprobs``.
     """
     device = next(policy.parameters()).device
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), compute_autocast(device, compute_dtype):
         for start in range(0, batch.input_ids.shape[0], micro_batch_size):
             sl = slice(start, start + micro_batch_size)
             ids = batch.input_ids[sl].to(device)
             logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
-            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature).cpu())
-    return torch.cat(out)
+            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature))
+    return torch.cat(out).cpu()  # one device -> host copy per step
+
+
+def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
+    passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
+    (master weights); log-probabilities are taken in float32 (:func:`token_logprobs`)."""
+    if compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
 
 
 def optimize_step(
@@ -130,6 +143,7 @@ def optimize_step(
     grad_clip_norm: float,
     seq_logprob_error_threshold: float | None = None,
     needs_prev_logprobs: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> OptimizeResult:
     """One optimizer step on a global batch, accumulating gradients over micro-batches.
 
@@ -139,13 +153,15 @@ def optimize_step(
     ``prev`` is ``sg(curr)`` under ``force_on_policy_ratio`` and else the rollout's
     generation log-probs (GRPOConfig.needs_prev_logprobs). Each micro-batch's loss sum is
     divided by the global batch's valid-token count, so the accumulated gradient equals
-    that of the token-level mean over the whole batch.
+    that of the token-level mean over the whole batch. The forward passes run under
+    :func:`compute_autocast` of ``compute_dtype``; the micro-batch loop reads nothing back
+    from the device (its sums are read once, after the optimizer step).
     """
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     mask = batch.completion_mask  # [B, L-1]
-    prev = policy_logprobs(policy, batch, micro_batch_size, temperature) if needs_prev_logprobs else None
+    prev = policy_logprobs(policy, batch, micro_batch_size, temperature, compute_dtype) if needs_prev_logprobs else None
     masked_by_error = 0
     if seq_logprob_error_threshold is not None:
         if prev is None:
@@ -156,10 +172,12 @@ def optimize_step(
     if prev is None and not options.force_on_policy_ratio:
         prev = batch.rollout_logprobs
     total_tokens = max(int(mask.sum().item()), 1)
-    loss_total, weight_sum, masked_by_is = 0.0, 0.0, 0
+    # float64 on the device: the same sums as Python floats of each micro-batch's values
+    loss_total, weight_sum, masked_by_is = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
         ids = batch.input_ids[rows, :width].to(device)
-        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
+        with compute_autocast(device, compute_dtype):
+            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
         curr = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
         cols = slice(0, width - 1)
         part = clipped_pg_loss_sum(
@@ -172,17 +190,19 @@ def optimize_step(
         )
         loss = part.loss / total_tokens
         loss.backward()
-        loss_total += loss.item()
+        loss_total += loss.detach()
         weight_sum += part.importance_weight_sum
         masked_by_is += part.num_sequences_masked_by_is
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm)
     optimizer.step()
     policy.eval()
+    loss_total, grad_norm, weight_sum, masked_by_is = torch.stack(
+        [loss_total, grad_norm.to(loss_total), weight_sum, masked_by_is]).tolist()  # one read-back
     return OptimizeResult(
         loss=loss_total,
-        grad_norm=float(grad_norm),
+        grad_norm=grad_norm,
         num_valid_tokens=int(mask.sum().item()),
-        num_sequences_masked_by_is=masked_by_is,
+        num_sequences_masked_by_is=int(masked_by_is),
         num_sequences_masked_by_logprob_error=masked_by_error,
         importance_weight_mean=weight_sum / total_tokens,
     )
@@ -277,6 +297,7 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
         betas=(config.optimizer.beta_1, config.optimizer.beta_2),
         eps=config.optimizer.epsilon,
         weight_decay=config.optimizer.weight_decay,
+        fused=config.model.device == "cuda",  # one kernel per step on CUDA; CPU keeps the calibrated path
     )
     sampler = PromptSampler(train_pool, config.seed)
     return _Setup(init_start_ms, policy, engine, optimizer, sampler)
@@ -341,6 +362,7 @@ def _train(
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
+                DTYPES[config.model.train_compute_dtype],
             )
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
             policy_training_s = time.perf_counter() - train_start_s
