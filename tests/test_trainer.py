@@ -91,3 +91,25 @@ def test_reference_loss_on_policy_equals_the_plain_policy_gradient():
     assert abs(result.importance_weight_mean - 1.0) < 1e-4
     for name, p in policy.named_parameters():
         torch.testing.assert_close(p.detach(), plain[name], rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_compute_keeps_float32_master_weights_and_the_update():
+    # model.compute_dtype bfloat16: autocast forward/backward, float32 weights, gradients and
+    # optimizer; the update matches the float32 path's to bfloat16 accuracy.
+    batch = _batch()
+    base = load_model(MODEL, "float32")
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    results, updates = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = copy.deepcopy(base)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        results[dtype] = optimize_step(policy, opt, batch, 16, 1.0, PGLossOptions(), 1e9, compute_dtype=dtype)
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in policy.parameters())
+        updates[dtype] = torch.cat([(p.detach() - before[n]).flatten() for n, p in policy.named_parameters()])
+    fp32, bf16 = updates[torch.float32], updates[torch.bfloat16]
+    assert not torch.equal(fp32, bf16), "the bfloat16 path must actually compute in bfloat16"
+    assert torch.nn.functional.cosine_similarity(fp32, bf16, dim=0) > 0.99
+    assert (bf16 - fp32).norm() < 0.1 * fp32.norm()
+    # the loss is a mean of -A * ratio over tokens with |A| ~ 1 and ratio 1 up to bfloat16 rounding
+    assert abs(results[torch.bfloat16].loss - results[torch.float32].loss) < 1e-2
+    assert isinstance(results[torch.bfloat16].num_sequences_masked_by_is, int)
