@@ -9,10 +9,11 @@
 ``seq-mask-tis``, the prev log-prob pass for the log-prob error filter) through the real
 trainer (``train.loop.train``) at the asked ``max_trajectory_age_steps``, and reads each
 step's time from the ``tracked_stats`` events of its MLPerf log. The phase split wraps
-the loop's own calls (``score``, ``policy_logprobs``, ``optimize_step``) with timers:
+the loop's own calls (``score``, ``optimize_step``) with timers:
 
 - ``rollout_s``: time the step waited for its rollouts (exposed generation);
-- ``reward_s``: scoring the completions; ``logprob_s``: the no-grad prev log-prob pass;
+- ``reward_s``: scoring the completions; ``logprob_s``: a separate no-grad prev log-prob
+  pass, 0 since the prev log-probs come from the loss pass (``train.loop.optimize_step``);
 - ``update_s``: the loss passes over micro-batches, gradient clip and optimizer step;
 - ``refit_s``: engine <- policy; ``other_s``: the rest (advantages, batching, logging).
 
@@ -109,10 +110,10 @@ def _sync(device: str) -> None:
 
 @contextlib.contextmanager
 def phase_timers(device: str):
-    """Wrap the loop's ``score``, ``policy_logprobs`` and ``optimize_step`` with timers;
+    """Wrap the loop's ``score`` and ``optimize_step`` with timers;
     yields ``{name: [seconds per call]}`` (restored on exit)."""
     seconds: dict[str, list[float]] = defaultdict(list)
-    originals = {name: getattr(loop, name) for name in ("score", "policy_logprobs", "optimize_step")}
+    originals = {name: getattr(loop, name) for name in ("score", "optimize_step")}
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -143,12 +144,11 @@ def measure_ours(config, device: str, tmp: Path) -> list[dict]:
     stats = [ev.value for ev in read_log(log_file).find("tracked_stats")]
     steps = []
     for i, s in enumerate(stats):
-        logprob = seconds["policy_logprobs"][i] if seconds["policy_logprobs"] else 0.0
         phases = {
             "rollout_s": s["exposed_generation_time"],
             "reward_s": seconds["score"][i],
-            "logprob_s": logprob,
-            "update_s": seconds["optimize_step"][i] - logprob,
+            "logprob_s": 0.0,
+            "update_s": seconds["optimize_step"][i],
             "refit_s": s["weight_sync_time"],
         }
         phases["other_s"] = s["train_step_time"] - sum(phases.values())

@@ -113,3 +113,34 @@ def test_bf16_compute_keeps_float32_master_weights_and_the_update():
     # the loss is a mean of -A * ratio over tokens with |A| ~ 1 and ratio 1 up to bfloat16 rounding
     assert abs(results[torch.bfloat16].loss - results[torch.float32].loss) < 1e-2
     assert isinstance(results[torch.bfloat16].num_sequences_masked_by_is, int)
+
+
+def test_logprob_error_filter_in_the_loss_pass_equals_training_without_the_dropped_sequence():
+    # The prev log-probs come from each micro-batch's own forward (sg(curr)); a sequence the
+    # filter drops leaves the loss and the token count. Expected, independently: the same
+    # loss without the filter on a batch whose mask already leaves that sequence out.
+    from mlperf_grpo import rules
+    from mlperf_grpo.config import GRPOConfig
+
+    batch = _batch()
+    row = int(batch.completion_mask.sum(dim=1).argmax())
+    batch.rollout_logprobs[row] -= 5.0 * batch.completion_mask[row]  # mean exp|gen - prev| ~ e^5 > 2: dropped
+    g = GRPOConfig(**rules.REFERENCE_ALGORITHM)
+    without = copy.deepcopy(batch)
+    without.completion_mask[row] = 0.0
+    base = load_model(MODEL, "float32")
+    updated = {}
+    for name, b, threshold, micro in (("filtered", batch, g.seq_logprob_error_threshold, 16),
+                                      ("filtered_whole", batch, g.seq_logprob_error_threshold, 64),
+                                      ("expected", without, None, 16)):
+        policy = copy.deepcopy(base)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        result = optimize_step(policy, opt, b, micro, 1.0, PGLossOptions.of(g), 1e9, threshold, True)
+        updated[name] = ({n: p.detach().clone() for n, p in policy.named_parameters()}, result)
+    for name in ("filtered", "filtered_whole"):
+        weights, result = updated[name]
+        assert result.num_sequences_masked_by_logprob_error == 1
+        assert result.num_valid_tokens == updated["expected"][1].num_valid_tokens == int(without.completion_mask.sum())
+        assert abs(result.loss - updated["expected"][1].loss) < 1e-6
+        for n, w in weights.items():
+            torch.testing.assert_close(w, updated["expected"][0][n], rtol=1e-5, atol=1e-6)

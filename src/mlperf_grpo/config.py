@@ -149,8 +149,8 @@ class GRPOConfig(_Strict):
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
     truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
     seq_logprob_error_threshold: float | None = Field(None, gt=0)
-    """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs a
-    no-grad forward pass for ``prev``. Closed: 2."""
+    """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs the
+    ``prev`` log-probs (taken in the loss pass, ``train.loop.optimize_step``). Closed: 2."""
     max_trajectory_age_steps: Literal[0, 1] = 0
     """1: the rollouts of step N+1 are generated while step N trains (weights at most one
     step old; needs the IS correction). Closed: 1."""
@@ -188,7 +188,10 @@ class GRPOConfig(_Strict):
 
     @property
     def needs_prev_logprobs(self) -> bool:
-        """Whether each step runs a no-grad forward pass for the ``prev`` log-probs.
+        """Whether the loss needs the training policy's ``prev`` log-probs (before the
+        update; ``train.loop.optimize_step`` takes them as ``sg(curr)`` of its loss pass,
+        where NeMo-RL runs a separate no-grad pass: one update per rollout batch, so the
+        weights are the same).
 
         As NeMo-RL: unless ``force_on_policy_ratio`` (its loss then uses ``sg(curr)``),
         or whenever ``seq_logprob_error_threshold`` is set. One simplification, open

@@ -16,7 +16,9 @@ at the rollout temperature):
 - ``prev``: the training policy's *before* the update. NeMo-RL computes it with a separate
   no-grad forward pass; with ``force_on_policy_ratio`` its loss uses ``curr.detach()``
   instead (equal in value: one update per rollout), and the separate pass only feeds the
-  sequence log-prob error mask (:func:`seq_logprob_error_keep`).
+  sequence log-prob error mask (:func:`seq_logprob_error_keep`). Our trainer takes
+  ``prev = curr.detach()`` from the loss pass itself (``train.loop.optimize_step``): the
+  same weights, so the same values up to kernel numerics, without the second pass.
 
 The PPO ratio is ``curr / prev``; the importance-sampling (IS) weight that corrects for
 the engine is ``prev / generation``.
@@ -153,7 +155,7 @@ def seq_logprob_error_keep(
     ``e_i <= threshold``. A sequence without valid tokens has ``e_i = 0`` (kept).
 
     Args:
-        prev_logprobs: ``[B, T]`` from the separate no-grad pass of the training policy.
+        prev_logprobs: ``[B, T]`` the training policy's before the update (``sg(curr)``).
         generation_logprobs: ``[B, T]`` the engine's.
         mask: ``[B, T]`` ``token_mask * sample_mask``.
         threshold: 2 in the reference recipe.

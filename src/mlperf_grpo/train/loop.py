@@ -103,27 +103,6 @@ class OptimizeResult:
     """Mean IS weight over valid tokens (1 without the correction)."""
 
 
-def policy_logprobs(
-    policy: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, temperature: float,
-    compute_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The ``prev`` log-probs: a no-grad forward pass of the training policy over the batch
-    (under :func:`compute_autocast` of ``compute_dtype``).
-
-    Returns:
-        ``[B, L-1]`` float32 on the CPU, aligned with ``batch.rollout_logprobs``.
-    """
-    device = next(policy.parameters()).device
-    out = []
-    with torch.no_grad(), compute_autocast(device, compute_dtype):
-        for start in range(0, batch.input_ids.shape[0], micro_batch_size):
-            sl = slice(start, start + micro_batch_size)
-            ids = batch.input_ids[sl].to(device)
-            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
-            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature))
-    return torch.cat(out).cpu()  # one device -> host copy per step
-
-
 def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
     passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
@@ -147,64 +126,76 @@ def optimize_step(
 ) -> OptimizeResult:
     """One optimizer step on a global batch, accumulating gradients over micro-batches.
 
-    With ``needs_prev_logprobs`` a no-grad pass first computes the ``prev`` log-probs
-    (:func:`policy_logprobs`); ``seq_logprob_error_threshold`` then drops sequences from
-    the mask (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`). Without the pass,
-    ``prev`` is ``sg(curr)`` under ``force_on_policy_ratio`` and else the rollout's
-    generation log-probs (GRPOConfig.needs_prev_logprobs). Each micro-batch's loss sum is
-    divided by the global batch's valid-token count, so the accumulated gradient equals
-    that of the token-level mean over the whole batch. The forward passes run under
-    :func:`compute_autocast` of ``compute_dtype``; the micro-batch loop reads nothing back
-    from the device (its sums are read once, after the optimizer step).
+    ``prev`` (the training policy's log-probs before the update) is needed with
+    ``needs_prev_logprobs`` (GRPOConfig.needs_prev_logprobs). One optimizer step follows
+    each rollout batch, so the policy before the update is the policy of this step's loss
+    pass: ``prev = sg(curr)``, taken from each micro-batch's own forward, not from a second
+    no-grad pass over the batch (NeMo-RL runs one; the values are equal up to kernel
+    numerics). ``seq_logprob_error_threshold`` then drops sequences from the mask
+    (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`, per row, so per micro-batch).
+    Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
+    ``force_on_policy_ratio`` and else the rollout's generation log-probs.
+
+    The gradient is that of the token-level mean over the whole batch: without the filter
+    each micro-batch's loss sum is divided by the global valid-token count before its
+    backward; with the filter that count is known only after the last micro-batch, so the
+    summed gradient is divided by it then (equal in exact arithmetic). The forward passes
+    run under :func:`compute_autocast` of ``compute_dtype``; the micro-batch loop reads
+    nothing back from the device (its sums are read once, after the optimizer step).
+
+    Raises:
+        ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
     """
+    filtered = seq_logprob_error_threshold is not None
+    if filtered and not needs_prev_logprobs:
+        raise ValueError("seq_logprob_error_threshold needs the prev log-probs (needs_prev_logprobs=True)")
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     mask = batch.completion_mask  # [B, L-1]
-    prev = policy_logprobs(policy, batch, micro_batch_size, temperature, compute_dtype) if needs_prev_logprobs else None
-    masked_by_error = 0
-    if seq_logprob_error_threshold is not None:
-        if prev is None:
-            raise ValueError("seq_logprob_error_threshold needs the prev log-prob pass (needs_prev_logprobs=True)")
-        keep, _ = seq_logprob_error_keep(prev, batch.rollout_logprobs, mask, seq_logprob_error_threshold)
-        masked_by_error = int(((1 - keep) * (mask.sum(dim=-1) > 0)).sum().item())
-        mask = mask * keep.unsqueeze(1)
-    if prev is None and not options.force_on_policy_ratio:
-        prev = batch.rollout_logprobs
-    total_tokens = max(int(mask.sum().item()), 1)
+    loss_divisor = 1 if filtered else max(int(mask.sum().item()), 1)
     # float64 on the device: the same sums as Python floats of each micro-batch's values
-    loss_total, weight_sum, masked_by_is = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
         ids = batch.input_ids[rows, :width].to(device)
         with compute_autocast(device, compute_dtype):
             logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
         curr = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
         cols = slice(0, width - 1)
-        part = clipped_pg_loss_sum(
-            curr,
-            None if prev is None else prev[rows, cols].to(device),
-            batch.rollout_logprobs[rows, cols].to(device),
-            batch.advantages[rows].to(device),
-            mask[rows, cols].to(device),
-            options,
-        )
-        loss = part.loss / total_tokens
+        generation = batch.rollout_logprobs[rows, cols].to(device)
+        rows_mask = mask[rows, cols].to(device)
+        prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
+        if filtered:
+            keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, seq_logprob_error_threshold)
+            masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
+            rows_mask = rows_mask * keep.unsqueeze(1)
+            kept_tokens += rows_mask.sum()
+        part = clipped_pg_loss_sum(curr, prev, generation, batch.advantages[rows].to(device), rows_mask, options)
+        loss = part.loss / loss_divisor
         loss.backward()
         loss_total += loss.detach()
         weight_sum += part.importance_weight_sum
         masked_by_is += part.num_sequences_masked_by_is
+    if filtered:
+        num_valid_tokens = int(kept_tokens.item())
+        loss_divisor = max(num_valid_tokens, 1)
+        torch._foreach_div_([p.grad for p in policy.parameters() if p.grad is not None], float(loss_divisor))
+        loss_total /= loss_divisor
+    else:
+        num_valid_tokens = int(mask.sum().item())
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm)
     optimizer.step()
     policy.eval()
-    loss_total, grad_norm, weight_sum, masked_by_is = torch.stack(
-        [loss_total, grad_norm.to(loss_total), weight_sum, masked_by_is]).tolist()  # one read-back
+    loss_total, grad_norm, weight_sum, masked_by_is, masked_by_error = torch.stack(
+        [loss_total, grad_norm.to(loss_total), weight_sum, masked_by_is, masked_by_error]).tolist()  # one read-back
     return OptimizeResult(
         loss=loss_total,
         grad_norm=grad_norm,
-        num_valid_tokens=int(mask.sum().item()),
+        num_valid_tokens=num_valid_tokens,
         num_sequences_masked_by_is=int(masked_by_is),
-        num_sequences_masked_by_logprob_error=masked_by_error,
-        importance_weight_mean=weight_sum / total_tokens,
+        num_sequences_masked_by_logprob_error=int(masked_by_error),
+        importance_weight_mean=weight_sum / loss_divisor,
     )
 
 
