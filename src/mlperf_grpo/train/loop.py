@@ -288,7 +288,6 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
         betas=(config.optimizer.beta_1, config.optimizer.beta_2),
         eps=config.optimizer.epsilon,
         weight_decay=config.optimizer.weight_decay,
-        fused=config.model.device == "cuda",  # one kernel per step on CUDA; CPU keeps the calibrated path
     )
     sampler = PromptSampler(train_pool, config.seed)
     return _Setup(init_start_ms, policy, engine, optimizer, sampler)
