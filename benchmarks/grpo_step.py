@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import shutil
 import statistics
@@ -242,6 +243,9 @@ def main() -> None:
                     ours += measure_ours(config, args.device, tmp)
                 else:
                     trl_steps += measure_trl(config, check_model_path(model), args.device, args.trl_model_dtype, tmp)
+                gc.collect()  # both sides share this process: free one's model and optimizer first
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
     ours_step_s = statistics.median(s["step_s"] for s in ours)
     trl_step_s = statistics.median(trl_steps) if trl_steps else None
     print(json.dumps({
