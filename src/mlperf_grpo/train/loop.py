@@ -140,8 +140,10 @@ def optimize_step(
     each micro-batch's loss sum is divided by the global valid-token count before its
     backward; with the filter that count is known only after the last micro-batch, so the
     summed gradient is divided by it then (equal in exact arithmetic). The forward passes
-    run under :func:`compute_autocast` of ``compute_dtype``; the micro-batch loop reads
-    nothing back from the device (its sums are read once, after the optimizer step).
+    run under :func:`compute_autocast` of ``compute_dtype``; below float32 they compute
+    logits only from each micro-batch's first completion column on (HF ``logits_to_keep``;
+    the same log-probs, a smaller ``[mb, T, V]`` at a real vocabulary). The micro-batch loop
+    reads nothing back from the device (its sums are read once, after the optimizer step).
 
     Raises:
         ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
@@ -159,10 +161,14 @@ def optimize_step(
         torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
         ids = batch.input_ids[rows, :width].to(device)
+        # Logits from the first completion column on (earlier ones would only score prompt
+        # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
+        start = 0 if compute_dtype == torch.float32 else batch.first_completion_column(rows)
         with compute_autocast(device, compute_dtype):
-            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
-        curr = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
-        cols = slice(0, width - 1)
+            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device),
+                            logits_to_keep=width - start).logits  # [mb, width-start, V]
+        curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], temperature)  # [mb, width-1-start]
+        cols = slice(start, width - 1)
         generation = batch.rollout_logprobs[rows, cols].to(device)
         rows_mask = mask[rows, cols].to(device)
         prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
