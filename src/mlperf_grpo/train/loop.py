@@ -159,25 +159,28 @@ def optimize_step(
     # float64 on the device: the same sums as Python floats of each micro-batch's values
     loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens = (
         torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
+    # to the device once a step (a copy from pageable host memory waits for the device)
+    input_ids, attention_mask, token_mask, rollout_logprobs, advantages = (
+        t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
-        ids = batch.input_ids[rows, :width].to(device)
+        ids = input_ids[rows, :width]
         # Logits from the first completion column on (earlier ones would only score prompt
         # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
         start = 0 if compute_dtype == torch.float32 else batch.first_completion_column(rows)
         with compute_autocast(device, compute_dtype):
-            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device),
+            logits = policy(input_ids=ids, attention_mask=attention_mask[rows, :width],
                             logits_to_keep=width - start).logits  # [mb, width-start, V]
         curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], temperature)  # [mb, width-1-start]
         cols = slice(start, width - 1)
-        generation = batch.rollout_logprobs[rows, cols].to(device)
-        rows_mask = mask[rows, cols].to(device)
+        generation = rollout_logprobs[rows, cols]
+        rows_mask = token_mask[rows, cols]
         prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
         if filtered:
             keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, seq_logprob_error_threshold)
             masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
             rows_mask = rows_mask * keep.unsqueeze(1)
             kept_tokens += rows_mask.sum()
-        part = clipped_pg_loss_sum(curr, prev, generation, batch.advantages[rows].to(device), rows_mask, options)
+        part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
         loss = part.loss / loss_divisor
         loss.backward()
         loss_total += loss.detach()
