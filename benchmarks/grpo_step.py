@@ -8,7 +8,8 @@
 (``rules.REFERENCE_ALGORITHM``: clip-higher, forced ratio, IS correction with
 ``seq-mask-tis``, the prev log-prob pass for the log-prob error filter) through the real
 trainer (``train.loop.train``) at the asked ``max_trajectory_age_steps``, and reads each
-step's time from the ``tracked_stats`` events of its MLPerf log. The phase split wraps
+step's time from its MLPerf log (``block_stop`` to ``block_stop``; ``train_step_time`` of
+the ``tracked_stats`` events leaves out what happens between steps). The phase split wraps
 the loop's own calls (``score``, ``optimize_step``) with timers:
 
 - ``rollout_s``: time the step waited for its rollouts (exposed generation);
@@ -29,7 +30,8 @@ step), ``max_completion_length`` = the rules' new tokens, temperature 1, top_p 1
 the time between consecutive ``on_step_end`` callbacks.
 
 Step 1 of each is left out (warm-up). Each side runs ``--repeat`` times, alternating
-which goes first. Prints ONE JSON line: ``ours_step_s`` and ``trl_step_s`` (medians),
+which goes first. Prints ONE JSON line: ``ours_step_s`` and ``trl_step_s`` (medians;
+``ours_train_step_time_s``: the median ``train_step_time``, for older figures),
 ``speedup`` = ``trl_step_s / ours_step_s`` (null without TRL) and ``phases_s``, our
 per-phase medians in seconds.
 
@@ -142,9 +144,12 @@ def measure_ours(config, device: str, tmp: Path) -> list[dict]:
     with phase_timers(device) as seconds:
         loop.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
-    stats = [ev.value for ev in read_log(log_file).find("tracked_stats")]
+    log = read_log(log_file)
+    stats = [ev.value for ev in log.find("tracked_stats")]
+    stops_ms = [ev.time_ms for ev in log.find("block_stop")]
     steps = []
-    for i, s in enumerate(stats):
+    for i in range(1, len(stats)):
+        s = stats[i]
         phases = {
             "rollout_s": s["exposed_generation_time"],
             "reward_s": seconds["score"][i],
@@ -152,9 +157,12 @@ def measure_ours(config, device: str, tmp: Path) -> list[dict]:
             "update_s": seconds["optimize_step"][i],
             "refit_s": s["weight_sync_time"],
         }
-        phases["other_s"] = s["train_step_time"] - sum(phases.values())
-        steps.append({"step_s": s["train_step_time"], **phases})
-    return steps[1:]
+        # block_stop to block_stop, as TRL's on_step_end to on_step_end: the log's fsyncs and
+        # everything else between steps count (train_step_time leaves them out)
+        step_s = (stops_ms[i] - stops_ms[i - 1]) / 1000
+        phases["other_s"] = step_s - sum(phases.values())
+        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases})
+    return steps
 
 
 def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Path) -> list[float]:
@@ -257,6 +265,7 @@ def main() -> None:
         "steps_measured_per_side": (args.steps - 1) * args.repeat,
         "max_trajectory_age_steps": args.max_trajectory_age_steps,
         "ours_step_s": round(ours_step_s, 4),
+        "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
         "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),
         "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
         "phases_s": {k: round(statistics.median(s[k] for s in ours), 4) for k in PHASE_NAMES},
