@@ -1,49 +1,70 @@
-"""GRPO step time with one-step-async rollouts against synchronous ones, in the same run.
+"""GRPO step time: ours against TRL's ``GRPOTrainer`` on the same model and batch shape, in one run.
 
-    python benchmarks/grpo_step.py [--max-trajectory-age-steps 1] [--steps 6] [--repeat 2] [--device cpu|cuda]
+    python benchmarks/grpo_step.py [--steps 6] [--repeat 1] [--device cpu|cuda]
+                                   [--max-trajectory-age-steps 0|1] [--compute-dtype auto] [--no-trl]
                                    [--model builtin:arithmetic-tiny | --model-shape qwen3-1.4b]
 
-Trains the built-in arithmetic task with the reference algorithm (``rules.REFERENCE_ALGORITHM``:
-clip-higher, forced ratio, IS correction with ``seq-mask-tis``, prev log-prob pass) through
-the real trainer (``train.loop.train``), once with ``max_trajectory_age_steps`` 0 (the
-baseline) and once with the value asked for, and reads each step's phase times from the
-``tracked_stats`` events of its MLPerf log. Step 1 is left out (warm-up; it is synchronous
-in both modes). ``--model-shape qwen3-1.4b`` builds a random-init Qwen3-shaped model of
-1.4B parameters (Qwen3-1.7B's layers with the built-in tokenizer's vocabulary) in bfloat16
-(``qwen3-tiny``: the same code path at CPU size).
+**Ours** trains the built-in arithmetic task with the reference algorithm
+(``rules.REFERENCE_ALGORITHM``: clip-higher, forced ratio, IS correction with
+``seq-mask-tis``, the prev log-prob pass for the log-prob error filter) through the real
+trainer (``train.loop.train``) at the asked ``max_trajectory_age_steps``, and reads each
+step's time from its MLPerf log (``block_stop`` to ``block_stop``; ``train_step_time`` of
+the ``tracked_stats`` events leaves out what happens between steps). The phase split wraps
+the loop's own calls (``score``, ``optimize_step``) with timers:
 
-Each mode is run ``--repeat`` times, alternating which goes first. Prints ONE JSON line:
-``ours_step_s`` (median ``train_step_time`` at the asked age), ``baseline_age0_step_s``,
-their ratio, and the per-phase medians of both modes in seconds
-(``generation_s``: engine time; ``exposed_generation_s``: time the trainer waited for
-rollouts; ``policy_training_s``: prev log-prob pass + forward/backward + optimizer step;
-``weight_sync_s``: refit; ``other_s``: scoring, advantages, batching, logging).
+- ``rollout_s``: time the step waited for its rollouts (exposed generation);
+- ``reward_s``: scoring the completions; ``logprob_s``: a separate no-grad prev log-prob
+  pass, 0 since the prev log-probs come from the loss pass (``train.loop.optimize_step``);
+- ``update_s``: the loss passes over micro-batches, gradient clip and optimizer step;
+- ``refit_s``: engine <- policy; ``other_s``: the rest (advantages, batching, logging).
+
+**TRL** (when ``trl`` is importable): ``trl.GRPOTrainer`` on the same model directory in
+the same precision regime as ours: float32 master weights (``--trl-model-dtype``), its
+default bf16 mixed precision on CUDA (float32 on CPU, as ours), gradient checkpointing
+off (its default is on; it only saves memory, which this shape does not need), the same
+prompts and the same reward function (through our scorer),
+16 prompts x 16 generations = GBS 256 per optimizer step (``per_device_train_batch_size``
+= micro-batch, ``gradient_accumulation_steps`` = GBS / micro-batch, one generation per
+step), ``max_completion_length`` = the rules' new tokens, temperature 1, top_p 1,
+``beta`` 0 (no KL, no reference model), its default token-level ``dapo`` loss. A step is
+the time between consecutive ``on_step_end`` callbacks.
+
+Step 1 of each is left out (warm-up). Each side runs ``--repeat`` times, alternating
+which goes first. Prints ONE JSON line: ``ours_step_s`` and ``trl_step_s`` (medians;
+``ours_train_step_time_s``: the median ``train_step_time``, for older figures),
+``speedup`` = ``trl_step_s / ours_step_s`` (null without TRL) and ``phases_s``, our
+per-phase medians in seconds.
+
+TRL is not a dependency of this project. Install it beside, in its own environment
+(``pip install trl==1.16.0``, which pulls ``datasets``, ``dill``, ``multiprocess``,
+``psutil``), or from wheels: ``pip install --no-deps /path/to/wheels/*.whl``. On Python
+3.12 ``datasets`` fails to hash a dataset through ``dill``; this script gives its
+``Hasher`` a random fingerprint (nothing is cached across runs here).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import gc
 import json
 import shutil
 import statistics
 import sys
 import tempfile
+import time
+from collections import defaultdict
 from pathlib import Path
 
-from mlperf_grpo import rules
+import torch
+
+from mlperf_grpo import rules, tasks
 from mlperf_grpo.config import parse_config
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model import BUILTIN_MODEL_DIR, check_model_path
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.train.loop import train
-
-PHASES = {
-    "generation_s": "generation_time",
-    "exposed_generation_s": "exposed_generation_time",
-    "policy_training_s": "policy_training_time",
-    "weight_sync_s": "weight_sync_time",
-}
-
+from mlperf_grpo.train import loop
 
 SHAPES = {
     # Qwen3-1.7B's blocks (1.41e9 parameters with the built-in tokenizer's tiny vocabulary)
@@ -53,12 +74,12 @@ SHAPES = {
     "qwen3-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
 }
+PHASE_NAMES = ("rollout_s", "reward_s", "logprob_s", "update_s", "refit_s", "other_s")
 
 
 def make_qwen3(shape: str, out: Path) -> Path:
     """A random-init ``Qwen3ForCausalLM`` of :data:`SHAPES` ``[shape]`` with the built-in
     tokenizer, saved in bfloat16 as a Hugging Face model directory."""
-    import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
@@ -74,70 +95,194 @@ def make_qwen3(shape: str, out: Path) -> Path:
     return out
 
 
-def measure(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int, tmp: Path) -> list[dict]:
-    """Train ``steps`` steps at ``max_trajectory_age_steps = age``; the ``tracked_stats`` of steps 2.."""
+def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
+               compute_dtype: str = "auto"):
+    """The trainer's config for this benchmark (also where TRL's prompts and reward come from)."""
     data = {
         "seed": 1,
-        "model": {"path": model, "dtype": dtype, "device": device},
+        "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype},
         "grpo": {**rules.REFERENCE_ALGORITHM, "max_trajectory_age_steps": age, "num_prompts_per_step": prompts,
                  "micro_batch_size": micro, "max_steps": steps, "first_eval_step": steps},
     }
-    run = RunDir(tmp / f"age{age}-{len(list(tmp.glob('age*')))}")
-    train(parse_config(data, "grpo_step"), run, config_filename="grpo_step", show_progress=False)
+    return parse_config(data, "grpo_step")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def phase_timers(device: str):
+    """Wrap the loop's ``score`` and ``optimize_step`` with timers;
+    yields ``{name: [seconds per call]}`` (restored on exit)."""
+    seconds: dict[str, list[float]] = defaultdict(list)
+    originals = {name: getattr(loop, name) for name in ("score", "optimize_step")}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            _sync(device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(device)
+            seconds[name].append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(loop, name, timed(name, fn))
+    try:
+        yield seconds
+    finally:
+        for name, fn in originals.items():
+            setattr(loop, name, fn)
+
+
+def measure_ours(config, device: str, tmp: Path) -> list[dict]:
+    """Train ``config``; per step from step 2: ``step_s`` and the :data:`PHASE_NAMES` seconds."""
+    run = RunDir(tmp / f"ours-{len(list(tmp.glob('ours-*')))}")
+    with phase_timers(device) as seconds:
+        loop.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
-    return [ev.value for ev in read_log(log_file).find("tracked_stats")][1:]
+    log = read_log(log_file)
+    stats = [ev.value for ev in log.find("tracked_stats")]
+    stops_ms = [ev.time_ms for ev in log.find("block_stop")]
+    steps = []
+    for i in range(1, len(stats)):
+        s = stats[i]
+        phases = {
+            "rollout_s": s["exposed_generation_time"],
+            "reward_s": seconds["score"][i],
+            "logprob_s": 0.0,
+            "update_s": seconds["optimize_step"][i],
+            "refit_s": s["weight_sync_time"],
+        }
+        # block_stop to block_stop, as TRL's on_step_end to on_step_end: the log's fsyncs and
+        # everything else between steps count (train_step_time leaves them out)
+        step_s = (stops_ms[i] - stops_ms[i - 1]) / 1000
+        phases["other_s"] = step_s - sum(phases.values())
+        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases})
+    return steps
 
 
-def summarize(stats: list[dict]) -> dict:
-    """Median over steps of the step time and of each phase, in seconds."""
-    out = {"step_s": statistics.median(s["train_step_time"] for s in stats)}
-    for name, key in PHASES.items():
-        out[name] = statistics.median(s[key] for s in stats)
-    out["other_s"] = statistics.median(
-        s["train_step_time"] - s["exposed_generation_time"] - s["policy_training_time"] - s["weight_sync_time"] for s in stats
+def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Path) -> list[float]:
+    """Step times (s) of ``trl.GRPOTrainer`` from step 2, same model, prompts, reward and shape."""
+    import datasets.fingerprint
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mlperf_grpo.model import load_tokenizer
+    from mlperf_grpo.tasks.base import Task
+    from mlperf_grpo.tasks.scoring import score
+
+    # datasets on Python 3.12 cannot hash through dill: a random fingerprint (no cache reuse here)
+    datasets.fingerprint.Hasher.hash = classmethod(lambda cls, value: datasets.fingerprint.generate_random_fingerprint())
+    g = config.grpo
+    suite = tasks.load_suite(config)
+    pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
+    dataset = datasets.Dataset.from_list([{"prompt": t.prompt, "task_id": t.task_id, "answer": t.answer} for t in pool])
+
+    def reward(prompts, completions, task_id, answer, **_):
+        return score(suite.reward, [(c, Task(i, p, a)) for p, c, i, a in zip(prompts, completions, task_id, answer)])
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync(device)
+            self.ends.append(time.perf_counter())
+
+    gbs = g.num_prompts_per_step * g.num_generations_per_prompt
+    args = GRPOConfig(
+        output_dir=str(tmp / f"trl-{len(list(tmp.glob('trl-*')))}"),
+        max_steps=g.max_steps, learning_rate=config.learning_rate, seed=config.seed,
+        per_device_train_batch_size=g.micro_batch_size, gradient_accumulation_steps=gbs // g.micro_batch_size,
+        num_generations=g.num_generations_per_prompt, max_completion_length=g.max_new_tokens,
+        temperature=g.rollout_temperature, top_p=g.rollout_top_p, beta=0.0, max_grad_norm=config.gradient_clip_norm,
+        model_init_kwargs={"dtype": model_dtype}, bf16=device == "cuda", gradient_checkpointing=False,
+        use_cpu=device == "cpu", report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
     )
-    out["num_sequences_masked_by_is"] = sum(s["num_sequences_masked_by_is"] for s in stats)
-    return out
+    clock = StepClock()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=load_tokenizer(str(model_dir)), callbacks=[clock])
+    trainer.train()
+    return [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+
+
+def trl_available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-trajectory-age-steps", type=int, choices=(0, 1), default=1)
-    parser.add_argument("--steps", type=int, default=6, help="training steps per mode (>= 2)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (>= 2)")
     parser.add_argument("--num-prompts-per-step", type=int, default=16, help="GBS = this x 16")
     parser.add_argument("--micro-batch-size", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per mode, alternating the order")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per side, alternating the order")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default="builtin:arithmetic-tiny")
     parser.add_argument("--model-shape", choices=sorted(SHAPES), help="build a random-init model instead of --model")
+    parser.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="our model.compute_dtype (auto: bfloat16 on cuda with a bfloat16 model)")
+    parser.add_argument("--no-trl", action="store_true", help="measure ours only")
+    parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                        help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
     args = parser.parse_args()
     if args.steps < 2:
         sys.exit("--steps must be >= 2 (step 1 is left out)")
+    with_trl = not args.no_trl and trl_available()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model, dtype = args.model, "float32"
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
-        shape = (args.steps, args.num_prompts_per_step, args.micro_batch_size, tmp)
-        runs: dict[int, list[dict]] = {0: [], args.max_trajectory_age_steps: []}
+        config = run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
+                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype)
+        ours: list[dict] = []
+        trl_steps: list[float] = []
         for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
-            for age in sorted(runs, reverse=bool(r % 2)):
-                runs[age] += measure(model, dtype, args.device, age, *shape)
-        baseline, ours = summarize(runs[0]), summarize(runs[args.max_trajectory_age_steps])
+            sides = ["ours", "trl"] if with_trl else ["ours"]
+            for side in sides[::-1] if r % 2 else sides:
+                if side == "ours":
+                    ours += measure_ours(config, args.device, tmp)
+                else:
+                    trl_steps += measure_trl(config, check_model_path(model), args.device, args.trl_model_dtype, tmp)
+                gc.collect()  # both sides share this process: free one's model and optimizer first
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    ours_step_s = statistics.median(s["step_s"] for s in ours)
+    trl_step_s = statistics.median(trl_steps) if trl_steps else None
     print(json.dumps({
         "benchmark": "grpo_step",
         "model": args.model_shape or args.model,
         "device": args.device,
         "global_batch_size": args.num_prompts_per_step * rules.NUM_GENERATIONS_PER_PROMPT,
-        "steps_measured_per_mode": (args.steps - 1) * args.repeat,
+        "micro_batch_size": args.micro_batch_size,
+        "steps_measured_per_side": (args.steps - 1) * args.repeat,
         "max_trajectory_age_steps": args.max_trajectory_age_steps,
-        "ours_step_s": round(ours["step_s"], 4),
-        "baseline_age0_step_s": round(baseline["step_s"], 4),
-        "ratio_to_age0": round(ours["step_s"] / baseline["step_s"], 4),
-        "phases_s": {k: round(v, 4) for k, v in ours.items() if k.endswith("_s") and k != "step_s"},
-        "baseline_phases_s": {k: round(v, 4) for k, v in baseline.items() if k.endswith("_s") and k != "step_s"},
-        "num_sequences_masked_by_is": ours["num_sequences_masked_by_is"],
+        "compute_dtype": config.model.train_compute_dtype,
+        "ours_step_s": round(ours_step_s, 4),
+        "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
+        "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),
+        "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
+        "phases_s": {k: round(statistics.median(s[k] for s in ours), 4) for k in PHASE_NAMES},
+        "torch": torch.__version__,
+        "trl": _version("trl") if with_trl else None,
+        "trl_model_dtype": args.trl_model_dtype if with_trl else None,
     }))
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,20 @@ def test_run_with_another_target_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "eval_accuracy > 0.69 in every division" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("model, compute", [
+    ({}, "float32"),  # the CPU calibration's path
+    ({"device": "cuda", "dtype": "bfloat16"}, "bfloat16"),
+    ({"device": "cuda"}, "float32"),  # float32 rollouts: the logged precision stays float32
+    ({"device": "cuda", "dtype": "bfloat16", "compute_dtype": "float32"}, "float32"),
+    ({"dtype": "bfloat16", "compute_dtype": "bfloat16"}, "bfloat16"),
+])
+def test_training_compute_dtype_auto_is_bfloat16_only_on_cuda_with_bfloat16_rollouts(model, compute):
+    assert parse_config({"model": model}, source="x.yaml").model.train_compute_dtype == compute
+
+
+def test_bfloat16_compute_with_float32_rollouts_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"model": {"compute_dtype": "bfloat16"}}, source="x.yaml")
+    assert "model.compute_dtype bfloat16 needs model.dtype bfloat16" in str(err.value) and "\n" not in str(err.value)

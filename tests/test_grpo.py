@@ -165,8 +165,8 @@ def test_reference_loss_masks_a_sequence_outside_the_band_by_hand():
     w = math.exp(0.001)
     # sequence 0 kept: 2 tokens x w x (-A=-2); sequence 1 (g = 1.004) masked: contributes 0
     assert out.loss.item() == pytest.approx(2 * w * -2.0, rel=1e-6)
-    assert out.num_sequences_masked_by_is == 1
-    assert out.importance_weight_sum == pytest.approx(2 * w, rel=1e-6)
+    assert out.num_sequences_masked_by_is.item() == 1
+    assert out.importance_weight_sum.item() == pytest.approx(2 * w, rel=1e-6)
     out.loss.backward()
     assert curr.grad.flatten().tolist() == pytest.approx([-2.0 * w, -2.0 * w, 0.0, 0.0], rel=1e-6)
 

@@ -91,3 +91,90 @@ def test_reference_loss_on_policy_equals_the_plain_policy_gradient():
     assert abs(result.importance_weight_mean - 1.0) < 1e-4
     for name, p in policy.named_parameters():
         torch.testing.assert_close(p.detach(), plain[name], rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_compute_keeps_float32_master_weights_and_the_update():
+    # model.compute_dtype bfloat16: autocast forward/backward, float32 weights, gradients and
+    # optimizer; the update matches the float32 path's to bfloat16 accuracy.
+    batch = _batch()
+    base = load_model(MODEL, "float32")
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    results, updates = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = copy.deepcopy(base)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        results[dtype] = optimize_step(policy, opt, batch, 16, 1.0, PGLossOptions(), 1e9, compute_dtype=dtype)
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in policy.parameters())
+        updates[dtype] = torch.cat([(p.detach() - before[n]).flatten() for n, p in policy.named_parameters()])
+    fp32, bf16 = updates[torch.float32], updates[torch.bfloat16]
+    assert not torch.equal(fp32, bf16), "the bfloat16 path must actually compute in bfloat16"
+    assert torch.nn.functional.cosine_similarity(fp32, bf16, dim=0) > 0.99
+    assert (bf16 - fp32).norm() < 0.1 * fp32.norm()
+    # the loss is a mean of -A * ratio over tokens with |A| ~ 1 and ratio 1 up to bfloat16 rounding
+    assert abs(results[torch.bfloat16].loss - results[torch.float32].loss) < 1e-2
+    assert isinstance(results[torch.bfloat16].num_sequences_masked_by_is, int)
+
+
+def test_logprob_error_filter_in_the_loss_pass_equals_training_without_the_dropped_sequence():
+    # The prev log-probs come from each micro-batch's own forward (sg(curr)); a sequence the
+    # filter drops leaves the loss and the token count. Expected, independently: the same
+    # loss without the filter on a batch whose mask already leaves that sequence out.
+    from mlperf_grpo import rules
+    from mlperf_grpo.config import GRPOConfig
+
+    batch = _batch()
+    row = int(batch.completion_mask.sum(dim=1).argmax())
+    batch.rollout_logprobs[row] -= 5.0 * batch.completion_mask[row]  # mean exp|gen - prev| ~ e^5 > 2: dropped
+    g = GRPOConfig(**rules.REFERENCE_ALGORITHM)
+    without = copy.deepcopy(batch)
+    without.completion_mask[row] = 0.0
+    base = load_model(MODEL, "float32")
+    updated = {}
+    for name, b, threshold, micro in (("filtered", batch, g.seq_logprob_error_threshold, 16),
+                                      ("filtered_whole", batch, g.seq_logprob_error_threshold, 64),
+                                      ("expected", without, None, 16)):
+        policy = copy.deepcopy(base)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        result = optimize_step(policy, opt, b, micro, 1.0, PGLossOptions.of(g), 1e9, threshold, True)
+        updated[name] = ({n: p.detach().clone() for n, p in policy.named_parameters()}, result)
+    for name in ("filtered", "filtered_whole"):
+        weights, result = updated[name]
+        assert result.num_sequences_masked_by_logprob_error == 1
+        assert result.num_valid_tokens == updated["expected"][1].num_valid_tokens == int(without.completion_mask.sum())
+        assert abs(result.loss - updated["expected"][1].loss) < 1e-6
+        for n, w in weights.items():
+            torch.testing.assert_close(w, updated["expected"][0][n], rtol=1e-5, atol=1e-6)
+
+
+def test_first_completion_column_and_logits_from_there_give_the_same_logprobs():
+    from mlperf_grpo.train.grpo import token_logprobs
+
+    batch = _batch()
+    rows = slice(0, 16)
+    mask = batch.completion_mask[rows]
+    by_hand = min(int(r.nonzero()[0, 0]) for r in mask if r.any())
+    start = batch.first_completion_column(rows)
+    assert start == by_hand > 0  # the prompts' predictions are left out
+    policy = load_model(MODEL, "float32")
+    ids = batch.input_ids[rows]
+    full = token_logprobs(policy(input_ids=ids, attention_mask=batch.attention_mask[rows]).logits[:, :-1], ids[:, 1:], 1.0)
+    kept = policy(input_ids=ids, attention_mask=batch.attention_mask[rows], logits_to_keep=ids.shape[1] - start).logits
+    sliced = token_logprobs(kept[:, :-1], ids[:, start + 1:], 1.0)
+    torch.testing.assert_close(sliced * mask[:, start:], full[:, start:] * mask[:, start:], rtol=1e-5, atol=1e-6)
+    assert not mask[:, :start].any()
+
+
+def test_bf16_compute_update_is_invariant_to_gradient_accumulation():
+    # the sliced-logits path (below float32) keeps the accumulation invariance
+    batch = _batch()
+    base = load_model(MODEL, "float32")
+    before = torch.cat([p.detach().flatten() for p in base.parameters()])
+    updates = []
+    for micro in (64, 16):
+        policy = copy.deepcopy(base)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        optimize_step(policy, opt, batch, micro, 1.0, PGLossOptions(), 1e9, compute_dtype=torch.bfloat16)
+        updates.append(torch.cat([p.detach().flatten() for p in policy.parameters()]) - before)
+    # bfloat16 rounding differs with each micro-batch's width: equal to bfloat16 accuracy
+    assert (updates[0] - updates[1]).norm() < 0.02 * updates[0].norm()
+    assert torch.nn.functional.cosine_similarity(updates[0], updates[1], dim=0) > 0.999

@@ -64,6 +64,25 @@ class ModelConfig(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the policy trains and the engine generates (one device; ``cuda`` = the
     current CUDA device). The built-in calibration is for ``cpu``."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the training forward/backward passes (``torch.autocast``; the master
+    weights, their gradients and the optimizer state stay float32). ``auto``: ``bfloat16``
+    when ``device`` is ``cuda`` and ``dtype`` is ``bfloat16``, else ``float32`` (the CPU
+    calibration's path). ``bfloat16`` needs ``dtype: bfloat16`` (the logged lowest precision)."""
+
+    @model_validator(mode="after")
+    def _compute_dtype_logged(self) -> "ModelConfig":
+        if self.compute_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("model.compute_dtype bfloat16 needs model.dtype bfloat16 (the logged lowest precision); "
+                             "set model.dtype: bfloat16 or model.compute_dtype: float32")
+        return self
+
+    @property
+    def train_compute_dtype(self) -> str:
+        """``compute_dtype`` with ``auto`` resolved: ``"float32"`` or ``"bfloat16"``."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "bfloat16" if self.device == "cuda" and self.dtype == "bfloat16" else "float32"
 
 
 class TaskConfig(_Strict):
@@ -130,8 +149,8 @@ class GRPOConfig(_Strict):
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
     truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
     seq_logprob_error_threshold: float | None = Field(None, gt=0)
-    """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs a
-    no-grad forward pass for ``prev``. Closed: 2."""
+    """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs the
+    ``prev`` log-probs (taken in the loss pass, ``train.loop.optimize_step``). Closed: 2."""
     max_trajectory_age_steps: Literal[0, 1] = 0
     """1: the rollouts of step N+1 are generated while step N trains (weights at most one
     step old; needs the IS correction). Closed: 1."""
@@ -169,7 +188,10 @@ class GRPOConfig(_Strict):
 
     @property
     def needs_prev_logprobs(self) -> bool:
-        """Whether each step runs a no-grad forward pass for the ``prev`` log-probs.
+        """Whether the loss needs the training policy's ``prev`` log-probs (before the
+        update; ``train.loop.optimize_step`` takes them as ``sg(curr)`` of its loss pass,
+        where NeMo-RL runs a separate no-grad pass: one update per rollout batch, so the
+        weights are the same).
 
         As NeMo-RL: unless ``force_on_policy_ratio`` (its loss then uses ``sg(curr)``),
         or whenever ``seq_logprob_error_threshold`` is set. One simplification, open

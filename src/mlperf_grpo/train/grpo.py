@@ -16,7 +16,9 @@ at the rollout temperature):
 - ``prev``: the training policy's *before* the update. NeMo-RL computes it with a separate
   no-grad forward pass; with ``force_on_policy_ratio`` its loss uses ``curr.detach()``
   instead (equal in value: one update per rollout), and the separate pass only feeds the
-  sequence log-prob error mask (:func:`seq_logprob_error_keep`).
+  sequence log-prob error mask (:func:`seq_logprob_error_keep`). Our trainer takes
+  ``prev = curr.detach()`` from the loss pass itself (``train.loop.optimize_step``): the
+  same weights, so the same values up to kernel numerics, without the second pass.
 
 The PPO ratio is ``curr / prev``; the importance-sampling (IS) weight that corrects for
 the engine is ``prev / generation``.
@@ -153,7 +155,7 @@ def seq_logprob_error_keep(
     ``e_i <= threshold``. A sequence without valid tokens has ``e_i = 0`` (kept).
 
     Args:
-        prev_logprobs: ``[B, T]`` from the separate no-grad pass of the training policy.
+        prev_logprobs: ``[B, T]`` the training policy's before the update (``sg(curr)``).
         generation_logprobs: ``[B, T]`` the engine's.
         mask: ``[B, T]`` ``token_mask * sample_mask``.
         threshold: 2 in the reference recipe.
@@ -197,12 +199,14 @@ class PGLossSum:
 
     ``loss``: scalar sum over valid tokens (with grad). ``importance_weight_sum``: the sum
     of the IS weights used, over valid tokens. ``num_sequences_masked_by_is``: sequences
-    ``seq-mask-tis`` dropped (0 without it).
+    ``seq-mask-tis`` dropped (0 without it). The last two are detached 0-d tensors on the
+    loss's device (float32 and int64): reading them is left to the caller, once per step,
+    so a micro-batch loop does not wait for the device.
     """
 
     loss: torch.Tensor
-    importance_weight_sum: float
-    num_sequences_masked_by_is: int
+    importance_weight_sum: torch.Tensor
+    num_sequences_masked_by_is: torch.Tensor
 
 
 def clipped_pg_loss_sum(
@@ -245,7 +249,7 @@ def clipped_pg_loss_sum(
     ratios, ratios_clamped = ppo_ratios(curr_logprobs, prev_logprobs, options)
     adv = advantages.unsqueeze(1)  # [B, 1]
     per_token = torch.maximum(-adv * ratios, -adv * ratios_clamped)  # [B, T]
-    masked = 0
+    masked = torch.zeros((), dtype=torch.long, device=per_token.device)
     if options.use_importance_sampling_correction:
         weights = importance_weights(prev_logprobs, generation_logprobs)  # [B, T]
         if options.truncated_importance_sampling_type == "seq-mask-tis":
@@ -257,13 +261,13 @@ def clipped_pg_loss_sum(
                 options.truncated_importance_sampling_ratio,
             )
             weights = weights * keep.unsqueeze(1)
-            masked = int(((1.0 - keep) * (mask.sum(dim=-1) > 0).float()).sum().item())
+            masked = ((keep == 0) & (mask.sum(dim=-1) > 0)).sum()
         per_token = weights * per_token
     else:
         weights = torch.ones_like(per_token)
     return PGLossSum(
         loss=(per_token * mask).sum(),
-        importance_weight_sum=float((weights.detach() * mask).sum().item()),
+        importance_weight_sum=(weights.detach() * mask).sum(),
         num_sequences_masked_by_is=masked,
     )
 

@@ -104,21 +104,13 @@ class OptimizeResult:
     """Mean IS weight over valid tokens (1 without the correction)."""
 
 
-def policy_logprobs(policy: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """The ``prev`` log-probs: a no-grad forward pass of the training policy over the batch.
-
-    Returns:
-        ``[B, L-1]`` float32 on the CPU, aligned with ``batch.rollout_logprobs``.
-    """
-    device = next(policy.parameters()).device
-    out = []
-    with torch.no_grad():
-        for start in range(0, batch.input_ids.shape[0], micro_batch_size):
-            sl = slice(start, start + micro_batch_size)
-            ids = batch.input_ids[sl].to(device)
-            logits = policy(input_ids=ids, attention_mask=batch.attention_mask[sl].to(device)).logits
-            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature).cpu())
-    return torch.cat(out)
+def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
+    passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
+    (master weights); log-probabilities are taken in float32 (:func:`token_logprobs`)."""
+    if compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
 
 
 def optimize_step(
@@ -131,67 +123,93 @@ def optimize_step(
     grad_clip_norm: float,
     seq_logprob_error_threshold: float | None = None,
     needs_prev_logprobs: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> OptimizeResult:
     """One optimizer step on a global batch, accumulating gradients over micro-batches.
 
-    With ``needs_prev_logprobs`` a no-grad pass first computes the ``prev`` log-probs
-    (:func:`policy_logprobs`); ``seq_logprob_error_threshold`` then drops sequences from
-    the mask (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`). Without the pass,
-    ``prev`` is ``sg(curr)`` under ``force_on_policy_ratio`` and else the rollout's
-    generation log-probs (GRPOConfig.needs_prev_logprobs). Each micro-batch's loss sum is
-    divided by the global batch's valid-token count, so the accumulated gradient equals
-    that of the token-level mean over the whole batch. Under torchrun the batch is this
-    rank's share and the count is the global batch's (summed over ranks), as are the
-    returned loss, counts and IS weight mean; the gradient norm is over all shards.
+    ``prev`` (the training policy's log-probs before the update) is needed with
+    ``needs_prev_logprobs`` (GRPOConfig.needs_prev_logprobs). One optimizer step follows
+    each rollout batch, so the policy before the update is the policy of this step's loss
+    pass: ``prev = sg(curr)``, taken from each micro-batch's own forward, not from a second
+    no-grad pass over the batch (NeMo-RL runs one; the values are equal up to kernel
+    numerics). ``seq_logprob_error_threshold`` then drops sequences from the mask
+    (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`, per row, so per micro-batch).
+    Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
+    ``force_on_policy_ratio`` and else the rollout's generation log-probs.
+
+    The gradient is that of the token-level mean over the whole batch: without the filter
+    each micro-batch's loss sum is divided by the global valid-token count before its
+    backward; with the filter that count is known only after the last micro-batch, so the
+    summed gradient is divided by it then (equal in exact arithmetic). The forward passes
+    run under :func:`compute_autocast` of ``compute_dtype``; below float32 they compute
+    logits only from each micro-batch's first completion column on (HF ``logits_to_keep``;
+    the same log-probs, a smaller ``[mb, T, V]`` at a real vocabulary). The micro-batch loop
+    reads nothing back from the device (its sums are read once, after the optimizer step).
+    Under torchrun the batch is this rank's share and the count is the global batch's
+    (summed over ranks), as are the returned loss, counts and IS weight mean; the gradient
+    norm is over all shards.
+
+    Raises:
+        ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
     """
+    filtered = seq_logprob_error_threshold is not None
+    if filtered and not needs_prev_logprobs:
+        raise ValueError("seq_logprob_error_threshold needs the prev log-probs (needs_prev_logprobs=True)")
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     mask = batch.completion_mask  # [B, L-1]
-    prev = policy_logprobs(policy, batch, micro_batch_size, temperature) if needs_prev_logprobs else None
-    masked_by_error = 0
-    if seq_logprob_error_threshold is not None:
-        if prev is None:
-            raise ValueError("seq_logprob_error_threshold needs the prev log-prob pass (needs_prev_logprobs=True)")
-        keep, _ = seq_logprob_error_keep(prev, batch.rollout_logprobs, mask, seq_logprob_error_threshold)
-        masked_by_error = int(((1 - keep) * (mask.sum(dim=-1) > 0)).sum().item())
-        mask = mask * keep.unsqueeze(1)
-    if prev is None and not options.force_on_policy_ratio:
-        prev = batch.rollout_logprobs
-    num_valid_tokens = int(distributed.all_reduce_sum([mask.sum().item()])[0])  # the global batch's
-    total_tokens = max(num_valid_tokens, 1)
-    loss_total, weight_sum, masked_by_is = 0.0, 0.0, 0
+    # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
+    num_valid_tokens = 0 if filtered else int(distributed.all_reduce_sum([mask.sum().item()])[0])
+    loss_divisor = max(num_valid_tokens, 1)
+    # float64 on the device: the same sums as Python floats of each micro-batch's values
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
+    # to the device once a step (a copy from pageable host memory waits for the device)
+    input_ids, attention_mask, token_mask, rollout_logprobs, advantages = (
+        t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
     for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
-        ids = batch.input_ids[rows, :width].to(device)
-        logits = policy(input_ids=ids, attention_mask=batch.attention_mask[rows, :width].to(device)).logits
-        curr = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # [mb, width-1]
-        cols = slice(0, width - 1)
-        part = clipped_pg_loss_sum(
-            curr,
-            None if prev is None else prev[rows, cols].to(device),
-            batch.rollout_logprobs[rows, cols].to(device),
-            batch.advantages[rows].to(device),
-            mask[rows, cols].to(device),
-            options,
-        )
-        loss = part.loss / total_tokens
+        ids = input_ids[rows, :width]
+        # Logits from the first completion column on (earlier ones would only score prompt
+        # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
+        start = 0 if compute_dtype == torch.float32 else batch.first_completion_column(rows)
+        with compute_autocast(device, compute_dtype):
+            logits = policy(input_ids=ids, attention_mask=attention_mask[rows, :width],
+                            logits_to_keep=width - start).logits  # [mb, width-start, V]
+        curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], temperature)  # [mb, width-1-start]
+        cols = slice(start, width - 1)
+        generation = rollout_logprobs[rows, cols]
+        rows_mask = token_mask[rows, cols]
+        prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
+        if filtered:
+            keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, seq_logprob_error_threshold)
+            masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
+            rows_mask = rows_mask * keep.unsqueeze(1)
+            kept_tokens += rows_mask.sum()
+        part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
+        loss = part.loss / loss_divisor
         loss.backward()
-        loss_total += loss.item()
+        loss_total += loss.detach()
         weight_sum += part.importance_weight_sum
         masked_by_is += part.num_sequences_masked_by_is
-    grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm))
+    if filtered:
+        num_valid_tokens = int(distributed.all_reduce_sum([kept_tokens.item()])[0])  # the global batch's
+        loss_divisor = max(num_valid_tokens, 1)
+        torch._foreach_div_([p.grad for p in policy.parameters() if p.grad is not None], float(loss_divisor))
+        loss_total /= loss_divisor
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm)
     optimizer.step()
     policy.eval()
-    loss_total, weight_sum, masked_by_is, masked_by_error = distributed.all_reduce_sum(
-        [loss_total, weight_sum, masked_by_is, masked_by_error]
-    )
+    grad_norm = distributed.full_value(grad_norm)  # over all shards
+    local = torch.stack([loss_total, weight_sum, masked_by_is, masked_by_error]).tolist()  # one read-back
+    loss_total, weight_sum, masked_by_is, masked_by_error = distributed.all_reduce_sum(local)
     return OptimizeResult(
         loss=loss_total,
         grad_norm=grad_norm,
         num_valid_tokens=num_valid_tokens,
         num_sequences_masked_by_is=int(masked_by_is),
         num_sequences_masked_by_logprob_error=int(masked_by_error),
-        importance_weight_mean=weight_sum / total_tokens,
+        importance_weight_mean=weight_sum / loss_divisor,
     )
 
 
@@ -299,6 +317,9 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
         betas=(config.optimizer.beta_1, config.optimizer.beta_2),
         eps=config.optimizer.epsilon,
         weight_decay=config.optimizer.weight_decay,
+        # one kernel for the whole update on the bf16 CUDA path; the float32 paths keep the
+        # foreach kernels their measured runs used (the CPU calibration, the GPU default run)
+        fused=config.model.device == "cuda" and config.model.train_compute_dtype != "float32",
     )
     sampler = PromptSampler(train_pool, config.seed)
     return _Setup(init_start_ms, policy, engine, optimizer, sampler)
@@ -365,6 +386,7 @@ def _train(
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
+                DTYPES[config.model.train_compute_dtype],
             )
             distributed.barrier()  # every rank's optimizer.step() has returned
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned

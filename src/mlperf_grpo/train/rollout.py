@@ -68,6 +68,14 @@ class RolloutBatch:
         return spans
 
 
+    def first_completion_column(self, rows: slice) -> int:
+        """The first column of ``completion_mask[rows]`` holding a completion token in any
+        of these rows (0 when none does). The loss needs logits from this position of the
+        micro-batch on: the earlier ones only predict prompt tokens."""
+        columns = self.completion_mask[rows].any(dim=0).nonzero()  # [n, 1]
+        return int(columns[0, 0]) if len(columns) else 0
+
+
 def generate_rollouts(
     engine: InferenceEngine, tasks: list[Task], generations_per_prompt: int, params: SamplingParams, seed: int, step: int,
     first_prompt_index: int = 0,
