@@ -80,7 +80,7 @@ def copy_run(src: Path, dst: Path) -> Path:
         if (dst / name).exists():
             (dst / name).unlink()
             shutil.copy(src / name, dst / name)
-    (dst / "run.json").write_text(json.dumps({"mllog_file": str(dst / "mlperf.log")}) + "\n")
+    (dst / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}) + "\n")  # relative to the run
     return dst
 
 
