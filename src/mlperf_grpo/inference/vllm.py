@@ -174,6 +174,12 @@ class VLLMEngine:
         self.llm.collective_rpc("refit_from_directory", args=(str(Path(directory).resolve()), self.head_padding))
         self._reset_prefix_cache()
 
+    def close(self) -> None:
+        """Shut the engine core down and tear down vLLM's process-wide distributed state
+        (``EngineCore.shutdown``), so another engine can be built in this process (the
+        ``run`` command evaluates after training). The engine is unusable afterwards."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a refit; cached KV would be stale")
