@@ -76,6 +76,19 @@ def test_the_builtin_model_runs_with_exactly_scaled_padded_heads_on_the_cpu(engi
     assert engine.weights_fingerprint(sorted(weights)) == weights_fingerprint(weights)
 
 
+def test_a_model_that_padding_cannot_keep_exact_is_refused_before_vllm_starts(tmp_path):
+    from mlperf_grpo.inference.vllm import engine_head_padding
+    from mlperf_grpo.model import ModelLoadError
+
+    for f in BUILTIN_DIR.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])  # per-head q/k norms
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="head_dim 16 is not supported.*model_type.*use inference.engine: hf"):
+        engine_head_padding(tmp_path, torch.float32)
+
+
 def test_completions_follow_prompt_order_and_do_not_depend_on_the_batch(engine):
     params = SamplingParams(1.0, 1.0, 6)
     full = engine.generate(PROMPTS, params, SEEDS)
