@@ -128,7 +128,7 @@ def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, step_7):
     before = engine.generate(PROMPTS, params, SEEDS)
     weights = read_weights(step_7)
     engine.load_weights(weights)
-    verify_refit(engine, step_7, weights)
+    assert verify_refit(engine, step_7, sorted(weights)) == "fingerprint+canary"
     refit = engine.generate(PROMPTS, params, SEEDS)
     assert refit != before  # the refit changed the outputs
     # A fresh engine from step_7/ (a complete model directory), in a fresh process.
@@ -146,7 +146,7 @@ def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, step_7):
     engine.load_weights(load_file(str(BUILTIN_DIR / "model.safetensors")))  # refit back
     assert engine.generate(PROMPTS, params, SEEDS) == before
     with pytest.raises(RefitError, match="weights differ"):  # the verification sees the engine is not at step 7
-        verify_refit(engine, step_7, weights)
+        verify_refit(engine, step_7, sorted(weights))
 
 
 @pytest.mark.slow
