@@ -3,8 +3,6 @@
 Re-run to rebuild ``src/mlperf_grpo/assets/arithmetic-tiny`` (about a minute on 2 cores):
 
     python scripts/make_default_model.py
-    python scripts/make_default_model.py --heads 2 --output DIR
-        (the same recipe with head_dim 32, the smallest that vLLM's CPU attention runs)
 
 What it does, deterministically from ``--seed``:
 
@@ -50,14 +48,14 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def make_model(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int, heads: int = 4) -> LlamaForCausalLM:
+def make_model(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=4 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_attention_heads=4,
+        num_key_value_heads=4,
         max_position_embeddings=65536,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -110,8 +108,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4,
-                        help="attention heads (2 gives head_dim 32, the smallest vLLM's CPU attention runs)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--output", type=Path, default=OUT)
     args = parser.parse_args()
@@ -120,7 +116,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     torch.set_num_threads(2)
     tokenizer = make_tokenizer()
-    model = make_model(tokenizer, args.hidden, args.layers, args.heads)
+    model = make_model(tokenizer, args.hidden, args.layers)
     problems = arithmetic.all_problems()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)

@@ -60,14 +60,20 @@ def test_evaluate_again_writes_nothing(default_run, capsys):
     assert "status: success" in capsys.readouterr().out
 
 
-def test_aborted_path_train_then_evaluate(tmp_path, capsys):
+def test_aborted_path_train_then_evaluate(tmp_path, capsys, monkeypatch):
+    from mlperf_grpo.inference.hf import HFEngine
+
+    closed = []  # train and evaluate each close their engine (vLLM: so the next can be built)
+    monkeypatch.setattr(HFEngine, "close", lambda self: closed.append(self))
     cfg = tmp_path / "c.yaml"
     cfg.write_text("grpo: {max_steps: 19}\n")  # steps 18 and 19 are below the target
     run = tmp_path / "run"
     assert main(["train", "--config", str(cfg), "--output", str(run)]) == 0
+    assert len(closed) == 1
     assert read_log(run / "mlperf.log").find("run_stop") == []  # the trainer writes none
     final = json.loads((run / "checkpoints" / "step_19" / "training_info.json").read_text())
     assert main(["evaluate", str(run)]) == 3
+    assert len(closed) == 2
     out = capsys.readouterr().out
     assert "status: aborted" in out and "time-to-train: none (an aborted run has no score)" in out
     log = read_log(run / "mlperf.log")

@@ -117,7 +117,11 @@ def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str)
             evaluator = InlineEvaluator(config, run, run.load()[1])
         return evaluator(step, policy)
 
-    train(config, run, config_filename, inline_eval=inline_eval)
+    try:
+        train(config, run, config_filename, inline_eval=inline_eval)
+    finally:
+        if evaluator is not None:
+            evaluator.engine.close()
     _, mllog_file = run.load()
     if not read_log(mllog_file).find(C.RUN_STOP):
         if evaluator is None:

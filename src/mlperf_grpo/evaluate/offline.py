@@ -764,6 +764,7 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
             committer.advance(block=True)
         finally:
             committer.close()
+            engine.close()
         return
     if source != RunSeries(run.checkpoints):
         raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
@@ -812,7 +813,10 @@ def evaluate_rank(run_dir: str, plan: EvalPlan, show_progress: bool) -> dict | N
         committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
         committer_thread.start()
     engine = build_engine(config, batch_size=config.validation.batch_size)
-    evaluate_claimed(queue, run, source, config, checkpoints, plan, engine)
+    try:
+        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine)
+    finally:
+        engine.close()
     if committer_thread is not None:
         committer_thread.join()
     return failure[0] if failure else None

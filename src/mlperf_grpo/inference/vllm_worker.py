@@ -9,6 +9,11 @@ Hugging Face-named tensors to the worker's own ``reload_weights``
 tied ``lm_head``) between vLLM's layer-wise reload hooks, so kernel-format weights (the
 CPU backend's prepacked oneDNN/SGL matrices) are rebuilt from the new values.
 
+When the engine runs the model with wider attention heads
+(:mod:`mlperf_grpo.inference.head_padding`), the worker pads the tensors it receives
+(checkpoint layout, as the policy and ``step_N/`` hold them) just before
+``load_weights``; fingerprints are of the received, unpadded tensors.
+
 Because those kernel formats drop the plain ``weight`` tensors, the loaded values cannot
 be read back from the model on every backend; the worker instead fingerprints the exact
 tensors it passed to ``load_weights`` (:func:`mlperf_grpo.fingerprint.weights_fingerprint`),
@@ -23,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from mlperf_grpo.fingerprint import weights_fingerprint
+from mlperf_grpo.inference.head_padding import HeadPadding
 
 WORKER_EXTENSION = "mlperf_grpo.inference.vllm_worker.WeightSyncExtension"
 """Qualified name passed to vLLM as ``worker_extension_cls``."""
@@ -48,22 +54,24 @@ class WeightSyncExtension:
     """Methods vLLM adds to its worker class (``self`` is the worker); called through
     ``LLM.collective_rpc(name, args=...)`` on every worker (tensor-parallel rank)."""
 
-    def refit_from_state_dict(self, weights: list[tuple[str, torch.Tensor]]) -> str:
+    def refit_from_state_dict(self, weights: list[tuple[str, torch.Tensor]], padding: HeadPadding | None = None) -> str:
         """Reload these Hugging Face-named tensors in place through the model's own
-        ``load_weights``; returns (and keeps) the fingerprint of exactly these tensors."""
+        ``load_weights``, padded by ``padding`` when given; returns (and keeps) the
+        fingerprint of exactly these tensors (before padding)."""
         dtype = self.vllm_config.model_config.dtype
         weights = [(name, t.to(dtype)) for name, t in weights]  # what load_weights copies in
         fingerprint = weights_fingerprint(dict(weights))
-        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        loaded = padding.pad_all(weights) if padding is not None else iter(weights)
+        self.reload_weights(weights_iterator=loaded, is_checkpoint_format=True)
         self._retie_output_embeddings()
         self.mlperf_loaded_fingerprint = fingerprint
         self.mlperf_loaded_names = sorted(name for name, _ in weights)
         return fingerprint
 
-    def refit_from_directory(self, directory: str) -> str:
+    def refit_from_directory(self, directory: str, padding: HeadPadding | None = None) -> str:
         """Refit from a ``step_N/`` directory's safetensors files, read in this worker (the
         tensors do not pass through the driver process); returns their fingerprint."""
-        return self.refit_from_state_dict(read_safetensors_dir(directory))
+        return self.refit_from_state_dict(read_safetensors_dir(directory), padding)
 
     def _retie_output_embeddings(self) -> None:
         """Tie ``lm_head`` to the input embeddings again when the config ties them.

@@ -266,7 +266,10 @@ def train(
                 with contextlib.suppress(OSError):
                     run.root.rmdir()
             raise
-        return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
+        try:
+            return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
+        finally:
+            setup.engine.close()
 
 
 def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = True) -> tuple[tasks.TaskSuite, list[tasks.Task]]:
