@@ -291,12 +291,16 @@ class AsyncCheckpointer:
         with torch.cuda.stream(copies):
             for name, src in unique.items():
                 slot.tensors[name].copy_(src, non_blocking=True)
-            # the fingerprint's checksums: a few ms of GPU work, covered by the one sync below
-            slot.checksums = weights_checksums(unique).to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(copies)
-        info = info() if callable(info) else info  # overlaps the copies
-        done.synchronize()  # one sync for all copies, before training changes the weights
+            copied = torch.cuda.Event()
+            copied.record(copies)
+        # on the compute stream, overlapping the copies (which only the copy engine does):
+        # the fingerprint's checksums and whatever ``info`` computes (the canary logits)
+        slot.checksums = weights_checksums(unique).to("cpu", non_blocking=True)
+        info = info() if callable(info) else info
+        computed = torch.cuda.Event()
+        computed.record()
+        copied.synchronize()  # one sync for all copies, before training changes the weights
+        computed.synchronize()
         return info
 
     # ------------------------------------------------------------------ background
