@@ -264,6 +264,27 @@ def test_contradicting_arguments_are_one_line_exit_2(trained, tmp_path, capsys, 
     assert needle in error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("content, needle", [
+    ("OTHER_RUN_LOG", "holds"),  # another run's whole log (breaker finding)
+    ('FAKE_EVAL', "no results in"),  # eval lines this evaluator never wrote (accuracy 0.99)
+    ("existing notes\n", "it is not an MLPerf log"),
+    (None, "does not exist"),  # a directory that does not exist
+])
+def test_an_eval_log_this_evaluator_did_not_write_is_refused(trained, tmp_path, capsys, content, needle):
+    series, log = convert(trained, tmp_path, "nemo-rl-safetensors")
+    eval_log = tmp_path / "eval.log" if content is not None else tmp_path / "missing" / "eval.log"
+    fake = ':::MLLOG {"namespace": "", "time_ms": 1, "event_type": "POINT_IN_TIME", "key": "eval_accuracy", ' \
+           '"value": 0.99, "metadata": {"samples_count": 96, "step": 3}}\n'
+    if content is not None:
+        eval_log.write_text({"OTHER_RUN_LOG": (trained / "mlperf.log").read_text(), "FAKE_EVAL": fake}.get(content, content))
+    before = sorted(p.name for p in series.iterdir())
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml"),
+                 "--eval-log", str(eval_log)]) == 2
+    assert needle in error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in series.iterdir()) == before  # nothing evaluated, nothing deleted
+    assert not (tmp_path / "missing").exists()
+
+
 def test_missing_mllog_is_one_line_exit_2(trained, tmp_path, capsys):
     series, _ = convert(trained, tmp_path, "hf-dirs")
     assert main(["evaluate", "--checkpoints", str(series), "--config", str(trained / "config.yaml")]) == 2

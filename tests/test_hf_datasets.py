@@ -55,6 +55,19 @@ def test_saved_dataset_and_parquet_give_the_tasks_of_the_jsonl_files(tmp_path):
     assert suite_tasks(config_for(tmp_path, tmp_path / "train.parquet", tmp_path / "validation.parquet")) == want
 
 
+def test_a_null_messages_column_is_an_absent_chat(tmp_path):
+    """Only some rows of the GSM8K-like files have ``messages``; a dataset made from them
+    holds null in the others, which is read as no chat (breaker finding), not refused."""
+    datasets = pytest.importorskip("datasets", reason="the optional 'datasets' extra is not installed")
+    assert any("messages" in r for r in rows("validation")) and any("messages" not in r for r in rows("validation"))
+    for name in ("train", "validation"):
+        split = datasets.Dataset.from_list(rows(name))
+        assert name != "validation" or None in split["messages"]
+        split.to_parquet(str(tmp_path / f"{name}.parquet"))
+    want = suite_tasks(config_for(tmp_path, DATA / "train.jsonl", DATA / "validation.jsonl"))
+    assert suite_tasks(config_for(tmp_path, tmp_path / "train.parquet", tmp_path / "validation.parquet")) == want
+
+
 def test_a_dataset_with_several_splits_is_one_line_exit_2(tmp_path, capsys):
     datasets = pytest.importorskip("datasets", reason="the optional 'datasets' extra is not installed")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train")),

@@ -30,7 +30,7 @@ from mlperf_grpo.evaluate.offline import (
 )
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.mllog import ParsedLog
+from mlperf_grpo.mllog import ParsedLog, read_log
 from mlperf_grpo.model import check_model_path
 from mlperf_grpo.rundir import RunDir
 
@@ -222,6 +222,35 @@ def build_source(checkpoints: Path, fmt: str, config: RunConfig):
     return ForeignSeries(root, detected, config.global_batch_size, manifest if detected == foreign.HF_DIRS else None)
 
 
+EVAL_LOG_KEYS = {"eval_start", "eval_accuracy", "eval_stop", "run_stop"}
+"""What this evaluator writes to an ``--eval-log``."""
+
+
+def check_eval_log(eval_log: Path, root: Path) -> None:
+    """Refuse an ``--eval-log`` that this evaluator of the series in ``root`` did not
+    write: its directory must exist, and an existing non-empty file must hold only
+    evaluation and ``run_stop`` events whose steps have results in ``root/eval/``
+    (``step_N.jsonl``). Otherwise another run's evaluations would be taken for this
+    series' and its checkpoints deleted unevaluated.
+
+    Raises:
+        EvaluationError: the path is not usable (one line naming the fix).
+    """
+    if not eval_log.parent.is_dir():
+        raise EvaluationError(f"--eval-log {eval_log}: directory {eval_log.parent} does not exist; create it or give another path")
+    if not eval_log.is_file() or not eval_log.read_bytes().strip():
+        return
+    log = read_log(eval_log)
+    foreign_keys = sorted({e.key for e in log.events} - EVAL_LOG_KEYS)
+    steps = [e.metadata.get("step") for e in log.find("eval_accuracy")]
+    unknown = [st for st in steps if not (RunDir(root).eval_dir / f"step_{st}.jsonl").is_file()]
+    if log.bad_lines or not log.events or foreign_keys or unknown:
+        why = (f"it holds {', '.join(foreign_keys)} events" if foreign_keys else
+               f"no results in {RunDir(root).eval_dir} for its step {unknown[0]}" if unknown else "it is not an MLPerf log")
+        raise EvaluationError(f"--eval-log {eval_log} was not written by an evaluation of {root} ({why}); "
+                              "give a new path (an existing eval log is only resumed by the evaluation that wrote it)")
+
+
 def evaluate_checkpoints(
     checkpoints: Path, mllog_file: Path, config: RunConfig, fmt: str = "auto", eval_log: Path | None = None,
     retain: bool = False, show_progress: bool = True,
@@ -236,6 +265,8 @@ def evaluate_checkpoints(
         EvaluationError, RefitError, RunLockedError, ...: as :func:`offline.evaluate_series`.
     """
     source = build_source(checkpoints, fmt, config)
+    if eval_log is not None:
+        check_eval_log(eval_log, source.root)
     run = RunDir(source.root)
     unchecked = foreign.UNCHECKED.get(getattr(source, "format", foreign.OURS), ())
     for what in unchecked:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -103,6 +104,8 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a rank failed
             (the launcher stops the others).
+        Terminated, KeyboardInterrupt: SIGTERM or SIGINT reached the launcher (it stopped
+            the ranks), so the CLI reports it as for a serial evaluation (exit 143 or 130).
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -114,4 +117,14 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, entrypoint)(*args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from mlperf_grpo.train.stop import Terminated
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # our one line, not its warnings
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except SignalException as err:  # the launcher's own SIGTERM/SIGINT handler stopped the ranks
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Terminated("stopped by SIGTERM") from None

@@ -74,7 +74,8 @@ def read_rows(path: Path, id_field: str | None, prompt_field: str, answer_field:
         if task_id in seen:
             raise TaskError(f"{where}: id {task_id!r} repeats an earlier row; ids must be distinct")
         seen.add(task_id)
-        messages = _messages(row["messages"], where) if "messages" in row else None
+        # null = absent: a datasets/parquet column holds null where a row has no chat
+        messages = _messages(row["messages"], where) if row.get("messages") is not None else None
         rows.append((Task(task_id, prompt, gold), messages))
     if not rows:
         raise TaskError(f"{path}: no rows")
