@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from mlperf_grpo.checkpoint.format import INFO_FILE, SAFETENSORS_DTYPES, CheckpointCorruptError, CheckpointError
+from mlperf_grpo.checkpoint.reader import read_json_record
 
 NEMO_RL = "nemo-rl"
 HF_DIRS = "hf-dirs"
@@ -169,12 +170,7 @@ def read_nemo_rl_checkpoint(step_dir: Path, step: int, global_batch_size: int) -
             no weights under ``policy/weights/``.
     """
     path = step_dir / INFO_FILE
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not readable JSON: {err}") from None
+    record = read_json_record(path)
     if not isinstance(record, dict):
         raise CheckpointError(f"{path}: must be a JSON object")
     info = ForeignInfo(

@@ -42,6 +42,21 @@ from mlperf_grpo.checkpoint.format import (
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+def read_json_record(path: Path) -> object:
+    """The parsed JSON of a checkpoint's record file (``training_info.json``, ours or
+    NeMo-RL's).
+
+    Raises:
+        CheckpointError: the file is missing (the checkpoint is incomplete) or not JSON.
+    """
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not readable JSON: {err}") from None
+
+
 def read_training_info(directory: Path) -> TrainingInfo:
     """Parse ``directory/training_info.json``.
 
@@ -49,12 +64,7 @@ def read_training_info(directory: Path) -> TrainingInfo:
         CheckpointError: missing, not JSON, or with missing/extra/mistyped fields.
     """
     path = directory / INFO_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not readable JSON: {err}") from None
+    data = read_json_record(path)
     try:
         info = TrainingInfo(**data)
     except TypeError as err:
