@@ -19,6 +19,9 @@ ONE JSON line:
   ``nonzero_grad_steps``: a random-init model often earns no reward on the built-in
   task, and a step whose groups all have equal rewards has zero advantages, loss and
   gradient (its forward and backward passes still run, so the timing is real);
+- ``phases_s_1`` / ``phases_s_n``: median seconds of the steps' generation (and the part
+  of it the step waited for), policy training (loss passes and optimizer step) and
+  weight sync (refit of the engine), from the same events;
 - ``peak_memory_bytes_per_rank``: ``torch.cuda.max_memory_allocated`` of each rank (the
   process's peak RSS on CPU);
 - with ``--large``: ``params``, ``one_device_state_bytes`` (fp32 weights + gradients +
@@ -93,6 +96,15 @@ def steps_per_s(stats: list[dict]) -> float:
     return 1.0 / statistics.median(s["train_step_time"] for s in timed)
 
 
+PHASES = ("generation_time", "exposed_generation_time", "policy_training_time", "weight_sync_time")
+
+
+def phases_s(stats: list[dict]) -> dict[str, float]:
+    """Median seconds of each phase the ``tracked_stats`` events record, over the timed steps."""
+    timed = stats[1:-1] or stats[1:] or stats
+    return {name: round(statistics.median(s[name] for s in timed), 4) for name in PHASES}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -142,12 +154,14 @@ def main() -> None:
         "micro_batch_size": micro,
         "steps": args.steps,
         "steps_per_s_n": round(steps_per_s(many["stats"]), 4),
+        "phases_s_n": phases_s(many["stats"]),
         "peak_memory_bytes_per_rank": many["peak_memory_bytes_per_rank"],
     }
     if one is not None:
         pairs = list(zip(one["stats"], many["stats"]))
         line.update({
             "steps_per_s_1": round(steps_per_s(one["stats"]), 4),
+            "phases_s_1": phases_s(one["stats"]),
             "speedup": round(steps_per_s(many["stats"]) / steps_per_s(one["stats"]), 3),
             "speedup_goal": 1.7 if args.nproc == 2 else None,
             "max_grad_norm_rel_diff": max(abs(b["grad_norm"] - a["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30) for a, b in pairs),

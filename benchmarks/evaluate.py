@@ -26,7 +26,8 @@ evaluated. The run is then evaluated twice from the same checkpoints (copies of 
   and worker start included), ``speedup`` (``serial_s / parallel_s``), the same from the
   first ``eval_start`` to the last ``eval_stop`` (``serial_eval_s``, ``parallel_eval_s``,
   ``eval_speedup``: start-up left out),
-  ``logs_identical`` (the two logs apart from ``time_ms``), and the ratios the goals
+  ``parallel_per_rank`` (each worker's checkpoints and median read wait, refit and
+  generation seconds), ``logs_identical`` (the two logs apart from ``time_ms``), and the ratios the goals
   are judged by (``refit_over_load``, ``non_generation_over_load``).
 """
 
@@ -161,7 +162,7 @@ def main() -> None:
         serial_s = timed_evaluation(serial, 1)
         parallel_s = timed_evaluation(parallel, args.workers)
         load_s = load_limit_s(serial, args.device)
-        steps = timings(serial)
+        steps, parallel_steps = timings(serial), timings(parallel)
         identical = normalized_log(serial) == normalized_log(parallel)
         (serial_eval_s, per_checkpoint_s), (parallel_eval_s, _) = eval_span_s(serial), eval_span_s(parallel)
     finally:
@@ -185,6 +186,12 @@ def main() -> None:
         "parallel_eval_s": parallel_eval_s,
         "eval_speedup": serial_eval_s / parallel_eval_s,
         "logs_identical": identical,
+        "parallel_per_rank": {  # checkpoints and median seconds per checkpoint of each worker
+            rank: {"checkpoints": len(mine), **{k: round(statistics.median(t[k] for t in mine), 4)
+                                                 for k in ("read_wait_s", "refit_s", "generation_s")}}
+            for rank in sorted({t["rank"] for t in parallel_steps})
+            for mine in [[t for t in parallel_steps if t["rank"] == rank]]
+        },
     }
     out["non_generation_s"] = out["per_checkpoint_s"] - out["generation_s"]
     out["refit_over_load"] = out["refit_s"] / load_s
