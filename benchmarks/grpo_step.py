@@ -1,7 +1,7 @@
 """GRPO step time: ours against TRL's ``GRPOTrainer`` on the same model and batch shape, in one run.
 
     python benchmarks/grpo_step.py [--steps 6] [--repeat 1] [--device cpu|cuda]
-                                   [--max-trajectory-age-steps 0|1] [--compute-dtype auto] [--no-trl]
+                                   [--max-trajectory-age-steps 0|1] [--compute-dtype auto] [--compile auto|on|off] [--no-trl]
                                    [--model builtin:arithmetic-tiny | --model-shape qwen3-1.4b]
 
 **Ours** trains the built-in arithmetic task with the reference algorithm
@@ -96,11 +96,12 @@ def make_qwen3(shape: str, out: Path) -> Path:
 
 
 def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
-               compute_dtype: str = "auto"):
+               compute_dtype: str = "auto", compile_policy: str = "auto"):
     """The trainer's config for this benchmark (also where TRL's prompts and reward come from)."""
     data = {
         "seed": 1,
-        "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype},
+        "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype,
+                  "compile": compile_policy},
         "grpo": {**rules.REFERENCE_ALGORITHM, "max_trajectory_age_steps": age, "num_prompts_per_step": prompts,
                  "micro_batch_size": micro, "max_steps": steps, "first_eval_step": steps},
     }
@@ -231,6 +232,8 @@ def main() -> None:
     parser.add_argument("--model-shape", choices=sorted(SHAPES), help="build a random-init model instead of --model")
     parser.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="our model.compute_dtype (auto: bfloat16 on cuda with a bfloat16 model)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="our model.compile (auto: each decoder layer compiled on the cuda bfloat16 path)")
     parser.add_argument("--no-trl", action="store_true", help="measure ours only")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                         help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
@@ -244,7 +247,7 @@ def main() -> None:
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
         config = run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
-                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype)
+                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile)
         ours: list[dict] = []
         trl_steps: list[float] = []
         for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
@@ -268,6 +271,7 @@ def main() -> None:
         "steps_measured_per_side": (args.steps - 1) * args.repeat,
         "max_trajectory_age_steps": args.max_trajectory_age_steps,
         "compute_dtype": config.model.train_compute_dtype,
+        "compile": config.model.compile_policy,
         "ours_step_s": round(ours_step_s, 4),
         "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
         "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),

@@ -69,6 +69,11 @@ class ModelConfig(_Strict):
     weights, their gradients and the optimizer state stay float32). ``auto``: ``bfloat16``
     when ``device`` is ``cuda`` and ``dtype`` is ``bfloat16``, else ``float32`` (the CPU
     calibration's path). ``bfloat16`` needs ``dtype: bfloat16`` (the logged lowest precision)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """``torch.compile`` each decoder layer of the training policy (regional compilation,
+    as torchtitan does; fewer, fused kernels for the loss passes, the same math). ``auto``:
+    on for the bfloat16 compute path on ``cuda`` (the first step pays the compilation),
+    off elsewhere (the CPU calibration's path runs eager)."""
 
     @model_validator(mode="after")
     def _compute_dtype_logged(self) -> "ModelConfig":
@@ -83,6 +88,13 @@ class ModelConfig(_Strict):
         if self.compute_dtype != "auto":
             return self.compute_dtype
         return "bfloat16" if self.device == "cuda" and self.dtype == "bfloat16" else "float32"
+
+    @property
+    def compile_policy(self) -> bool:
+        """``compile`` with ``auto`` resolved."""
+        if self.compile != "auto":
+            return self.compile == "on"
+        return self.device == "cuda" and self.train_compute_dtype == "bfloat16"
 
 
 class TaskConfig(_Strict):

@@ -204,3 +204,29 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model from {directory}: {str(err).splitlines()[0]}") from None
     return model.to(device).eval()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """A Hugging Face causal LM's decoder layers (``model.model.layers``).
+
+    Raises:
+        ValueError: the model has no such list.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no model.layers decoder layers")
+    return layers
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (``nn.Module.compile``: parameter
+    names and ``state_dict`` keys are unchanged), with dynamic shapes (micro-batches differ
+    in rows and width). The layers share one code object, so one compilation serves them
+    all; it happens at the first forward and backward pass. Regional compilation as
+    torchtitan's ``apply_compile`` (before any ``fully_shard``).
+
+    Raises:
+        ValueError: the model has no ``model.layers`` list.
+    """
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)

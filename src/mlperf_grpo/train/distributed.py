@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mlperf_grpo.config import ConfigError, RunConfig
+from mlperf_grpo.model import compile_decoder_layers, decoder_layers
 
 
 class LayoutError(ConfigError):
@@ -146,7 +147,8 @@ def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
     return slice(here.rank * per_rank, (here.rank + 1) * per_rank)
 
 
-def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool) -> torch.nn.Module:
+def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
+                 compile_layers: bool = False) -> torch.nn.Module:
     """Wrap a Hugging Face causal LM with FSDP2, as torchtitan's ``parallelize`` does:
     ``fully_shard`` on each decoder layer (``policy.model.layers``), then on the root.
 
@@ -157,7 +159,9 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     tokens' sum over the global token count, so the sum over ranks is the global mean's
     gradient. ``activation_checkpointing`` recomputes each decoder layer's activations in
     the backward pass (``torch.utils.checkpoint``, non-reentrant, wrapped inside each
-    layer's FSDP unit as torchtitan does). The policy's ``config.use_cache`` is set False.
+    layer's FSDP unit as torchtitan does). ``compile_layers``: each layer is compiled
+    (:func:`~mlperf_grpo.model.compile_decoder_layers`) after the wrapping and before
+    ``fully_shard``, torchtitan's order. The policy's ``config.use_cache`` is set False.
 
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -167,9 +171,7 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    layers = getattr(getattr(policy, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(policy).__name__}: no model.layers decoder layers to shard")
+    layers = decoder_layers(policy)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # the policy only trains (the engine generates): no KV cache, which a recomputed
     # layer would otherwise extend a second time
@@ -178,6 +180,9 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer, preserve_rng_state=False)
             layers[i] = layer
+    if compile_layers:
+        compile_decoder_layers(policy)
+    for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(policy, mp_policy=mp)
     for module in policy.modules():  # each fully_shard group reduces its own gradients

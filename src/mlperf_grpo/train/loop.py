@@ -42,7 +42,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
-from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, load_model
+from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, compile_decoder_layers, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
@@ -310,9 +310,13 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
     init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
     policy = load_model(config.model.path, "float32", config.model.device)
+    policy.config.use_cache = False  # the policy only scores (the engine generates)
     if distributed.layout().distributed:  # fp32 master weights sharded; compute in the rollout dtype on CUDA
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
-        policy = distributed.shard_policy(policy, compute_dtype, config.distributed.activation_checkpointing)
+        policy = distributed.shard_policy(policy, compute_dtype, config.distributed.activation_checkpointing,
+                                          compile_layers=config.model.compile_policy)
+    elif config.model.compile_policy:
+        compile_decoder_layers(policy)
     engine = build_engine(config)
     optimizer = torch.optim.AdamW(
         policy.parameters(),
