@@ -158,12 +158,14 @@ def tensor_specs_digest(specs: dict[str, tuple[str, list[int]]]) -> str:
     return digest.hexdigest()
 
 
-def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str], alignment_bytes: int = 8) -> bytes:
     """The header of a safetensors file holding ``tensors`` in the given order:
-    8-byte little-endian length, then JSON padded with spaces to 8 bytes (the format's
-    specification, https://github.com/huggingface/safetensors#format). The tensors'
-    bytes follow it back to back. Written by hand so the writer can stream (and hash)
-    the staged buffers without the full extra copy ``safetensors.torch.save`` makes."""
+    8-byte little-endian length, then JSON padded with spaces (the format's
+    specification allows trailing spaces, https://github.com/huggingface/safetensors#format)
+    so that the whole header, and so the tensors' bytes that follow it back to back,
+    ends at a multiple of ``alignment_bytes`` (a multiple of 8). Written by hand so the
+    writer stages each shard's file image in place and writes (and hashes) it without
+    the full extra copy ``safetensors.torch.save`` makes."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors:
@@ -171,7 +173,7 @@ def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[s
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % alignment_bytes)
     return len(text).to_bytes(8, "little") + text
 
 

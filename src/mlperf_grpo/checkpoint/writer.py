@@ -5,15 +5,20 @@ On the training path (:meth:`AsyncCheckpointer.save`), right after the weight up
 1. take a free slot of the host staging pool (at most ``max_in_flight`` checkpoints exist
    at once; when all are taken, training waits: back-pressure, bounded memory);
 2. copy the rollout-dtype weights into the slot's reused host buffers (pinned, with
-   ``non_blocking`` device-to-host copies and one event sync on CUDA; a memcpy on CPU),
-   so training may change the weights as soon as ``save`` returns.
+   ``non_blocking`` device-to-host copies on their own CUDA stream, overlapping what
+   ``info`` computes on the compute stream, and one sync; a memcpy on CPU), so training
+   may change the weights as soon as ``save`` returns. Nothing else runs on the clock.
 
 In the background, one writer thread per checkpoint in flight:
 
 3. write ``tmp_step_N/``: the weight shards in parallel (transformers' sharded
-   safetensors format, hashed with xxh3_128 from the same buffers as they are written),
-   then the slot is free again; fsync the shards, write the index, the non-weight files
-   (snapshotted when training started), ``training_info.json``; fsync the directory;
+   safetensors format). The slot holds each shard's exact file image at an aligned
+   address (header included), so a shard is written with O_DIRECT straight from it
+   (:mod:`~mlperf_grpo.checkpoint.direct_io`; buffered where O_DIRECT is refused) and
+   hashed with xxh3_128 from the same memory at the same time, while another thread
+   computes the weights' fingerprint (:mod:`mlperf_grpo.fingerprint`) from the same host
+   copy; then the slot is free again; fsync the shards, write the index, the non-weight
+   files (snapshotted when training started), ``training_info.json``; fsync the directory;
 4. wait until ``step_{N-1}`` is published, call ``before_publish`` (the trainer makes its
    MLPerf log durable there), then rename to ``step_N/`` (so ``N+1`` is never
    published before ``N``, and nothing is published past a checkpoint that failed).
@@ -34,7 +39,7 @@ import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -42,6 +47,7 @@ from typing import Callable
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
+from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES, aligned_empty, write_file_image
 from mlperf_grpo.checkpoint.format import (
     END_FILE,
     HASH_ALGORITHM,
@@ -61,7 +67,7 @@ from mlperf_grpo.checkpoint.format import (
     write_file_synced,
     SAFETENSORS_DTYPES,
 )
-from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest, weights_checksums
+from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, weights_fingerprint
 
 SHARD_WRITERS = 4
 """Threads writing the shards of one checkpoint in parallel."""
@@ -81,39 +87,42 @@ class CheckpointTiming:
 
 @dataclass
 class StagingSlot:
-    """One host copy of the weights: a flat byte buffer (pinned when the weights are on
-    CUDA) laid out shard by shard, each shard's tensors back to back exactly as in its
-    safetensors file, so a shard is written and hashed as one contiguous range.
-    Reused from checkpoint to checkpoint; rebuilt only if the tensors' layout changes."""
+    """One host copy of the weights, laid out as the shard files' exact bytes: one flat
+    byte buffer (pinned when the weights are on CUDA) holding shard after shard, each
+    starting at a multiple of :data:`~mlperf_grpo.checkpoint.direct_io.ALIGNMENT_BYTES`
+    with its safetensors header (spaces pad it so the data starts aligned too) followed
+    by its tensors back to back, exactly as in the file. So a shard is written with
+    O_DIRECT and hashed as one contiguous aligned range. The headers depend only on the
+    tensors' names, dtypes and shapes: written once, when the slot is built. Reused from
+    checkpoint to checkpoint; rebuilt only if the tensors' layout changes."""
 
     layout: tuple = ()
     flat: torch.Tensor | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """name -> view into ``flat`` with the tensor's dtype and shape."""
     shards: list[tuple[list[str], int, int]] = field(default_factory=list)
-    """(tensor names in file order, start byte, end byte) per shard."""
-    checksums: torch.Tensor | None = None
-    """:func:`~mlperf_grpo.fingerprint.weights_checksums` of the staged weights, taken on
-    their device while staging when that is a GPU (``[T, 2]`` int64, pinned); ``None``:
-    the writer thread computes them from the host copy."""
+    """(tensor names in file order, start byte, end byte of the file image) per shard."""
 
     def build(self, unique: dict[str, torch.Tensor], max_shard_size: int | str) -> None:
         split = split_torch_state_dict_into_shards(unique, max_shard_size=max_shard_size)
-        nbytes = {n: t.numel() * t.element_size() for n, t in unique.items()}
+        # largest element size first keeps every view aligned (safetensors orders so too)
+        groups = [sorted(group, key=lambda n: -unique[n].element_size()) for group in split.filename_to_tensors.values()]
+        headers = [safetensors_header([(n, unique[n]) for n in names], {"format": "pt"}, ALIGNMENT_BYTES) for names in groups]
         offsets, self.shards, offset = {}, [], 0
-        for group in split.filename_to_tensors.values():
-            # largest element size first keeps every view aligned (safetensors orders so too)
-            names = sorted(group, key=lambda n: -unique[n].element_size())
-            offset = -(-offset // 8) * 8
+        for names, header in zip(groups, headers):
             start = offset
+            offset += len(header)
             for n in names:
                 offsets[n] = offset
-                offset += nbytes[n]
+                offset += unique[n].numel() * unique[n].element_size()
             self.shards.append((names, start, offset))
-        on_cuda = any(t.is_cuda for t in unique.values())
-        self.flat = torch.empty(offset, dtype=torch.uint8, pin_memory=on_cuda)
+            offset = -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        self.flat = aligned_empty(offset, pin=any(t.is_cuda for t in unique.values()))
+        for header, (_, start, _) in zip(headers, self.shards):
+            self.flat[start: start + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         self.tensors = {
-            n: self.flat[offsets[n]: offsets[n] + nbytes[n]].view(t.dtype).view(t.shape) for n, t in unique.items()
+            n: self.flat[offsets[n]: offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for n, t in unique.items()
         }
         self.layout = _layout(unique)
 
@@ -149,17 +158,12 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def staged_fingerprint(slot: StagingSlot) -> dict:
     """``training_info.json``'s ``weights.fingerprint`` of a filled slot: ``{"algorithm":
-    DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}`` of the staged tensors (the checksums
-    taken on the GPU while staging, else computed here from the host copy, off the
-    training path)."""
-    checksums = slot.checksums if slot.checksums is not None else weights_checksums(slot.tensors)
-    return {"algorithm": DEVICE_FINGERPRINT_ALGORITHM, "digest": fingerprint_digest(slot.tensors, checksums)}
-
-
-def _write_all(f, data: memoryview | bytes) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[f.write(view):]
+    DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}``, computed on the CPU from the staged
+    host copy (in the writer, off the training path). The algorithm's sums modulo 2**64 do
+    not depend on the order of additions, so this equals
+    :func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the source tensors on their
+    device, which is what the evaluator computes from the engine's tensors."""
+    return {"algorithm": DEVICE_FINGERPRINT_ALGORITHM, "digest": weights_fingerprint(slot.tensors)}
 
 
 class AsyncCheckpointer:
@@ -195,6 +199,7 @@ class AsyncCheckpointer:
             self._free.put(StagingSlot())
         self._jobs = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-writer")
         self._shards = ThreadPoolExecutor(max_workers=SHARD_WRITERS, thread_name_prefix="checkpoint-shard")
+        self._fingerprints = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-fingerprint")
         self._futures: list[Future] = []
         self._error: CheckpointWriteError | None = None
         self._lock = threading.Lock()
@@ -261,6 +266,7 @@ class AsyncCheckpointer:
             self._finished = True
             self._jobs.shutdown(wait=True)
             self._shards.shutdown(wait=True)
+            self._fingerprints.shutdown(wait=True)
             if record_end and (self.root.is_dir() or self._futures):
                 self.root.mkdir(parents=True, exist_ok=True)
                 last = self.published_steps[-1] if self.published_steps else None
@@ -281,7 +287,6 @@ class AsyncCheckpointer:
         unique = unique_tensors(state_dict)
         if slot.layout != _layout(unique):
             slot.build(unique, max_shard_size)
-        slot.checksums = None  # CPU: the writer thread computes them from the host copy
         if not slot.flat.is_pinned():  # CPU: a memcpy
             for name, src in unique.items():
                 slot.tensors[name].copy_(src)
@@ -294,8 +299,7 @@ class AsyncCheckpointer:
             copied = torch.cuda.Event()
             copied.record(copies)
         # on the compute stream, overlapping the copies (which only the copy engine does):
-        # the fingerprint's checksums and whatever ``info`` computes (the canary logits)
-        slot.checksums = weights_checksums(unique).to("cpu", non_blocking=True)
+        # whatever ``info`` computes (the canary logits)
         info = info() if callable(info) else info
         computed = torch.cuda.Event()
         computed.record()
@@ -314,11 +318,13 @@ class AsyncCheckpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
+            fingerprint = self._fingerprints.submit(staged_fingerprint, slot)  # beside the writes
             try:
                 shards, weight_map, files = self._write_shards(tmp, slot)
-                fingerprint = staged_fingerprint(slot)
             finally:
+                wait([fingerprint])
                 self._free.put(slot)  # the buffers are no longer read
+            fingerprint = fingerprint.result()
             self._sync_shards(files)
             self._write_metadata(tmp, info, staged, shards, weight_map, fingerprint)
         except BaseException as err:
@@ -367,25 +373,19 @@ class AsyncCheckpointer:
 
     @staticmethod
     def _write_shard(path: Path, shard: tuple[list[str], int, int], slot: StagingSlot):
-        names, start, end = shard
-        header = safetensors_header([(n, slot.tensors[n]) for n in names], {"format": "pt"})
-        data = memoryview(slot.flat[start:end].numpy())
+        """Write one shard's file image from the slot (O_DIRECT where allowed), hashing the
+        same memory at the same time (both release the interpreter lock); returns the open
+        file (not yet fsynced) and the shard's ``{"hash", "bytes"}``."""
+        _, start, end = shard
+        image = slot.flat[start:end]
         digest = new_hasher()
-        digest.update(header)
-        # the bytes written below, hashed from the same memory at the same time (both
-        # release the interpreter lock)
-        hasher = threading.Thread(target=digest.update, args=(data,), name="checkpoint-hash")
+        hasher = threading.Thread(target=digest.update, args=(memoryview(image.numpy()),), name="checkpoint-hash")
         hasher.start()
-        f = open(path, "wb", buffering=0)
         try:
-            _write_all(f, header)
-            _write_all(f, data)
-        except BaseException:
-            f.close()
-            raise
+            f, _ = write_file_image(path, image)
         finally:
             hasher.join()
-        return f, {"hash": digest.hexdigest(), "bytes": len(header) + data.nbytes}
+        return f, {"hash": digest.hexdigest(), "bytes": end - start}
 
     def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str],
                         fingerprint: dict) -> None:
