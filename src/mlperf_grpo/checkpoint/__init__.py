@@ -1,7 +1,8 @@
 """Deferred checkpoints: each ``step_N/`` a complete Hugging Face model directory.
 
 ``format`` (layout, ``training_info.json``), ``writer`` (asynchronous staging and
-publish), ``reader`` (discovery, header and file checks, verified reads).
+publish), ``direct_io`` (shard files written with O_DIRECT from aligned memory), ``reader``
+(discovery, header and file checks, verified reads).
 """
 
 from mlperf_grpo.checkpoint.format import (
