@@ -56,3 +56,16 @@ def test_format_task_rewards_any_integer_and_loads_as_an_entry_point(monkeypatch
     wrong = str(int(task.answer) + 1)
     assert [reward(text, task) for text in (task.answer, wrong, f" {wrong} ", "12+3", "", "=")] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert suite.validation_tasks(251) == load_suite(RunConfig()).validation_tasks(251)  # the arithmetic prompts
+
+
+def test_build_model_dir_writes_a_finite_model_that_loads(tmp_path):
+    import torch
+
+    from mlperf_grpo.model import check_model, load_model
+
+    n = _module("checkpoint").build_model_dir(tmp_path / "m", 2e6, "bfloat16", device="cpu")
+    check_model(str(tmp_path / "m"), sample_text="12+34=")
+    model = load_model(str(tmp_path / "m"), "bfloat16")
+    assert n == sum(p.numel() for p in model.parameters()) > 1e6
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert model.model.layers[0].mlp.up_proj.weight.float().std() > 0.01  # initialised, not zeros
