@@ -20,9 +20,10 @@ the rows barely shortens generation. The engine generates in batches of 256 rows
 from 512 rows per rank on, a rank runs its batches one after another and 2 ranks halve
 the number of batches; training (micro-batches one after another) scales the same way.
 ``--prompts 16`` measures GBS 256. Estimated on one H200 from the GBS 256 figures
-(generation about 2.4 s and training about 2.2 s per 256 rows on one GPU): a 1-GPU step
-at GBS 1024 about 19 s, a 2-GPU step about 10.5 s (speedup about 1.75); the whole
-benchmark (model build, 2 x start-up, 2 x 5 steps, one checkpoint each) about 3.5 min.
+(generation about 2.4 s and training about 2.2 s per 256 rows on one GPU, about 0.2 s
+of FSDP overhead a step on 2): a 1-GPU step at GBS 1024 about 18.5 s, a 2-GPU step about
+10.3 s (speedup about 1.8); the whole benchmark (model build, 2 x start-up, 2 x 5 steps,
+one checkpoint each) about 3.5-4 min.
 
 ``--large`` (about 8e9 parameters: 144 GB of fp32 weights, gradients and AdamW moments
 plus the bfloat16 engine copy, more than one H200's 141 GB) runs ``--nproc`` ranks only,

@@ -276,8 +276,9 @@ def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
     """Give a :func:`model_skeleton` (sharded or not) storage on ``device``, in place.
 
     Parameters and persistent buffers are left **uninitialised** (``to_empty``): the caller
-    loads them. Tied parameters (input and output embedding) stay one tensor. Non-persistent buffers, which no weight file holds (RoPE's ``inv_freq``),
-    are recomputed from the config by the model's own initializer (Hugging Face
+    loads them. Tied parameters (input and output embedding) stay one tensor.
+    Non-persistent buffers, which no weight file holds (RoPE's ``inv_freq``), are
+    recomputed from the config by the model's own initializer (Hugging Face
     ``_init_weights`` of each module that owns one), as ``from_pretrained`` computes them.
 
     Raises:
