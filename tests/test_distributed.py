@@ -140,7 +140,8 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path):
 def _sharded_build(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True)
+        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True,
+                                                 compile_layers=True)  # as on CUDA (compiled at the first forward)
         config = RunConfig.model_validate({"model": {"path": model_dir, "dtype": "bfloat16"}})
         engine = distributed.engine_from_policy(config, policy)
         full = {name: t.full_tensor() for name, t in policy.state_dict().items()}  # every rank gathers
