@@ -19,11 +19,13 @@ about as long as one of 256 (latency-bound: measured 2.6 s against 2.4 s), so ha
 the rows barely shortens generation. The engine generates in batches of 256 rows, so
 from 512 rows per rank on, a rank runs its batches one after another and 2 ranks halve
 the number of batches; training (micro-batches one after another) scales the same way.
-``--prompts 16`` measures GBS 256. Estimated on one H200 from the GBS 256 figures
-(generation about 2.4 s and training about 2.2 s per 256 rows on one GPU, about 0.2 s
-of FSDP overhead a step on 2): a 1-GPU step at GBS 1024 about 18.5 s, a 2-GPU step about
-10.3 s (speedup about 1.8); the whole benchmark (model build, 2 x start-up, 2 x 5 steps,
-one checkpoint each) about 3.5-4 min.
+``--prompts 16`` measures GBS 256. Estimated on H200s from the GBS 256 figures
+(generation about 2.4 s per 256 rows; training about 2.2 s per 256 rows eager and about
+half that with ``model.compile``, the CUDA default, whose first step pays about 35 s of
+compilation; about 0.3 s more per step on 2 GPUs): a 1-GPU step at GBS 1024 about 14 s
+(18.5 s eager), a 2-GPU step about 8 s (10.3 s eager), speedup about 1.75 (1.8 eager);
+the whole benchmark (model build, 2 x start-up and compilation, 2 x 5 steps, one
+checkpoint each) about 4 min.
 
 ``--large`` (about 8e9 parameters: 144 GB of fp32 weights, gradients and AdamW moments
 plus the bfloat16 engine copy, more than one H200's 141 GB) runs ``--nproc`` ranks only,
@@ -32,8 +34,9 @@ sharded, not how fast. Each rank builds the policy on the meta device, shards it
 reads only its rows of each tensor from the safetensors files; its engine is filled
 from the shards (``train/distributed.py``): no rank holds the whole fp32 model on the
 host or on its GPU (``startup_s_n``). Estimated on 2 H200s (40 layers of hidden size
-4096): about 1 min to write the model directory, under 1 min to start, about 15 s a
-step, and one 16 GB checkpoint at the end: about 4 min in all.
+4096): about 1 min to write the model directory, under 1 min to start, under 1 min of
+compilation in the first step, about 15 s a step, and one 16 GB checkpoint at the end:
+about 5 min in all.
 
 Reward: ``--task format`` (default) rewards the format of the answer only
 (``benchmarks/format_task.py``: the completion is a decimal integer), which a
