@@ -61,8 +61,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 def qwen3_config(params: float, vocab_size: int) -> Qwen3Config:
     """A Qwen3-shaped config (head_dim 128, GQA 2:1, MLP 3x hidden, tied embeddings, as
-    Qwen3-1.7B) with about ``params`` parameters; the layer count is solved for."""
-    hidden = 2048 if params >= 1e9 else 1024 if params >= 2e8 else 512
+    Qwen3-1.7B; hidden size 4096 from 4e9 parameters on, as Qwen3-8B) with about
+    ``params`` parameters; the layer count is solved for (28 at 1.4e9, 40 at 8e9)."""
+    hidden = 4096 if params >= 4e9 else 2048 if params >= 1e9 else 1024 if params >= 2e8 else 512
     heads = hidden // 128
     kv_heads = max(1, heads // 2)
     inter = 3 * hidden
@@ -75,16 +76,31 @@ def qwen3_config(params: float, vocab_size: int) -> Qwen3Config:
     )
 
 
-def build_model_dir(directory: Path, params: float, dtype: str) -> int:
+def build_model_dir(directory: Path, params: float, dtype: str, device: str | None = None) -> int:
     """Save a random-init Qwen3-shaped model with the shipped tokenizer; returns its
-    parameter count."""
+    parameter count.
+
+    The weights are initialised by ``transformers`` (normal, std ``initializer_range``
+    0.02; norms 1), seed 0, on ``device``: by default the GPU when there is one, where an
+    8e9-parameter init takes about a second (on the host it takes minutes). The values
+    therefore depend on the device's random generator, not only on the seed; they are
+    finite, and what they are does not matter for the speed figures. The files are
+    written in shards of at most 5 GB, as published checkpoints are, and the model's
+    device memory is released before this returns.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR, local_files_only=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen3_config(params, len(tokenizer)), dtype=DTYPES[dtype])
-    model.save_pretrained(directory)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3_config(params, len(tokenizer)), dtype=DTYPES[dtype])
+    model.save_pretrained(directory, max_shard_size="5GB")
     for name in TOKENIZER_FILES:
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
-    return sum(p.numel() for p in model.parameters())
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return count
 
 
 def run_trainer(root: Path, model_dir: Path, args: argparse.Namespace, dtype: str, checkpoints: bool) -> dict:

@@ -1,27 +1,68 @@
 """Data-parallel GRPO training: N ranks against 1, the same config, launched with torchrun.
 
-    python benchmarks/distributed.py --device cpu --params 2e6 --nproc 2         # CPU, gloo (smoke)
-    python benchmarks/distributed.py --device cuda --params 1.4e9 --nproc 2      # 2 GPUs vs 1 GPU
+    python benchmarks/distributed.py --device cpu --nproc 2                      # CPU, gloo (smoke)
+    python benchmarks/distributed.py --device cuda --nproc 2                     # 2 GPUs vs 1 GPU, GBS 1024
+    python benchmarks/distributed.py --device cuda --nproc 2 --prompts 16        # the same at GBS 256
     python benchmarks/distributed.py --device cuda --large --nproc 2             # ~8B: does not fit on 1 GPU
 
 Builds a random-init Qwen3-shaped model directory (``benchmarks/checkpoint.py``'s
 ``build_model_dir``; bfloat16 on CUDA, float32 on CPU), then runs the real trainer
 (``mlperf_grpo.train.loop.train``, FSDP2 under torchrun: ``train/distributed.py``) in a
 worker launched with ``torchrun --standalone --nproc-per-node K`` for K = 1 and K =
-``--nproc`` (``--large``: K = ``--nproc`` only), same config, same global batch. Prints
-ONE JSON line:
+``--nproc`` (``--large``: K = ``--nproc`` only), same config, same global batch.
+
+Default config on CUDA: a 1.4B model, GBS 1024 (64 prompts x 16, the largest of the
+reference's GBS 256 / 512 / 1024), 64 new tokens, micro-batches of 32 rows, 5 steps.
+Data parallelism only pays where each GPU's share of the work is throughput-bound: at
+GBS 256 on 2 GPUs each rank generates 128 rows, and a decode step of 128 rows takes
+about as long as one of 256 (latency-bound: measured 2.6 s against 2.4 s), so halving
+the rows barely shortens generation. The engine generates in batches of 256 rows, so
+from 512 rows per rank on, a rank runs its batches one after another and 2 ranks halve
+the number of batches; training (micro-batches one after another) scales the same way.
+``--prompts 16`` measures GBS 256. Estimated on H200s from the GBS 256 figures
+(generation about 2.4 s per 256 rows; training about 2.2 s per 256 rows eager and about
+half that with ``model.compile``, the CUDA default, whose first step pays about 35 s of
+compilation; about 0.3 s more per step on 2 GPUs): a 1-GPU step at GBS 1024 about 14 s
+(18.5 s eager), a 2-GPU step about 8 s (10.3 s eager), speedup about 1.75 (1.8 eager);
+the whole benchmark (model build, 2 x start-up and compilation, 2 x 5 steps, one
+checkpoint each) about 4 min.
+
+``--large`` (about 8e9 parameters: 144 GB of fp32 weights, gradients and AdamW moments
+plus the bfloat16 engine copy, more than one H200's 141 GB) runs ``--nproc`` ranks only,
+GBS 256 and micro-batches of 16 rows, 4 steps: it shows that the model starts and trains
+sharded, not how fast. Each rank builds the policy on the meta device, shards it, and
+reads only its rows of each tensor from the safetensors files; its engine is filled
+from the shards (``train/distributed.py``): no rank holds the whole fp32 model on the
+host or on its GPU (``startup_s_n``). Estimated on 2 H200s (40 layers of hidden size
+4096): about 1 min to write the model directory, under 1 min to start, under 1 min of
+compilation in the first step, about 15 s a step, and one 16 GB checkpoint at the end:
+about 5 min in all.
+
+Reward: ``--task format`` (default) rewards the format of the answer only
+(``benchmarks/format_task.py``: the completion is a decimal integer), which a
+random-init model earns in about a quarter of its completions; with ``--task
+arithmetic`` (the real reward) it earns almost nothing, every advantage, loss and
+gradient is exactly 0, and the agreement figures below compare zeros. The timed work
+is the same with either.
+
+Prints ONE JSON line:
 
 - ``steps_per_s_1`` / ``steps_per_s_n``: 1 / median ``train_step_time`` of the
   ``tracked_stats`` events (steps 2..N-1: the first is warm-up, the last writes the one
   checkpoint), and ``speedup`` (their ratio; the goal on 2 GPUs is >= 1.7);
-- ``max_grad_norm_rel_diff`` and ``max_loss_abs_diff``: the two runs step for step
-  (identical up to the reduction order in fp32 on CPU; bfloat16 compute on CUDA), and
-  ``nonzero_grad_steps``: a random-init model often earns no reward on the built-in
-  task, and a step whose groups all have equal rewards has zero advantages, loss and
-  gradient (its forward and backward passes still run, so the timing is real);
+- the two runs step for step (identical up to the reduction order in fp32 on CPU;
+  bfloat16 compute on CUDA, where batches of other shapes may also sample other tokens):
+  ``max_grad_norm_rel_diff`` over the steps whose gradient norm is not 0 in both runs
+  (null when there is none: zero gradients agree trivially), ``max_loss_rel_diff``
+  likewise over the steps whose 1-rank loss is not 0, ``max_loss_abs_diff``,
+  ``nonzero_grad_steps`` (steps with a non-zero gradient in both runs), and
+  ``same_rollouts_steps`` (steps whose mean reward and valid-token count are equal in
+  both: the same completions were trained on, so a difference is training numerics);
 - ``phases_s_1`` / ``phases_s_n``: median seconds of the steps' generation (and the part
   of it the step waited for), policy training (loss passes and optimizer step) and
   weight sync (refit of the engine), from the same events;
+- ``startup_s_1`` / ``startup_s_n``: launch to ``run_start`` (model loading, sharding,
+  engine, staging buffers); ``build_model_s``: writing the random-init model directory;
 - ``peak_memory_bytes_per_rank``: ``torch.cuda.max_memory_allocated`` of each rank (the
   process's peak RSS on CPU);
 - with ``--large``: ``params``, ``one_device_state_bytes`` (fp32 weights + gradients +
@@ -39,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -73,12 +115,14 @@ def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
 
 def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
     """Run :func:`worker` under ``torchrun --standalone --nproc-per-node nproc``; returns
-    the per-step ``tracked_stats`` and the peak memory per rank.
+    the per-step ``tracked_stats``, the seconds from launch to ``run_start`` and the peak
+    memory per rank.
 
     Raises:
         SystemExit: the run failed (its stderr's tail is printed).
     """
     result = out_dir.with_suffix(".json")
+    launch_s = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--worker", str(config_file), str(out_dir), str(result)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -86,8 +130,10 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
         sys.exit(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     from mlperf_grpo.mllog import read_log
 
-    stats = [e.value for e in read_log(out_dir / "mlperf.log").events if e.key == "tracked_stats"]
-    return {"stats": stats, **json.loads(result.read_text())}
+    log = read_log(out_dir / "mlperf.log")
+    stats = [e.value for e in log.events if e.key == "tracked_stats"]
+    startup_s = log.find("run_start")[0].time_ms / 1000 - launch_s
+    return {"stats": stats, "startup_s": round(startup_s, 2), **json.loads(result.read_text())}
 
 
 def steps_per_s(stats: list[dict]) -> float:
@@ -105,17 +151,49 @@ def phases_s(stats: list[dict]) -> dict[str, float]:
     return {name: round(statistics.median(s[name] for s in timed), 4) for name in PHASES}
 
 
+def _max_rel_diff(pairs: list[tuple[float, float]]) -> float | None:
+    """``max |b - a| / |a|`` over the pairs whose ``a`` is not 0; None when there is none."""
+    diffs = [abs(b - a) / abs(a) for a, b in pairs if a != 0]
+    return max(diffs) if diffs else None
+
+
+def agreement(one: list[dict], many: list[dict]) -> dict[str, object]:
+    """How the N-rank run's ``tracked_stats`` agree with the 1-rank run's, step for step.
+
+    Gradient norms are compared on the steps where both are non-zero: when every group's
+    rewards are equal the advantages, losses and gradients are exactly 0 in both runs and
+    prove nothing, so such steps are counted apart (null when no step is left). Losses
+    are compared relative to the 1-rank loss where it is not 0, and absolutely.
+
+    Returns:
+        ``max_grad_norm_rel_diff``, ``max_loss_rel_diff`` (float or None),
+        ``max_loss_abs_diff``, ``nonzero_grad_steps``, ``same_rollouts_steps``.
+    """
+    pairs = list(zip(one, many))
+    nonzero = [(a, b) for a, b in pairs if a["grad_norm"] != 0 and b["grad_norm"] != 0]
+    return {
+        "max_grad_norm_rel_diff": _max_rel_diff([(a["grad_norm"], b["grad_norm"]) for a, b in nonzero]),
+        "max_loss_rel_diff": _max_rel_diff([(a["reduced_train_loss"], b["reduced_train_loss"]) for a, b in pairs]),
+        "max_loss_abs_diff": max(abs(b["reduced_train_loss"] - a["reduced_train_loss"]) for a, b in pairs),
+        "nonzero_grad_steps": len(nonzero),
+        "same_rollouts_steps": sum(
+            (a["reward"], a["global_valid_toks"]) == (b["reward"], b["global_valid_toks"]) for a, b in pairs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (GPUs on cuda)")
     parser.add_argument("--params", type=float, default=None, help="model size (default: 8e9 with --large, else 1.4e9 on cuda, 2e6 on cpu)")
     parser.add_argument("--large", action="store_true", help="a model too large for one device: --nproc ranks only, with its memory figures")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 6; 4 with --large)")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 16 on cuda, 2 on cpu)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 8 on cpu)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 5; 4 with --large)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 64 on cuda, i.e. GBS 1024; 16 with --large; 2 on cpu)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 16 with --large, 8 on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="rollout length (default: 64 on cuda, 8 on cpu)")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--task", choices=("format", "arithmetic"), default="format",
+                        help="reward: format (benchmarks/format_task.py, earned by a random model) or the real arithmetic one")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -124,19 +202,23 @@ def main() -> None:
     from checkpoint import build_model_dir  # benchmarks/checkpoint.py
 
     cuda = args.device == "cuda"
-    args.steps = args.steps or (4 if args.large else 6)
+    args.steps = args.steps or (4 if args.large else 5)
     params = args.params or (LARGE_PARAMS if args.large else 1.4e9 if cuda else 2e6)
     dtype = "bfloat16" if cuda else "float32"
-    prompts = args.prompts or (16 if cuda else 2)
-    micro = args.micro_batch_size or (32 if cuda else 8)
+    prompts = args.prompts or (16 if args.large else 64 if cuda else 2)
+    micro = args.micro_batch_size or (16 if args.large else 32 if cuda else 8)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        build_start_s = time.perf_counter()
         n_params = build_model_dir(tmp / "model", params, dtype)
+        build_model_s = time.perf_counter() - build_start_s
+        task = {"name": "python", "entry_point": "format_task:factory"} if args.task == "format" else {"name": "arithmetic"}
         config = {
             "seed": 1,
             "model": {"path": str(tmp / "model"), "dtype": dtype, "device": args.device},
             "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "max_steps": args.steps,
                      "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
+            "task": task,
             "checkpoint": {"max_in_flight": 1},
             "distributed": {"activation_checkpointing": args.activation_checkpointing},
         }
@@ -153,20 +235,21 @@ def main() -> None:
         "global_batch_size": prompts * 16,
         "micro_batch_size": micro,
         "steps": args.steps,
+        "task": args.task,
+        "build_model_s": round(build_model_s, 2),
+        "startup_s_n": many["startup_s"],
         "steps_per_s_n": round(steps_per_s(many["stats"]), 4),
         "phases_s_n": phases_s(many["stats"]),
         "peak_memory_bytes_per_rank": many["peak_memory_bytes_per_rank"],
     }
     if one is not None:
-        pairs = list(zip(one["stats"], many["stats"]))
         line.update({
+            "startup_s_1": one["startup_s"],
             "steps_per_s_1": round(steps_per_s(one["stats"]), 4),
             "phases_s_1": phases_s(one["stats"]),
             "speedup": round(steps_per_s(many["stats"]) / steps_per_s(one["stats"]), 3),
             "speedup_goal": 1.7 if args.nproc == 2 else None,
-            "max_grad_norm_rel_diff": max(abs(b["grad_norm"] - a["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30) for a, b in pairs),
-            "nonzero_grad_steps": sum(a["grad_norm"] > 0 for a, _ in pairs),
-            "max_loss_abs_diff": max(abs(b["reduced_train_loss"] - a["reduced_train_loss"]) for a, b in pairs),
+            **agreement(one["stats"], many["stats"]),
             "peak_memory_bytes_1": one["peak_memory_bytes_per_rank"][0],
         })
     if args.large:

@@ -134,6 +134,73 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path):
         torch.testing.assert_close(got["engine"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------- building sharded
+
+
+def _sharded_build(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True,
+                                                 compile_layers=True)  # as on CUDA (compiled at the first forward)
+        config = RunConfig.model_validate({"model": {"path": model_dir, "dtype": "bfloat16"}})
+        engine = distributed.engine_from_policy(config, policy)
+        full = {name: t.full_tensor() for name, t in policy.state_dict().items()}  # every rank gathers
+        local_rows = {name: t.to_local().shape[0] for name, t in policy.state_dict().items()}
+        if rank == 0:
+            torch.save({"policy": full, "policy_buffers": dict(policy.named_buffers()), "rows": local_rows,
+                        "engine": engine.model.state_dict(), "engine_buffers": dict(engine.model.named_buffers()),
+                        "tied": engine.model.lm_head.weight is engine.model.model.embed_tokens.weight,
+                        "generation_config": engine.model.generation_config.to_dict()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sharded_build_equals_the_one_process_load(tmp_path):
+    """2 ranks build the policy on the meta device, shard it, and read only their rows of
+    each tensor from a bfloat16 model split over several safetensors files: the gathered
+    parameters equal ``load_model(..., "float32")``'s exactly, RoPE's recomputed buffers
+    equal too, and each rank's engine holds ``load_model(..., "bfloat16")``'s weights."""
+    from transformers import AutoTokenizer
+
+    from mlperf_grpo.model import BUILTIN_MODEL_DIR
+
+    model_dir = tmp_path / "bf16"
+    load_model(MODEL, "bfloat16").save_pretrained(model_dir, max_shard_size="100KB")
+    assert len(list(model_dir.glob("*.safetensors"))) >= 2  # the index path is taken
+    AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR).save_pretrained(model_dir)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_sharded_build, args=(2, str(tmp_path / "pg"), str(model_dir), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    whole = load_model(str(model_dir), "float32")
+    expected = {name: t for name, t in whole.state_dict().items()}
+    policy = {name.replace("._checkpoint_wrapped_module", ""): t for name, t in got["policy"].items()}
+    assert policy.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert policy[name].dtype == torch.float32 and torch.equal(policy[name], tensor), name
+    assert got["rows"]["model.embed_tokens.weight"] == 8  # 15 rows over 2 ranks: really sharded
+    buffers = {name.replace("._checkpoint_wrapped_module", ""): t for name, t in got["policy_buffers"].items()}
+    assert buffers.keys() == dict(whole.named_buffers()).keys() and buffers  # inv_freq, original_inv_freq
+    for name, tensor in whole.named_buffers():
+        assert torch.equal(buffers[name], tensor), name
+    rollout = load_model(str(model_dir), "bfloat16")
+    for name, tensor in rollout.state_dict().items():
+        assert got["engine"][name].dtype == torch.bfloat16 and torch.equal(got["engine"][name], tensor), name
+    for name, tensor in rollout.named_buffers():
+        assert torch.equal(got["engine_buffers"][name], tensor), name
+    assert got["tied"]
+    assert got["generation_config"] == rollout.generation_config.to_dict()
+
+
+def test_a_buffer_the_initializer_does_not_recompute_is_refused():
+    from mlperf_grpo.model import ModelLoadError, materialize, model_skeleton
+
+    model = model_skeleton(MODEL, "float32")
+    model.model.layers[0].register_buffer("scale", torch.ones(3, device="meta"), persistent=False)
+    with pytest.raises(ModelLoadError, match=r"does not recompute the buffer model.layers.0.scale"):
+        materialize(model, "cpu")
+    materialize(model_skeleton(MODEL, "float32"), "cpu")  # the model's own buffers are recomputed
+
+
 # ---------------------------------------------------------------- the CLI on 1 and 2 ranks
 
 

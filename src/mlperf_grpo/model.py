@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.config import BUILTIN_MODEL
@@ -65,7 +72,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 """A Hugging Face tokenizer needs one of these (``tokenizer_config.json`` alone is not one)."""
 
 
-def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, read from the safetensors headers only (no weights loaded).
 
     Raises:
@@ -97,6 +104,20 @@ def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The architecture of ``directory/config.json`` in ``dtype`` on the meta device.
+
+    Raises:
+        ModelLoadError: ``config.json`` does not load or names an unknown architecture.
+    """
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"cannot build the model of {directory / 'config.json'}: {str(err).splitlines()[0]}") from None
+
+
 def _expected_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
     """What the config's architecture needs, built on the meta device (no memory).
 
@@ -107,20 +128,21 @@ def _expected_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[
     Raises:
         ModelLoadError: ``config.json`` does not load or names an unknown architecture.
     """
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"cannot build the model of {directory / 'config.json'}: {str(err).splitlines()[0]}") from None
-    groups: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), set()).add(name)
+    model = _skeleton(directory, torch.float32)
     embedding_module = model.get_input_embeddings()
     embedding = embedding_module.weight
     embedding_name = next(n for n, m in model.named_modules() if m is embedding_module) + ".weight"
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    return shapes, list(groups.values()), embedding_name, int(embedding.shape[0])
+    return shapes, tied_groups(model), embedding_name, int(embedding.shape[0])
+
+
+def tied_groups(model: torch.nn.Module) -> list[set[str]]:
+    """The parameter names of ``model``, grouped by the tensor they name (a tied input
+    and output embedding is one group of two names)."""
+    groups: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
+    return list(groups.values())
 
 
 def check_model(path: str, sample_text: str) -> None:
@@ -136,7 +158,7 @@ def check_model(path: str, sample_text: str) -> None:
         ModelLoadError: one line naming the file or value that is wrong and what to do.
     """
     directory = check_model_path(path)
-    have = _weight_shapes(directory)
+    have = weight_shapes(directory)
     want, tied_groups, embedding_name, rows = _expected_shapes(directory)
     for group in tied_groups:
         present = sorted(n for n in group if n in have)
@@ -230,3 +252,67 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     """
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
+
+
+def model_skeleton(path: str, dtype: str) -> PreTrainedModel:
+    """The model at ``path`` as an architecture without weights: its parameters and
+    buffers on the meta device (no memory) in ``dtype``, its generation config read from
+    the directory as ``from_pretrained`` reads it. Shard it, then :func:`materialize` it.
+
+    Raises:
+        ModelLoadError: not a local model directory, or ``config.json`` does not build.
+    """
+    directory = check_model_path(path)
+    model = _skeleton(directory, DTYPES[dtype])
+    if model.can_generate():  # as GenerationMixin.adjust_generation_fn does in from_pretrained
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+        except OSError:  # no generation_config.json: the one from_config built from config.json stays
+            pass
+    return model
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Give a :func:`model_skeleton` (sharded or not) storage on ``device``, in place.
+
+    Parameters and persistent buffers are left **uninitialised** (``to_empty``): the caller
+    loads them. Tied parameters (input and output embedding) stay one tensor.
+    Non-persistent buffers, which no weight file holds (RoPE's ``inv_freq``), are
+    recomputed from the config by the model's own initializer (Hugging Face
+    ``_init_weights`` of each module that owns one), as ``from_pretrained`` computes them.
+
+    Raises:
+        ModelLoadError: the model's initializer left a non-persistent floating-point
+            buffer unset (it is filled with NaN first, so this is detected), or its ties
+            could not be restored.
+    """
+    ties = _tie_pattern(model)
+    model.to_empty(device=device)  # new tensors per module: a tie between two modules breaks
+    if _tie_pattern(model) != ties:
+        model.tie_weights()
+        if _tie_pattern(model) != ties:
+            raise ModelLoadError(f"{type(model).__name__}: tie_weights() did not restore its tied weights {ties}")
+    owners = [(name, m) for name, m in model.named_modules() if m._non_persistent_buffers_set]
+    with torch.no_grad():
+        for _, module in owners:
+            for _, buffer in _float_buffers(module):
+                buffer.fill_(float("nan"))
+            model._init_weights(module)
+    for owner, module in owners:
+        for buffer_name, buffer in _float_buffers(module):
+            if bool(buffer.isnan().any()):
+                raise ModelLoadError(
+                    f"{type(model).__name__}: its initializer does not recompute the buffer {owner}.{buffer_name}; "
+                    "this model cannot be built sharded: train it in one process (without torchrun)"
+                )
+
+
+def _tie_pattern(model: torch.nn.Module) -> list[list[str]]:
+    """The groups of parameter names that share a tensor, in a comparable form."""
+    return sorted(sorted(group) for group in tied_groups(model) if len(group) > 1)
+
+
+def _float_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of the floating-point non-persistent buffers ``module`` itself owns."""
+    found = ((name, getattr(module, name)) for name in sorted(module._non_persistent_buffers_set))
+    return [(name, b) for name, b in found if b is not None and b.is_floating_point()]

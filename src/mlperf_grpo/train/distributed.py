@@ -10,10 +10,15 @@ before. The decisions, in one place:
 - **prompts**: :func:`prompt_share`; rank ``r`` of ``N`` generates prompts
   ``[r P/N, (r+1) P/N)`` of the step, with the per-completion seeds of their global
   index, so a completion does not depend on ``N``; a prompt group never spans ranks.
-- **policy**: :func:`shard_policy` wraps each decoder layer and the root with FSDP2
-  ``fully_shard`` (fp32 master weights, optional bf16 compute, fp32 gradient reduction,
-  gradients summed, not averaged, because the loss is already normalized by the global
-  token count: :func:`all_reduce_sum`).
+- **policy**: :func:`load_sharded_policy` builds it sharded from the start: the
+  architecture on the meta device, :func:`shard_policy` (FSDP2 ``fully_shard`` on each
+  decoder layer and the root: fp32 master weights, optional bf16 compute, fp32 gradient
+  reduction, gradients summed, not averaged, because the loss is already normalized by
+  the global token count: :func:`all_reduce_sum`), storage for this rank's shards only on
+  its device, then each rank reads its own rows of each tensor from the safetensors
+  files. No rank ever holds the whole fp32 model, on the host or on a device.
+- **engine**: :func:`engine_from_policy` gives each rank a full rollout-dtype copy on
+  its device, filled by a refit from the sharded policy (the files are read once).
 - **refit**: :func:`refit_engine` copies the sharded policy into a rank's engine one
   parameter at a time (``DTensor.full_tensor()``), never the whole model gathered.
 - **who writes**: rank 0 alone writes the run directory, the MLPerf log and the deferred
@@ -33,7 +38,18 @@ import torch
 import torch.distributed as dist
 
 from mlperf_grpo.config import ConfigError, RunConfig
-from mlperf_grpo.model import compile_decoder_layers, decoder_layers
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.model import (
+    ModelLoadError,
+    check_model_path,
+    compile_decoder_layers,
+    decoder_layers,
+    load_tokenizer,
+    materialize,
+    model_skeleton,
+    tied_groups,
+    weight_shapes,
+)
 
 
 class LayoutError(ConfigError):
@@ -192,6 +208,76 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     return policy
 
 
+def load_sharded_policy(
+    path: str, device: str, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
+    compile_layers: bool = False,
+) -> torch.nn.Module:
+    """The policy at ``path``, fp32, FSDP2-sharded over the process group's ranks as it is
+    built: every rank must call this.
+
+    1. the architecture on the meta device (:func:`~mlperf_grpo.model.model_skeleton`);
+    2. :func:`shard_policy` (``fully_shard`` per decoder layer and at the root; each layer
+       compiled first with ``compile_layers``);
+    3. storage for this rank's shards only, on ``device``; RoPE's ``inv_freq`` and other
+       non-persistent buffers recomputed from the config
+       (:func:`~mlperf_grpo.model.materialize`);
+    4. ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader``: each rank
+       reads only its rows of each tensor (safetensors slices, memory-mapped) and casts
+       them into its fp32 shard. A name tied to a loaded one (``lm_head.weight`` to the
+       embeddings, which ``save_pretrained`` writes once) follows it.
+
+    Peak memory per rank: its shards (``4 P / N`` bytes for ``P`` parameters) plus one
+    tensor's slice on the host; nothing of the size of the whole model anywhere.
+    The parameters equal ``load_model(path, "float32")``'s exactly
+    (``tests/test_distributed.py``).
+
+    Raises:
+        ModelLoadError: the directory, its config or its weight files are unusable, or a
+            parameter is in no weight file.
+        ValueError: the model has no ``model.layers`` to shard.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    directory = check_model_path(path)
+    policy = shard_policy(model_skeleton(path, "float32"), compute_dtype, activation_checkpointing, compile_layers)
+    materialize(policy, device)
+    in_files = set(weight_shapes(directory))
+    state = {_plain_name(n): t for n, t in policy.state_dict().items()}
+    for group in tied_groups(policy):
+        names = {_plain_name(n) for n in group}
+        if not names & in_files:
+            raise ModelLoadError(f"model {directory}: the weight files have no tensor {sorted(names)[0]!r}")
+        for name in names - in_files:  # tied to a loaded name: the same tensor
+            del state[name]
+    dcp_load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    return policy
+
+
+def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
+    """This rank's rollout engine (``inference.engine: hf``): a full copy of the model in
+    ``model.dtype`` on ``model.device``, built empty there
+    (:func:`~mlperf_grpo.model.materialize`) and filled by :func:`refit_engine` from the
+    sharded policy (every rank must call this), so the weight files are not read again
+    and no host copy is made. The weights equal ``load_model(path, model.dtype)``'s:
+    a cast of the same values to the same dtype.
+
+    Returns:
+        An :class:`~mlperf_grpo.inference.hf.HFEngine` with the model's tokenizer.
+    Raises:
+        ModelLoadError: the model or its tokenizer does not load.
+    """
+    model = model_skeleton(config.model.path, config.model.dtype)
+    materialize(model, config.model.device)
+    refit_engine(model, policy)
+    return HFEngine.from_model(model, load_tokenizer(config.model.path), model_path=config.model.path)
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper (its name in the files)."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
 def refit_engine(engine_model: torch.nn.Module, policy: torch.nn.Module) -> None:
     """Copy the policy's weights into an engine's model in place, one parameter at a time.
 
@@ -209,7 +295,7 @@ def refit_engine(engine_model: torch.nn.Module, policy: torch.nn.Module) -> None
     given = set()
     with torch.no_grad():
         for name, tensor in policy.state_dict().items():
-            name = name.replace("._checkpoint_wrapped_module", "")
+            name = _plain_name(name)
             if name not in own:
                 raise ValueError(f"refit: the engine's model has no weight {name}")
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

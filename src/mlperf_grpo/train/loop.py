@@ -309,15 +309,18 @@ class _Setup:
 def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
     init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
-    policy = load_model(config.model.path, "float32", config.model.device)
-    policy.config.use_cache = False  # the policy only scores (the engine generates)
-    if distributed.layout().distributed:  # fp32 master weights sharded; compute in the rollout dtype on CUDA
+    if distributed.layout().distributed:  # built sharded (fp32 master weights); compute in the rollout dtype on CUDA
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
-        policy = distributed.shard_policy(policy, compute_dtype, config.distributed.activation_checkpointing,
-                                          compile_layers=config.model.compile_policy)
-    elif config.model.compile_policy:
-        compile_decoder_layers(policy)
-    engine = build_engine(config)
+        policy = distributed.load_sharded_policy(config.model.path, config.model.device, compute_dtype,
+                                                 config.distributed.activation_checkpointing,
+                                                 compile_layers=config.model.compile_policy)
+        engine = distributed.engine_from_policy(config, policy)
+    else:
+        policy = load_model(config.model.path, "float32", config.model.device)
+        policy.config.use_cache = False  # the policy only scores (the engine generates)
+        if config.model.compile_policy:
+            compile_decoder_layers(policy)
+        engine = build_engine(config)
     optimizer = torch.optim.AdamW(
         policy.parameters(),
         lr=config.learning_rate,
