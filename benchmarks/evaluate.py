@@ -1,16 +1,20 @@
 """Cost of offline evaluation per checkpoint, with 1 and N workers, against the load floor.
 
-    python benchmarks/evaluate.py --device cpu --params 2e7 --checkpoints 3 --workers 2
+    python benchmarks/evaluate.py --device cpu --params 2e6 --checkpoints 3 --workers 2
     python benchmarks/evaluate.py --device cuda --params 1.4e9 --checkpoints 6 --workers 1   # one H200
     python benchmarks/evaluate.py --device cuda --params 1.4e9 --checkpoints 6 --workers 2   # nvidia-h200-x2
 
 Without ``--run`` it makes its own run: a Qwen3-shaped model of about ``--params``
-parameters from a ``transformers`` config (random init, the shipped tokenizer; nothing
-is downloaded, as ``benchmarks/checkpoint.py``), trained by our trainer for
-``--checkpoints`` steps with a checkpoint after every one (open division, first eval
-step 1), checkpoints retained. A random model never passes, so every checkpoint is
-evaluated. The run is then evaluated twice from the same checkpoints (copies of its log):
-``evaluate_run(workers=1)`` and ``evaluate_run(workers=N)``. Prints one JSON line:
+parameters from a ``transformers`` config (random init on ``--device``, the shipped
+tokenizer; nothing is downloaded, as ``benchmarks/checkpoint.py``), trained by our
+trainer for ``--checkpoints`` steps with a checkpoint after every one (open division,
+first eval step 1, one prompt a step: the training only has to publish a series),
+checkpoints retained. A random model never passes, so every checkpoint is evaluated.
+The run is then evaluated twice from the same checkpoints (copies of its log), each
+time as a user runs it, in a fresh process that pays its own start-up (imports, engine,
+device context, worker launch): ``python -m mlperf_grpo.cli evaluate RUN --workers 1``,
+then ``--workers N``. Progress goes to stderr with the seconds each phase took. Prints
+one JSON line:
 
 - ``per_checkpoint_s``: the serial run's median time from one ``eval_stop`` to the next
   (the steady cost of one more checkpoint: read wait, refit, validation, commit);
@@ -22,13 +26,20 @@ evaluated. The run is then evaluated twice from the same checkpoints (copies of 
   the same files to the same device, in the same run (after the evaluations, so the
   page cache is as warm as the evaluator found it; on CPU, where ``load_file`` maps the
   file lazily, ``safetensors.torch.load`` of the file's bytes);
-- ``workers``, ``serial_s``, ``parallel_s`` (wall time of each ``evaluate_run``, engine
-  and worker start included), ``speedup`` (``serial_s / parallel_s``), the same from the
+- ``workers``, ``serial_s``, ``parallel_s`` (wall time of each evaluation process, from
+  its start to its exit), ``speedup`` (``serial_s / parallel_s``); the same from the
   first ``eval_start`` to the last ``eval_stop`` (``serial_eval_s``, ``parallel_eval_s``,
-  ``eval_speedup``: start-up left out),
-  ``parallel_per_rank`` (each worker's checkpoints and median read wait, refit and
-  generation seconds), ``logs_identical`` (the two logs apart from ``time_ms``), and the ratios the goals
-  are judged by (``refit_over_load``, ``non_generation_over_load``).
+  ``eval_speedup``: start-up left out); ``serial_startup_s``, ``parallel_startup_s``:
+  process start to the first ``eval_start``;
+- ``serial_worker`` and ``parallel_per_rank``: each worker's start-up from
+  ``eval/startup.jsonl`` (``before_engine_s``: from the process's start to its engine
+  build, i.e. imports, lock, series checks and, for a rank, the launch; ``launch_s``: the
+  evaluator's launch call to the rank's engine build, i.e. spawn, imports, rendezvous;
+  ``engine_s``; ``warm_up_s``) and its checkpoints with median read wait, refit and
+  generation seconds; ``before_launch_s``: the N-worker evaluator's start to its launch;
+- ``logs_identical`` (the two logs apart from ``time_ms``), ``setup_s`` (model build and
+  training, not measured), and the ratios the goals are judged by (``refit_over_load``,
+  ``non_generation_over_load``).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build_model_dir  # noqa: E402  (benchmarks/checkpoint.py)
 
 from mlperf_grpo.config import parse_config  # noqa: E402
-from mlperf_grpo.evaluate.offline import evaluate_run  # noqa: E402
 from mlperf_grpo.model import DTYPES  # noqa: E402
 from mlperf_grpo.mllog import PREFIX  # noqa: E402
 from mlperf_grpo.rundir import RunDir  # noqa: E402
@@ -60,7 +71,8 @@ from mlperf_grpo.train.loop import train  # noqa: E402
 def make_run(root: Path, args: argparse.Namespace, dtype: str) -> tuple[Path, int]:
     """Train ``args.checkpoints`` steps, a checkpoint after each; returns the run
     directory and the model's parameter count."""
-    params = build_model_dir(root / "model", args.params, dtype)
+    params = build_model_dir(root / "model", args.params, dtype, args.device)
+    progress(f"model of {params} parameters built")
     config = parse_config({
         "model": {"path": str(root / "model"), "dtype": dtype, "device": args.device},
         "grpo": {"num_prompts_per_step": args.prompts, "micro_batch_size": 16, "max_new_tokens": args.max_new_tokens,
@@ -70,7 +82,16 @@ def make_run(root: Path, args: argparse.Namespace, dtype: str) -> tuple[Path, in
     })
     run = RunDir(root / "trained")
     train(config, run, "benchmarks/evaluate.py", show_progress=False)
+    progress(f"trained {args.checkpoints} steps")
     return run.root, params
+
+
+_START_S = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One stderr line: seconds since the benchmark started, and what is done."""
+    print(f"[{time.perf_counter() - _START_S:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -85,10 +106,51 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def timed_evaluation(run: Path, workers: int) -> float:
-    start = time.perf_counter()
-    evaluate_run(run, retain_checkpoints=True, show_progress=False, workers=workers)
-    return time.perf_counter() - start
+def timed_evaluation(run: Path, workers: int, timeout_s: float) -> tuple[float, float]:
+    """``mlperf-grpo evaluate RUN --workers N`` in a fresh process, as a user runs it;
+    returns (its Unix start time, its wall seconds).
+
+    Raises:
+        SystemExit: it failed or ran past ``timeout_s`` (its stderr is printed).
+    """
+    command = [sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run), "--retain-checkpoints",
+               "--workers", str(workers)]
+    start_unix_s, start_s = time.time(), time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"evaluate --workers {workers} ran past {timeout_s:.0f} s (--eval-timeout-s)") from None
+    wall_s = time.perf_counter() - start_s
+    if done.returncode not in (0, 3):  # 3: evaluated, no checkpoint passed (a random model)
+        sys.stderr.write(done.stderr)
+        raise SystemExit(f"evaluate --workers {workers} exited {done.returncode}")
+    progress(f"evaluated with {workers} worker(s) in {wall_s:.1f} s")
+    return start_unix_s, wall_s
+
+
+def startups(run: Path) -> dict[int, dict]:
+    """rank -> its line of ``eval/startup.jsonl``."""
+    lines = (run / "eval" / "startup.jsonl").read_text().splitlines()
+    return {record["rank"]: record for record in map(json.loads, lines)}
+
+
+def per_worker(run: Path, process_start_unix_s: float) -> dict[int, dict]:
+    """Each worker's start-up split and its checkpoints' median timings."""
+    steps = timings(run)
+    out = {}
+    for rank, startup in sorted(startups(run).items()):
+        mine = [t for t in steps if t["rank"] == rank]
+        launched = startup["launch_unix_s"]
+        out[rank] = {
+            "before_engine_s": round(startup["start_unix_s"] - process_start_unix_s, 3),
+            **({"launch_s": round(startup["start_unix_s"] - launched, 3)} if launched is not None else {}),
+            "engine_s": startup["engine_s"],
+            "warm_up_s": startup["warm_up_s"],
+            "checkpoints": len(mine),
+            **{k: round(statistics.median(t[k] for t in mine), 4) if mine else None
+               for k in ("read_wait_s", "refit_s", "generation_s")},
+        }
+    return out
 
 
 def timings(run: Path) -> list[dict]:
@@ -105,15 +167,16 @@ def normalized_log(run: Path, keep_time: bool = False) -> list:
     return out
 
 
-def eval_span_s(run: Path) -> tuple[float, float]:
+def eval_span_s(run: Path) -> tuple[float, float, float]:
     """From the log: (first eval_start to last eval_stop, median eval_stop to next
-    eval_stop) in seconds; the second is the steady cost of one more checkpoint."""
+    eval_stop) in seconds, and the first eval_start (Unix s); the second is the steady
+    cost of one more checkpoint."""
     starts, stops = [], []
     for record in normalized_log(run, keep_time=True):
         if isinstance(record, dict) and record["key"] in ("eval_start", "eval_stop"):
             (starts if record["key"] == "eval_start" else stops).append(record["time_ms"] / 1000)
     gaps = [b - a for a, b in zip(stops, stops[1:])] or [stops[-1] - starts[0]]
-    return stops[-1] - starts[0], statistics.median(gaps)
+    return stops[-1] - starts[0], statistics.median(gaps), min(starts)
 
 
 def load_limit_s(run: Path, device: str) -> float:
@@ -143,36 +206,41 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="N of the parallel evaluation")
     parser.add_argument("--tasks", type=int, help="validation tasks, 4 generations each (default: 251 on cuda, 8 on cpu)")
     parser.add_argument("--batch-size", type=int, default=256, help="validation.batch_size")
-    parser.add_argument("--prompts", type=int, help="training prompts per step (default: 4 on cuda, 1 on cpu)")
+    parser.add_argument("--prompts", type=int, default=1, help="training prompts per step (16 rollouts each)")
     parser.add_argument("--max-new-tokens", type=int, help="rollout and validation length (default: 16 on cuda, 4 on cpu)")
     parser.add_argument("--run", type=Path, help="evaluate (copies of) this trained run instead of making one")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the run is made (a real disk)")
+    parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.tasks = args.tasks or (251 if cuda else 8)
-    args.prompts = args.prompts or (4 if cuda else 1)
     args.max_new_tokens = args.max_new_tokens or (16 if cuda else 4)
-    os.environ.pop("MLPERF_MLLOG_FILE", None)
-    os.environ.pop("RETAIN_GRPO_CHECKPOINTS", None)
+    for name in ("MLPERF_MLLOG_FILE", "RETAIN_GRPO_CHECKPOINTS", "DEFERRED_OFFLINE_EVAL"):
+        os.environ.pop(name, None)
     root = Path(tempfile.mkdtemp(prefix="evaluate-bench-", dir=args.dir))
     try:
         trained, params = (args.run, None) if args.run else make_run(root, args, dtype)
+        setup_s = time.perf_counter() - _START_S
         serial, parallel = copy_run(trained, root / "serial"), copy_run(trained, root / "parallel")
-        serial_s = timed_evaluation(serial, 1)
-        parallel_s = timed_evaluation(parallel, args.workers)
+        serial_start, serial_s = timed_evaluation(serial, 1, args.eval_timeout_s)
+        parallel_start, parallel_s = timed_evaluation(parallel, args.workers, args.eval_timeout_s)
         load_s = load_limit_s(serial, args.device)
-        steps, parallel_steps = timings(serial), timings(parallel)
+        progress("load limit measured")
+        steps = timings(serial)
         identical = normalized_log(serial) == normalized_log(parallel)
-        (serial_eval_s, per_checkpoint_s), (parallel_eval_s, _) = eval_span_s(serial), eval_span_s(parallel)
+        serial_eval_s, per_checkpoint_s, serial_first_s = eval_span_s(serial)
+        parallel_eval_s, _, parallel_first_s = eval_span_s(parallel)
+        serial_worker = per_worker(serial, serial_start)[0]
+        parallel_per_rank = per_worker(parallel, parallel_start)
+        launch_unix_s = next(iter(startups(parallel).values()))["launch_unix_s"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    count = len(steps)
     out = {
         "device": args.device,
         "params": params,
         "dtype": dtype,
-        "checkpoints": count,
+        "checkpoints": len(steps),
         "per_checkpoint_s": per_checkpoint_s,
         "generation_s": statistics.median(t["generation_s"] for t in steps),
         "refit_s": statistics.median(t["refit_s"] for t in steps),
@@ -185,13 +253,13 @@ def main() -> None:
         "serial_eval_s": serial_eval_s,
         "parallel_eval_s": parallel_eval_s,
         "eval_speedup": serial_eval_s / parallel_eval_s,
+        "serial_startup_s": serial_first_s - serial_start,
+        "parallel_startup_s": parallel_first_s - parallel_start,
+        "before_launch_s": None if launch_unix_s is None else launch_unix_s - parallel_start,
         "logs_identical": identical,
-        "parallel_per_rank": {  # checkpoints and median seconds per checkpoint of each worker
-            rank: {"checkpoints": len(mine), **{k: round(statistics.median(t[k] for t in mine), 4)
-                                                 for k in ("read_wait_s", "refit_s", "generation_s")}}
-            for rank in sorted({t["rank"] for t in parallel_steps})
-            for mine in [[t for t in parallel_steps if t["rank"] == rank]]
-        },
+        "serial_worker": serial_worker,
+        "parallel_per_rank": parallel_per_rank,
+        "setup_s": setup_s,
     }
     out["non_generation_s"] = out["per_checkpoint_s"] - out["generation_s"]
     out["refit_over_load"] = out["refit_s"] / load_s

@@ -178,6 +178,7 @@ def engine_results(trained):
     shared = new_engine()
     results = {"shared_18": evaluate(shared, 18), "shared_19": evaluate(shared, 19)}
     results["fresh_19"] = evaluate(new_engine(), 19)
+    results["refit_only_19"] = evaluate(HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=v.batch_size), 19)
     return types.SimpleNamespace(shared=shared, checkpoints=checkpoints, config=config, **results)
 
 
@@ -532,6 +533,27 @@ def test_one_engine_across_checkpoints_equals_fresh_engines(engine_results):
     assert engine_results.shared_18 != engine_results.shared_19  # the refit changed something
 
 
+def test_refit_only_engine_evaluates_as_one_that_loaded_the_model(engine_results):
+    """The evaluators' engine (built from the config, no weights read or initialised)
+    gives, after one refit, the results of an engine built from the model's files."""
+    assert engine_results.refit_only_19 == engine_results.fresh_19
+
+
+def test_evaluator_reads_no_initial_weights_and_is_warm_before_the_first_checkpoint(run, finished, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the evaluator loaded the initial model's weights")
+
+    monkeypatch.setattr("mlperf_grpo.inference.hf.load_model", no_load)
+    evaluate_run(run, retain_checkpoints=True, show_progress=False, workers=1)
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+    [startup] = [json.loads(l) for l in (run / "eval" / "startup.jsonl").read_text().splitlines()]
+    assert startup["rank"] == 0 and startup["launch_unix_s"] is None
+    assert startup["engine_s"] > 0 and startup["warm_up_s"] > 0
+    first_eval_start_ms = read_log(run / "mlperf.log").find("eval_start")[0].time_ms
+    ready_ms = 1000 * (startup["start_unix_s"] + startup["engine_s"] + startup["warm_up_s"])
+    assert ready_ms <= first_eval_start_ms + 5  # warmed up before the first checkpoint's clock (rounding)
+
+
 def test_verify_refit_catches_stale_weights_and_a_wrong_canary(engine_results):
     engine, checkpoints = engine_results.shared, engine_results.checkpoints
     w18, w19 = read_weights(checkpoints[18]), read_weights(checkpoints[19])
@@ -645,6 +667,9 @@ def test_two_workers_log_equals_one_workers_pass_at_the_4th_checkpoint(trained, 
         assert read_results(run / "eval" / f"step_{step}.jsonl") == read_results(finished / "eval" / f"step_{step}.jsonl")
     assert sorted(p.name for p in (run / "eval").glob("step_*.jsonl")) == [f"step_{s}.jsonl" for s in (18, 19, 20, 21)]
     assert all(int(p.stem.split("_")[1]) > 21 for p in (run / "eval" / "unlogged").glob("*.jsonl"))
+    startups = [json.loads(l) for l in (run / "eval" / "startup.jsonl").read_text().splitlines()]
+    assert sorted(s["rank"] for s in startups) == [0, 1]  # each rank warmed up its engine, launched by the evaluator
+    assert all(s["launch_unix_s"] <= s["start_unix_s"] and s["warm_up_s"] > 0 for s in startups)
 
 
 def test_two_workers_log_equals_one_workers_when_nothing_passes(trained, tmp_path):

@@ -140,6 +140,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Offline evaluation of a trained run (or of another trainer's series); writes run_stop."""
+    if args.run_dir is not None and (args.workers or 1) > 1:
+        from mlperf_grpo.evaluate.prestart import prestart_rank_server
+
+        prestart_rank_server("mlperf_grpo.evaluate.offline")  # the ranks' imports run while ours do
     from mlperf_grpo.evaluate.offline import evaluate_run
 
     if not _deferred():

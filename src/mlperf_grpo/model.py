@@ -316,3 +316,23 @@ def _float_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, buffer)`` of the floating-point non-persistent buffers ``module`` itself owns."""
     found = ((name, getattr(module, name)) for name in sorted(module._non_persistent_buffers_set))
     return [(name, b) for name, b in found if b is not None and b.is_floating_point()]
+
+
+def build_model_for_refit(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
+    """The causal LM at ``path`` built on ``device`` in ``dtype`` ("float32" or
+    "bfloat16") with its weights neither read from the weight files nor initialised
+    (:func:`model_skeleton`, then :func:`materialize`: non-persistent buffers such as
+    RoPE's ``inv_freq``, tied weights and ``generation_config.json`` as
+    ``from_pretrained`` gives them), in eval mode. For an engine whose first use is a
+    refit that overwrites every parameter (the evaluators': ``HFEngine.load_weights``
+    refuses a refit that leaves one out, and each refit is verified by the weights'
+    fingerprint and the canary logits).
+
+    Raises:
+        ModelLoadError: no model directory, a config that does not build, or ``cuda``
+            asked for where no CUDA device is available.
+    """
+    check_device(device)
+    model = model_skeleton(path, dtype)
+    materialize(model, device)
+    return model.eval()

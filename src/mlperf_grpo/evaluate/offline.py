@@ -54,6 +54,7 @@ from mlperf_grpo.checkpoint import (
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.validator import TaskResult, validate
 from mlperf_grpo.evaluate.workers import WorkQueue, die_with_parent, launch, local_queue, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
@@ -389,6 +390,8 @@ def evaluate_series(
     Raises: as :func:`evaluate_run`.
     """
     check_engine_available(config)  # before the lock or anything else is written
+    if workers > 1:
+        prestart_rank_server(__name__)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
         log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
@@ -717,6 +720,49 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+WARM_UP_PROMPT = "1 + 1 ="
+"""The prompt of a worker's warm-up generation (its output is discarded)."""
+
+
+def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> InferenceEngine:
+    """This worker's engine, ready before it claims a checkpoint: built with its weights
+    unset (``refit_only``: the first refit fills every one, verified by fingerprint and
+    canary), then warmed up by one tiny generation (lazy initialisation, first kernel
+    launches, allocator), so no checkpoint's time includes start-up. Appends where
+    start-up went to ``eval/startup.jsonl`` (:func:`record_startup`).
+
+    Args:
+        launch_unix_s: Unix time (s) at which the evaluator launched the worker ranks
+            (None: this is the evaluator's own process).
+    Raises:
+        ModelLoadError, EngineUnavailableError: the engine cannot be built.
+    """
+    start_unix_s, start_s = time.time(), time.perf_counter()
+    engine = build_engine(config, batch_size=config.validation.batch_size, refit_only=True)
+    built_s = time.perf_counter()
+    v = config.validation
+    engine.generate([WARM_UP_PROMPT], SamplingParams(v.temperature, v.top_p, 2), seeds=[0])
+    if _engine_on_cuda(engine):
+        torch.cuda.synchronize(engine.device)
+    ready_s = time.perf_counter()
+    record_startup(run, launch_unix_s=launch_unix_s, start_unix_s=start_unix_s,
+                   engine_s=built_s - start_s, warm_up_s=ready_s - built_s)
+    return engine
+
+
+def record_startup(run: RunDir, **fields: float | None) -> None:
+    """Append one line to ``eval/startup.jsonl``: one worker's start-up (``rank``;
+    ``launch_unix_s``: when the evaluator launched the ranks, null for the evaluator's own
+    worker; ``start_unix_s``: when this worker began building its engine, after its
+    imports; ``engine_s``: engine built; ``warm_up_s``: the warm-up generation).
+    Informational only."""
+    record = {"rank": int(os.environ.get("RANK", 0)),
+              **{k: (None if v is None else round(v, 4)) for k, v in fields.items()}}
+    run.eval_dir.mkdir(parents=True, exist_ok=True)
+    with open(run.eval_dir / "startup.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def _claim(queue: WorkQueue, plan: EvalPlan, checkpoints: dict[int, Checkpoint], prefetcher: CheckpointPrefetcher) -> bool:
     index = queue.claim()
     if index is None:
@@ -756,8 +802,8 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
     if workers == 1:
         checkpoints = _series_by_step(source)
         queue = local_queue(len(plan.pending_steps))
+        engine = start_engine(run, config)
         committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints, queue, show_progress)
-        engine = build_engine(config, batch_size=config.validation.batch_size)
         try:
             evaluate_claimed(queue, run, source, config, checkpoints, plan, engine,
                              after_each=lambda: committer.advance(block=False))
@@ -768,7 +814,7 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
         return
     if source != RunSeries(run.checkpoints):
         raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
-    outcome = launch(evaluate_rank, (str(run.root), plan, show_progress), workers)[0]
+    outcome = launch(evaluate_rank, (str(run.root), str(mllog_file), plan, show_progress, time.time()), workers)[0]
     if outcome is not None:
         raise _ERRORS.get(outcome["error"], RuntimeError)(outcome["message"])
 
@@ -777,10 +823,14 @@ def _series_by_step(source: SeriesSource) -> dict[int, Checkpoint]:
     return {c.step: c for c in source.discover()[0]}
 
 
-def evaluate_rank(run_dir: str, plan: EvalPlan, show_progress: bool) -> dict | None:
+def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: bool,
+                  launch_unix_s: float | None = None) -> dict | None:
     """A torchrun rank of ``evaluate --workers N``: one engine on device ``LOCAL_RANK``
-    (CUDA) or a CPU process with its share of the cores; rank 0 also commits (a thread
-    with its own store connection). Dies with the launching evaluator (it holds the lock).
+    (CUDA) or a CPU process with its share of the cores, started (:func:`start_engine`)
+    before the rank claims anything; rank 0 also commits (a thread with its own store
+    connection) to ``mllog_file`` (the evaluator's, resolved when it took the lock).
+    Dies with the launching evaluator (it holds the lock). ``launch_unix_s``: when the
+    evaluator launched the ranks (Unix s; for ``eval/startup.jsonl``).
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
@@ -788,32 +838,32 @@ def evaluate_rank(run_dir: str, plan: EvalPlan, show_progress: bool) -> dict | N
     die_with_parent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = RunDir(Path(run_dir))
-    config, mllog_file = run.load()
+    config = run.load()[0]
     if config.model.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    source = RunSeries(run.checkpoints)
-    checkpoints = _series_by_step(source)
-    queue = rank_queue(len(plan.pending_steps), serve=True)
+    engine = start_engine(run, config, launch_unix_s)
     failure: list[dict] = []
     committer_thread = None
-    if rank == 0:
-        committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints,
-                                       rank_queue(len(plan.pending_steps), serve=False), show_progress)
-
-        def commit_all() -> None:
-            try:
-                committer.advance(block=True)
-            except tuple(_ERRORS.values()) as err:
-                failure.append({"error": type(err).__name__, "message": str(err)})
-            finally:
-                committer.close()
-
-        committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
-        committer_thread.start()
-    engine = build_engine(config, batch_size=config.validation.batch_size)
     try:
+        source = RunSeries(run.checkpoints)
+        checkpoints = _series_by_step(source)
+        queue = rank_queue(len(plan.pending_steps), serve=True)
+        if rank == 0:
+            committer = StepOrderCommitter(run, config, Path(mllog_file), plan, checkpoints,
+                                           rank_queue(len(plan.pending_steps), serve=False), show_progress)
+
+            def commit_all() -> None:
+                try:
+                    committer.advance(block=True)
+                except tuple(_ERRORS.values()) as err:
+                    failure.append({"error": type(err).__name__, "message": str(err)})
+                finally:
+                    committer.close()
+
+            committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
+            committer_thread.start()
         evaluate_claimed(queue, run, source, config, checkpoints, plan, engine)
     finally:
         engine.close()

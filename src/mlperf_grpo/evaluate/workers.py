@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, prestart_rank_server
+
 STORE_TIMEOUT = timedelta(hours=24)
 """How long a rank waits on the store (a checkpoint's evaluation may take hours at scale)."""
 
@@ -99,7 +101,9 @@ def die_with_parent() -> None:
 def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nprocs`` local ranks with torchrun's launcher
     (``torch.distributed.launcher.api.elastic_launch``, c10d rendezvous on a free local
-    port, no restarts); returns rank -> return value.
+    port, no restarts), forked from a fork server with ``entrypoint``'s module imported
+    (:func:`~mlperf_grpo.evaluate.prestart.prestart_rank_server`; started now unless it
+    runs already); returns rank -> return value.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a rank failed
@@ -109,13 +113,14 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    prestart_rank_server(entrypoint.__module__)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"mlperf-eval-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method=RANK_START_METHOD,
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 

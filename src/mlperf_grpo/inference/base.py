@@ -103,13 +103,16 @@ def check_engine_available(config: RunConfig) -> None:
         )
 
 
-def build_engine(config: RunConfig, batch_size: int = 256) -> InferenceEngine:
+def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = False) -> InferenceEngine:
     """The engine ``config.inference.engine`` names, holding ``config.model`` in
     ``model.dtype`` on ``model.device``.
 
     Args:
         config: the run config (``model`` and ``inference`` sections).
         batch_size: prompts per engine call for the ``hf`` engine (vLLM schedules its own).
+        refit_only: the caller refits every weight before any use (the evaluators): the
+            ``hf`` engine then neither reads nor initialises the model's weights
+            (:meth:`HFEngine.for_refit`); vLLM loads them as usual.
     Raises:
         EngineUnavailableError: the engine's package is not installed.
         ModelLoadError: the model cannot be loaded.
@@ -121,6 +124,8 @@ def build_engine(config: RunConfig, batch_size: int = 256) -> InferenceEngine:
         return VLLMEngine(config.model.path, config.model.dtype, config.model.device, config.inference, config.seed)
     from mlperf_grpo.inference.hf import HFEngine
 
+    if refit_only:
+        return HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
     return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
 
 

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
-from mlperf_grpo.model import load_model, load_tokenizer
+from mlperf_grpo.model import build_model_for_refit, load_model, load_tokenizer
 
 
 class RowSeededSampler(LogitsProcessor):
@@ -117,6 +117,17 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> None:
         self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path)
+
+    @classmethod
+    def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> HFEngine:
+        """An engine whose weights are unset until its first :meth:`load_weights` (the
+        model built from its config on ``device``, nothing read from the weight files
+        nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`). For
+        evaluators, which refit before every use; generating before the first refit gives
+        meaningless text. Args and errors as the constructor's."""
+        engine = cls.__new__(cls)
+        engine._init(build_model_for_refit(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path)
+        return engine
 
     @classmethod
     def from_model(
