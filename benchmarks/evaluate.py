@@ -8,7 +8,8 @@ Without ``--run`` it makes its own run: a Qwen3-shaped model of about ``--params
 parameters from a ``transformers`` config (random init on ``--device``, the shipped
 tokenizer; nothing is downloaded, as ``benchmarks/checkpoint.py``), trained by our
 trainer for ``--checkpoints`` steps with a checkpoint after every one (open division,
-first eval step 1, one prompt a step: the training only has to publish a series),
+first eval step 1, one prompt a step, ``model.compile: off``: the training only has to
+publish a series),
 checkpoints retained. A random model never passes, so every checkpoint is evaluated.
 The run is then evaluated twice from the same checkpoints (copies of its log), each
 time as a user runs it, in a fresh process that pays its own start-up (imports, engine,
@@ -74,7 +75,8 @@ def make_run(root: Path, args: argparse.Namespace, dtype: str) -> tuple[Path, in
     params = build_model_dir(root / "model", args.params, dtype, args.device)
     progress(f"model of {params} parameters built")
     config = parse_config({
-        "model": {"path": str(root / "model"), "dtype": dtype, "device": args.device},
+        "model": {"path": str(root / "model"), "dtype": dtype, "device": args.device,
+                  "compile": "off"},  # the run only has to publish a series: no compilation to wait for
         "grpo": {"num_prompts_per_step": args.prompts, "micro_batch_size": 16, "max_new_tokens": args.max_new_tokens,
                  "max_steps": args.checkpoints, "first_eval_step": 1},
         "task": {"num_train_tasks": 64},
