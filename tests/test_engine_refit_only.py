@@ -86,3 +86,4 @@ def test_the_ranks_module_imports_without_touching_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+

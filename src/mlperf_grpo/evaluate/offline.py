@@ -63,7 +63,7 @@ from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, canary_mismatc
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.model import check_model_path
 from mlperf_grpo.tasks import load_suite, validation_tasks
-from mlperf_grpo.tasks.scoring import VerifierError
+from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
 """Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
@@ -720,16 +720,14 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-WARM_UP_PROMPT = "1 + 1 ="
-"""The prompt of a worker's warm-up generation (its output is discarded)."""
-
-
 def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> InferenceEngine:
     """This worker's engine, ready before it claims a checkpoint: built with its weights
     unset (``refit_only``: the first refit fills every one, verified by fingerprint and
-    canary), then warmed up by one tiny generation (lazy initialisation, first kernel
-    launches, allocator), so no checkpoint's time includes start-up. Appends where
-    start-up went to ``eval/startup.jsonl`` (:func:`record_startup`).
+    canary), then warmed up by generating 2 tokens for the first validation prompt and
+    scoring that completion once per reward worker (lazy initialisation, first kernel
+    launches, allocator, the reward workers' start and imports), so no checkpoint's time
+    includes start-up. Appends where start-up went to ``eval/startup.jsonl``
+    (:func:`record_startup`).
 
     Args:
         launch_unix_s: Unix time (s) at which the evaluator launched the worker ranks
@@ -740,10 +738,20 @@ def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = N
     start_unix_s, start_s = time.time(), time.perf_counter()
     engine = build_engine(config, batch_size=config.validation.batch_size, refit_only=True)
     built_s = time.perf_counter()
-    v = config.validation
-    engine.generate([WARM_UP_PROMPT], SamplingParams(v.temperature, v.top_p, 2), seeds=[0])
-    if _engine_on_cuda(engine):
-        torch.cuda.synchronize(engine.device)
+    try:
+        suite = load_suite(config)
+        task = validation_tasks(suite, config.validation.num_tasks)[0]
+        v = config.validation
+        [completion] = engine.generate([task.prompt], SamplingParams(v.temperature, v.top_p, 2), seeds=[0])
+        try:
+            score(suite.reward, [(completion.text, task)] * REWARD_WORKERS)  # the rewards are discarded
+        except VerifierError:
+            pass  # a broken reward fails the first checkpoint's validation, in step order, as without warm-up
+        if _engine_on_cuda(engine):
+            torch.cuda.synchronize(engine.device)
+    except BaseException:
+        engine.close()
+        raise
     ready_s = time.perf_counter()
     record_startup(run, launch_unix_s=launch_unix_s, start_unix_s=start_unix_s,
                    engine_s=built_s - start_s, warm_up_s=ready_s - built_s)
@@ -754,7 +762,8 @@ def record_startup(run: RunDir, **fields: float | None) -> None:
     """Append one line to ``eval/startup.jsonl``: one worker's start-up (``rank``;
     ``launch_unix_s``: when the evaluator launched the ranks, null for the evaluator's own
     worker; ``start_unix_s``: when this worker began building its engine, after its
-    imports; ``engine_s``: engine built; ``warm_up_s``: the warm-up generation).
+    imports; ``engine_s``: engine built; ``warm_up_s``: the warm-up generation and
+    scoring).
     Informational only."""
     record = {"rank": int(os.environ.get("RANK", 0)),
               **{k: (None if v is None else round(v, 4)) for k, v in fields.items()}}
