@@ -107,6 +107,9 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
                     engine = engine or build_engine(config, batch_size=config.validation.batch_size)
                     _evaluate_published(run, config, mllog_file, engine, show_progress)
                     passing_step = _passing_step(_live_log(mllog_file, run.follow_log))
+                    if passing_step is not None:  # nothing more to evaluate: free the device now
+                        engine.close()
+                        engine = None
                 continue  # look again at once: more may have been published meanwhile
             time.sleep(poll_s)
     finally:
