@@ -135,6 +135,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     steps = result.checkpoint_steps
     published = f"step_{steps[0]}..step_{steps[-1]}" if steps else "none"
     print(f"trained {len(result.steps)} steps; checkpoints {published} in {args.output}/checkpoints")
+    if result.stop_request is not None:
+        print(f"training stopped by the evaluator's pass at step_{result.stop_request['passing_step']} "
+              f"({args.output}/stop_training.json); the run_stop is the evaluator's ('evaluate --follow' merges it)")
     return EXIT_OK
 
 
@@ -149,14 +152,47 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if not _deferred():
         raise BadInput("DEFERRED_OFFLINE_EVAL=0 evaluates inline during training; 'evaluate' is the deferred driver: unset it or set it to 1")
     foreign = (args.checkpoints, args.mllog, args.config, args.eval_log, args.format)
+    if args.stop_training_at_pass and not args.follow:
+        raise BadInput("--stop-training-at-pass stops a training the evaluator follows: add --follow")
+    if args.follow:
+        return _follow(args, foreign)
     if args.run_dir is not None:
         if any(v is not None for v in foreign):
             raise BadInput("give RUN_DIR (a run our trainer wrote) or --checkpoints/--mllog/--config (another "
                            "trainer's series), not both")
         args.phase = "evaluate"
-        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints, workers=args.workers)
+        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints, workers=args.workers,
+                               merge=_merge_in_place)
         return _print_outcome(outcome, args.run_dir)
     return _evaluate_foreign(args)
+
+
+def _follow(args: argparse.Namespace, foreign: tuple) -> int:
+    """``evaluate RUN_DIR --follow``: evaluate checkpoints while the training publishes
+    them, then merge the follower's log into the training log (evaluate/follow.py)."""
+    from mlperf_grpo.evaluate.follow import follow_run
+
+    if args.run_dir is None or any(v is not None for v in foreign):
+        raise BadInput("--follow follows a run our trainer is writing: give its RUN_DIR (the --output of "
+                       "'mlperf-grpo train'), without --checkpoints/--mllog/--config/--eval-log/--format")
+    if args.workers not in (None, 1):
+        raise BadInput("--follow evaluates with one worker (checkpoints arrive one per training step); leave out "
+                       "--workers, or evaluate the finished run with 'mlperf-grpo evaluate RUN_DIR --workers N'")
+    args.phase = "evaluate"
+    outcome = follow_run(args.run_dir, _merge_in_place, retain_checkpoints=args.retain_checkpoints,
+                         stop_training_at_pass=args.stop_training_at_pass)
+    return _print_outcome(outcome, args.run_dir)
+
+
+def _merge_in_place(train_log: Path, eval_log: Path) -> None:
+    """A followed run's end: ``mlperf-grpo merge --train LOG --eval EVAL_LOG -o LOG``."""
+    from mlperf_grpo.merge import MergeError, merge_logs
+
+    try:
+        result = merge_logs(train_log, eval_log, train_log)
+    except MergeError as err:
+        raise MergeError(f"cannot merge {eval_log} into {train_log}: {err}") from None
+    print(f"merged {eval_log} into {train_log}: {result.appended} eval line(s) appended")
 
 
 def _evaluate_foreign(args: argparse.Namespace) -> int:
@@ -197,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not distributed.is_writer():
         return EXIT_OK  # under torchrun rank 0 alone evaluates the run it wrote
     args.phase = "evaluate"
-    outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints)
+    outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints, merge=_merge_in_place)
     return _print_outcome(outcome, args.output)
 
 
@@ -367,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="engines evaluating in parallel, one per GPU (or CPU process); the log is committed in step "
                         "order, the same for any N (default: the config's validation.workers)")
+    p.add_argument("--follow", action="store_true",
+                   help="evaluate RUN_DIR's checkpoints as its running training publishes them (one worker), logging "
+                        "to RUN_DIR/eval/mlperf_eval.log; merged into the training log once training ended")
+    p.add_argument("--stop-training-at-pass", action="store_true",
+                   help="with --follow: at the first pass, write RUN_DIR/stop_training.json; the trainer stops after "
+                        "the step it is on")
     add_retain(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -468,6 +510,7 @@ def _stop_message(args: argparse.Namespace, what: str) -> str:
         again += f" --eval-log {args.eval_log}" if args.eval_log is not None else ""
     else:
         again = f"mlperf-grpo evaluate {args.run_dir if args.command == 'evaluate' else args.output}"
+        again += " --follow" if getattr(args, "follow", False) else ""
     return (f"evaluation {what}; the log holds only whole evaluations (no partial one, no run_stop): "
             f"'{again}' resumes it")
 

@@ -6,6 +6,11 @@
     <run>/checkpoints/       deferred checkpoints, step_N/ (see checkpoint.py)
     <run>/eval/step_N.jsonl  per-task validation results of each evaluated checkpoint
     <run>/eval/summary.json  the offline evaluation's outcome
+    <run>/eval/mlperf_eval.log  the evaluator's own log while it follows a running training
+                             (evaluate --follow); merged into the MLPerf log once training ended
+    <run>/eval/.lock         held (flock) by the one evaluator writing eval/mlperf_eval.log
+    <run>/stop_training.json written by evaluate --follow --stop-training-at-pass at a pass;
+                             the trainer stops after the step it is on
     <run>/.lock              held (flock) by the one process writing to the run
 """
 
@@ -15,6 +20,7 @@ import fcntl
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +103,44 @@ class RunDir:
     @property
     def summary_file(self) -> Path:
         return self.eval_dir / "summary.json"
+
+    @property
+    def follow_log(self) -> Path:
+        """``eval/mlperf_eval.log``: the log of an evaluator that followed the training
+        (the training log belongs to the trainer until it ends)."""
+        return self.eval_dir / "mlperf_eval.log"
+
+    @property
+    def stop_request_file(self) -> Path:
+        """``stop_training.json``: the evaluator's request that training stop (a pass)."""
+        return self.root / "stop_training.json"
+
+    def request_training_stop(self, passing_step: int, time_ms: int) -> None:
+        """Ask the trainer to stop after the step it is on: write ``stop_training.json``
+        (``{"requested_by": "evaluator", "passing_step": N, "time_ms": Unix ms}``) with a
+        rename, so the trainer reads it whole or not at all. Idempotent.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        record = {"requested_by": "evaluator", "passing_step": passing_step, "time_ms": time_ms}
+        fd, tmp = tempfile.mkstemp(prefix=".stop_training.", dir=self.root)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.stop_request_file)
+
+    def training_stop_request(self) -> dict | None:
+        """The evaluator's stop request (see :meth:`request_training_stop`), or ``None``.
+        A file that is not such a record is not a request (``None``)."""
+        try:
+            record = json.loads(self.stop_request_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("passing_step"), int):
+            return None
+        return record
 
     def published_steps(self) -> list[int]:
         """Steps of the published ``checkpoints/step_N/`` directories, ascending (names

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 import torch
@@ -287,12 +287,17 @@ def retain_requested(flag: bool) -> bool:
     return flag or value == "1"
 
 
-def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None) -> EvalOutcome:
+def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None,
+                 merge: MergeLogs | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
     ``workers`` engines evaluate checkpoints in parallel (default: the config's
     ``evaluation.workers``); results are committed strictly in step order, so the log
     is the same, apart from times, for any number of workers.
+
+    A run an evaluator followed during training (``evaluate --follow``; its
+    ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
+    merged into the training log with ``merge`` (the CLI gives ``mlperf-grpo merge``'s).
 
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
     evaluations already in the log are not repeated, and a finished run (its
@@ -310,8 +315,23 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain_requested(retain_checkpoints)
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    workers = config.validation.workers if workers is None else workers
+    if run.follow_log.is_file():
+        if merge is None:
+            raise EvaluationError(f"{run.root} was followed during training ({run.follow_log}); "
+                                  f"'mlperf-grpo evaluate {run.root}' finishes it and merges that log")
+        if workers > 1:
+            print(f"note: {run.follow_log} (a follower's log) is continued by one worker, not {workers}", file=sys.stderr)
+        with RunLock(run.eval_dir, "evaluator"):  # the one writer of eval/mlperf_eval.log
+            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
+                                   retain=retain, show_progress=show_progress)
     return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
-                           workers=config.validation.workers if workers is None else workers)
+                           workers=workers)
+
+
+MergeLogs = Callable[[Path, Path], None]
+"""``merge(training_log, eval_log)``: append the evaluator's own log to the training log in
+place, as ``mlperf-grpo merge`` does (the CLI passes it; the log tools sit above evaluation)."""
 
 
 class SeriesSource(Protocol):
@@ -377,6 +397,7 @@ def evaluate_series(
     mllog_file: Path,
     *,
     eval_log: Path | None = None,
+    merge: MergeLogs | None = None,
     retain: bool = False,
     show_progress: bool = True,
     workers: int = 1,
@@ -384,6 +405,9 @@ def evaluate_series(
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
     ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
+    With ``merge``, ``eval_log`` is merged into the training log once its ``run_stop``
+    is logged (before the teardown); a training log that already has a ``run_stop`` was
+    merged before (or closed by training), and ``eval_log`` is then not read.
     ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
     ``source`` its :class:`RunSeries`: the ranks load both from it.
 
@@ -393,6 +417,8 @@ def evaluate_series(
     if workers > 1:
         prestart_rank_server(__name__)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
+        if merge is not None and _read_checked_log(mllog_file).find(C.RUN_STOP):
+            eval_log = None  # merged already
         log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
             return read_outcome(run, mllog_file, eval_log)  # finished earlier: report, touch nothing
@@ -401,6 +427,9 @@ def evaluate_series(
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
                 _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers)
+        if merge is not None and eval_log is not None:
+            merge(mllog_file, eval_log)
+            eval_log = None
         if not retain:
             _teardown(source, _read_logs(mllog_file, eval_log))
         outcome = read_outcome(run, mllog_file, eval_log)
@@ -559,11 +588,12 @@ def _discover(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path], Seri
 class EvalPlan:
     """What is left to evaluate: the steps of ``pending`` (after those already logged, up
     to a series fault), the series ``problem`` (results are then held until a pass), and
-    the final checkpoint's step (its time is an aborted ``run_stop``'s)."""
+    the final checkpoint's step (its time is an aborted ``run_stop``'s; ``None`` while
+    training still runs: the series may grow, so no aborted ``run_stop`` is written)."""
 
     pending_steps: list[int]
     problem: SeriesProblem | None
-    final_step: int
+    final_step: int | None
 
 
 def plan_evaluation(source: SeriesSource, config: RunConfig, log: ParsedLog) -> EvalPlan:
@@ -615,7 +645,8 @@ class StepOrderCommitter:
 
     def advance(self, block: bool) -> bool:
         """Commit every result available in order (waiting for each when ``block``);
-        True once the run is decided (its ``run_stop`` committed).
+        True once the run is decided (its ``run_stop`` committed; never without a pass
+        while the plan's ``final_step`` is ``None``).
 
         Raises:
             EvaluationError, RefitError, VerifierError: the next result in step order is
@@ -640,6 +671,8 @@ class StepOrderCommitter:
             if self.plan.problem is not None:
                 self.queue.stop()
                 raise EvaluationError(_unscorable(self.plan.problem))
+            if self.plan.final_step is None:  # following a training: later checkpoints may pass
+                return False
             _log_run_stop(self.writer, C.ABORTED, self.checkpoints[self.plan.final_step])
             self.writer.commit()
             self._decide()

@@ -10,6 +10,7 @@ Reads top to bottom like the lifecycle it runs::
         refit engine <- policy (after the generation in flight)
         block_stop
         step >= first eval step: stage the weights; step_N/ is written in the background
+        stop_training.json (a following evaluator's pass): stop after this step
     training's end: wait until every checkpoint is published (checkpoints/training_end.json)
     no run_stop: the offline evaluator writes it
 
@@ -86,6 +87,9 @@ class TrainResult:
     checkpoint_steps: list[int] = field(default_factory=list)
     """Steps whose checkpoint was published."""
     checkpoint_timings: list[CheckpointTiming] = field(default_factory=list)
+    stop_request: dict | None = None
+    """The evaluator's request training stopped at (``stop_training.json``, written by
+    ``evaluate --follow --stop-training-at-pass`` at a pass); ``None``: not stopped by it."""
 
 
 @dataclass
@@ -449,8 +453,11 @@ def _train(
             bar.update(1)
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
-        if checkpointer is not None:
-            checkpointer.finish("finished")  # training's end waits for every write
+            if inline_eval is None and (request := _stop_request(run)) is not None:
+                result.stop_request = request  # a following evaluator passed: no step after this one
+                break
+        if checkpointer is not None:  # training's end waits for every write
+            checkpointer.finish("finished" if result.stop_request is None else "stopped_by_evaluator")
         log.commit()  # durable: the whole log is on disk before training returns
     except BaseException as err:
         if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
@@ -469,6 +476,12 @@ def _train(
             result.checkpoint_steps = list(checkpointer.published_steps)
             result.checkpoint_timings = [checkpointer.timings[s] for s in sorted(checkpointer.timings)]
     return result
+
+
+def _stop_request(run: RunDir | None) -> dict | None:
+    """The following evaluator's stop request (``<run>/stop_training.json``), read by
+    rank 0 at a step boundary and given to every rank, so all stop after the same step."""
+    return distributed.broadcast_object(run.training_stop_request() if run is not None else None)
 
 
 def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
