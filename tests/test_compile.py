@@ -23,6 +23,16 @@ def test_compile_auto_is_on_only_for_the_cuda_bfloat16_path():
     assert _config("on").model.compile_policy and not _config("off", device="cuda", dtype="bfloat16").model.compile_policy
 
 
+def test_compile_on_and_off_as_yaml_writes_them_unquoted(tmp_path):
+    import yaml
+
+    for text, expected in (("on", True), ("off", False), ("auto", False)):
+        data = yaml.safe_load(f"model: {{compile: {text}}}")  # bare on/off: YAML booleans
+        assert parse_config(data, "c.yaml").model.compile_policy is expected
+    with pytest.raises(Exception, match="'auto', 'on' or 'off'"):
+        parse_config({"model": {"compile": "bogus"}}, "c.yaml")
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on the CPU needs a C compiler")
 def test_compiled_layers_give_the_eager_step(tmp_path):

@@ -182,7 +182,7 @@ def test_plain_evaluate_continues_a_killed_followers_log_and_merges_it(reference
 @pytest.mark.parametrize("args, needle", [
     (["--stop-training-at-pass"], "--stop-training-at-pass stops a training the evaluator follows: add --follow"),
     (["--follow", "--workers", "2"], "--follow evaluates with one worker"),
-    (["--follow", "--checkpoints", "x"], "--follow follows a run our trainer is writing"),
+    (["--follow", "--checkpoints", "x"], "--follow follows a run directory of ours: leave out --checkpoints"),
 ])
 def test_bad_follow_options_exit_2_with_one_line(tmp_path, capsys, args, needle):
     assert main(["evaluate", str(tmp_path), *args]) == 2
@@ -190,8 +190,17 @@ def test_bad_follow_options_exit_2_with_one_line(tmp_path, capsys, args, needle)
     assert err.count("\n") == 1 and needle in err, err
 
 
-def test_follow_on_a_directory_without_a_training_exits_2(tmp_path, capsys):
+def test_follow_on_a_directory_without_a_training_exits_2(tmp_path, capsys, monkeypatch):
+    from mlperf_grpo.evaluate import follow
+
+    monkeypatch.setattr(follow, "START_WAIT_S", 0.3)  # waits that long for a training to create it
     assert main(["evaluate", str(tmp_path / "none"), "--follow"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "start 'mlperf-grpo train --output" in err, err
+    assert "note: waiting up to 0 s for a training to create" in err
+    assert err.count("\n") == 2 and "(waited 0 s); start 'mlperf-grpo train --output" in err, err
     assert not (tmp_path / "none").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "file.txt").write_text("not a run")
+    assert main(["evaluate", str(tmp_path / "other"), "--follow"]) == 2  # refused at once: no waiting
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "waited" not in err, err

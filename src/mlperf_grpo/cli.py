@@ -172,9 +172,12 @@ def _follow(args: argparse.Namespace, foreign: tuple) -> int:
     them, then merge the follower's log into the training log (evaluate/follow.py)."""
     from mlperf_grpo.evaluate.follow import follow_run
 
-    if args.run_dir is None or any(v is not None for v in foreign):
+    if args.run_dir is None:
         raise BadInput("--follow follows a run our trainer is writing: give its RUN_DIR (the --output of "
-                       "'mlperf-grpo train'), without --checkpoints/--mllog/--config/--eval-log/--format")
+                       "'mlperf-grpo train')")
+    if any(v is not None for v in foreign):
+        raise BadInput("--follow follows a run directory of ours: leave out --checkpoints/--mllog/--config/"
+                       "--eval-log/--format")
     if args.workers not in (None, 1):
         raise BadInput("--follow evaluates with one worker (checkpoints arrive one per training step); leave out "
                        "--workers, or evaluate the finished run with 'mlperf-grpo evaluate RUN_DIR --workers N'")

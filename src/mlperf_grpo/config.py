@@ -73,7 +73,13 @@ class ModelConfig(_Strict):
     """``torch.compile`` each decoder layer of the training policy (regional compilation,
     as torchtitan does; fewer, fused kernels for the loss passes, the same math). ``auto``:
     on for the bfloat16 compute path on ``cuda`` (the first step pays the compilation),
-    off elsewhere (the CPU calibration's path runs eager)."""
+    off elsewhere (the CPU calibration's path runs eager). YAML reads a bare ``on``/``off``
+    as true/false: those are taken as ``on``/``off``."""
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _compute_dtype_logged(self) -> "ModelConfig":

@@ -53,6 +53,10 @@ POLL_S = 1.0
 """Seconds between looks at the checkpoint directory and the run's lock."""
 
 
+START_WAIT_S = 300.0
+"""Seconds ``--follow`` waits for a training to create a run directory that does not exist yet."""
+
+
 def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
                show_progress: bool = True, poll_s: float = POLL_S) -> EvalOutcome:
     """Evaluate a run's checkpoints while its training runs; finish it once training ended.
@@ -184,16 +188,27 @@ def _trainer_running(run: RunDir) -> bool:
 
 
 def _wait_for_run(run: RunDir, poll_s: float) -> tuple[RunConfig, Path]:
-    """The run's config and log path, waiting while a trainer sets the run up.
+    """The run's config and log path, waiting while a trainer sets the run up, and up to
+    :data:`START_WAIT_S` for one to create it (a trainer checks its model and data before
+    it creates its ``--output``, so ``train ... & evaluate --follow`` starts first).
 
     Raises:
-        RunDirError: no run there and no trainer holding its lock.
+        RunDirError: no run there, no trainer holding its lock, and none created it in
+            time (or the path is not an empty or absent directory).
     """
+    deadline = time.monotonic() + START_WAIT_S
+    noted = False
     while True:
         try:
             return run.load()
         except RunDirError as err:
-            if not (run.root / ".lock").is_file() or not _trainer_running(run):
-                raise RunDirError(f"--follow: {err}; start 'mlperf-grpo train --output {run.root}' first, "
-                                  "then follow it") from None
+            if not ((run.root / ".lock").is_file() and _trainer_running(run)):
+                not_yet = not run.root.exists() or (run.root.is_dir() and not any(run.root.iterdir()))
+                if not not_yet or time.monotonic() >= deadline:
+                    waited = f" (waited {START_WAIT_S:.0f} s)" if not_yet else ""
+                    raise RunDirError(f"--follow: {err}{waited}; start 'mlperf-grpo train --output {run.root}' "
+                                      "first, then follow it") from None
+                if not noted:
+                    print(f"note: waiting up to {START_WAIT_S:.0f} s for a training to create {run.root}", file=sys.stderr)
+                    noted = True
         time.sleep(poll_s)
