@@ -453,7 +453,8 @@ def _train(
             bar.update(1)
             if step >= first_eval_step and inline_eval is not None and inline_eval(step, policy):
                 break
-            if inline_eval is None and (request := _stop_request(run)) is not None:
+            # a pass needs a published checkpoint: no request (and no collective) before S0
+            if inline_eval is None and step >= first_eval_step and (request := _stop_request(run)) is not None:
                 result.stop_request = request  # a following evaluator passed: no step after this one
                 break
         if checkpointer is not None:  # training's end waits for every write
