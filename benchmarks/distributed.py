@@ -133,6 +133,8 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
     log = read_log(out_dir / "mlperf.log")
     stats = [e.value for e in log.events if e.key == "tracked_stats"]
     startup_s = log.find("run_start")[0].time_ms / 1000 - launch_s
+    print(f"{nproc} rank(s): start-up {startup_s:.1f} s, step times {[round(s['train_step_time'], 2) for s in stats]} s, "
+          f"{time.time() - launch_s:.0f} s in all", file=sys.stderr, flush=True)  # progress, kept if a later run times out
     return {"stats": stats, "startup_s": round(startup_s, 2), **json.loads(result.read_text())}
 
 
