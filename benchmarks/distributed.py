@@ -76,6 +76,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--worker", str(config_file), str(out_dir), str(result)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "torchrun.err").write_text(proc.stderr)  # kept with --keep (e.g. TORCH_LOGS output)
     if proc.returncode != 0 or not result.is_file():
         sys.exit(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     from mlperf_grpo.mllog import read_log
@@ -133,8 +136,10 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
     log = read_log(out_dir / "mlperf.log")
     stats = [e.value for e in log.events if e.key == "tracked_stats"]
     startup_s = log.find("run_start")[0].time_ms / 1000 - launch_s
-    print(f"{nproc} rank(s): start-up {startup_s:.1f} s, step times {[round(s['train_step_time'], 2) for s in stats]} s, "
-          f"{time.time() - launch_s:.0f} s in all", file=sys.stderr, flush=True)  # progress, kept if a later run times out
+    steps = [{"step_s": s["train_step_time"], **{k: s[k] for k in PHASES}} for s in stats]
+    print(f"{nproc} rank(s): start-up {startup_s:.1f} s, {time.time() - launch_s:.0f} s in all, steps (s): "
+          + json.dumps([{k: round(v, 2) for k, v in s.items()} for s in steps]),
+          file=sys.stderr, flush=True)  # progress, kept if a later run times out
     return {"stats": stats, "startup_s": round(startup_s, 2), **json.loads(result.read_text())}
 
 
@@ -196,6 +201,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--task", choices=("format", "arithmetic"), default="format",
                         help="reward: format (benchmarks/format_task.py, earned by a random model) or the real arithmetic one")
+    parser.add_argument("--keep", type=Path, help="copy each run's MLPerf log and torchrun's stderr into this directory")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -226,8 +232,17 @@ def main() -> None:
         }
         config_file = tmp / "bench.yaml"
         config_file.write_text(yaml.safe_dump(config))
-        many = launch(args.nproc, config_file, tmp / f"run{args.nproc}")
-        one = None if args.large else launch(1, config_file, tmp / "run1")
+        runs = [tmp / f"run{args.nproc}"] + ([] if args.large else [tmp / "run1"])
+        try:
+            many = launch(args.nproc, config_file, runs[0])
+            one = None if args.large else launch(1, config_file, runs[1])
+        finally:
+            for run in runs if args.keep else []:
+                keep = args.keep / run.name
+                keep.mkdir(parents=True, exist_ok=True)
+                for name in ("mlperf.log", "torchrun.err"):
+                    if (run / name).is_file():
+                        shutil.copy(run / name, keep / name)
     line: dict[str, object] = {
         "benchmark": "distributed",
         "device": args.device,

@@ -31,7 +31,8 @@ one JSON line:
   its start to its exit), ``speedup`` (``serial_s / parallel_s``); the same from the
   first ``eval_start`` to the last ``eval_stop`` (``serial_eval_s``, ``parallel_eval_s``,
   ``eval_speedup``: start-up left out); ``serial_startup_s``, ``parallel_startup_s``:
-  process start to the first ``eval_start``;
+  process start to the first ``eval_start``; ``serial_exit_s``, ``parallel_exit_s``: from
+  ``eval/summary.json`` written (the evaluation's last act) to the process's exit;
 - ``serial_worker`` and ``parallel_per_rank``: each worker's start-up from
   ``eval/startup.jsonl`` (``before_engine_s``: from the process's start to its engine
   build, i.e. imports, lock, series checks and, for a rank, the launch; ``launch_s``: the
@@ -181,6 +182,15 @@ def eval_span_s(run: Path) -> tuple[float, float, float]:
     return stops[-1] - starts[0], statistics.median(gaps), min(starts)
 
 
+def keep_files(run: Path, keep: Path) -> None:
+    """Copy the run's MLPerf log and ``eval/`` (results, timings; no weights) to ``keep``."""
+    keep.mkdir(parents=True, exist_ok=True)
+    if (run / "mlperf.log").is_file():
+        shutil.copy(run / "mlperf.log", keep / "mlperf.log")
+    if (run / "eval").is_dir():
+        shutil.copytree(run / "eval", keep / "eval", dirs_exist_ok=True)
+
+
 def load_limit_s(run: Path, device: str) -> float:
     """Median over the checkpoints of ``load_file`` of every shard to ``device``."""
     per_checkpoint = []
@@ -212,6 +222,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="rollout and validation length (default: 16 on cuda, 4 on cpu)")
     parser.add_argument("--run", type=Path, help="evaluate (copies of) this trained run instead of making one")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the run is made (a real disk)")
+    parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -225,8 +236,14 @@ def main() -> None:
         trained, params = (args.run, None) if args.run else make_run(root, args, dtype)
         setup_s = time.perf_counter() - _START_S
         serial, parallel = copy_run(trained, root / "serial"), copy_run(trained, root / "parallel")
-        serial_start, serial_s = timed_evaluation(serial, 1, args.eval_timeout_s)
-        parallel_start, parallel_s = timed_evaluation(parallel, args.workers, args.eval_timeout_s)
+        try:
+            serial_start, serial_s = timed_evaluation(serial, 1, args.eval_timeout_s)
+            parallel_start, parallel_s = timed_evaluation(parallel, args.workers, args.eval_timeout_s)
+        finally:
+            for run in (serial, parallel) if args.keep else ():
+                keep_files(run, args.keep / run.name)
+        serial_exit_s = serial_start + serial_s - (serial / "eval" / "summary.json").stat().st_mtime
+        parallel_exit_s = parallel_start + parallel_s - (parallel / "eval" / "summary.json").stat().st_mtime
         load_s = load_limit_s(serial, args.device)
         progress("load limit measured")
         steps = timings(serial)
@@ -255,6 +272,8 @@ def main() -> None:
         "serial_eval_s": serial_eval_s,
         "parallel_eval_s": parallel_eval_s,
         "eval_speedup": serial_eval_s / parallel_eval_s,
+        "serial_exit_s": serial_exit_s,
+        "parallel_exit_s": parallel_exit_s,
         "serial_startup_s": serial_first_s - serial_start,
         "parallel_startup_s": parallel_first_s - parallel_start,
         "before_launch_s": None if launch_unix_s is None else launch_unix_s - parallel_start,

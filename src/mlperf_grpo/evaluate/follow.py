@@ -132,7 +132,7 @@ def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine
     queue = local_queue(len(plan.pending_steps))
     committer = StepOrderCommitter(run, config, run.follow_log, plan, checkpoints, queue, show_progress)
     try:
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, after_each=lambda: committer.advance(block=False))
+        evaluate_claimed(queue, run, source, config, checkpoints, plan, lambda: engine, after_each=lambda: committer.advance(block=False))
         committer.advance(block=True)
     finally:
         committer.close()

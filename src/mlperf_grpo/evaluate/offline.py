@@ -705,18 +705,22 @@ def unlogged_results(run: RunDir, step: int) -> Path:
 
 
 def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, checkpoints: dict[int, Checkpoint],
-                     plan: EvalPlan, engine: InferenceEngine, after_each=lambda: None) -> None:
+                     plan: EvalPlan, engine: Callable[[], InferenceEngine], after_each=lambda: None) -> None:
     """One worker: claim the next pending checkpoint, refit from its prefetched verified
     read (the next one is read meanwhile), verify, validate, write its results to
     ``eval/unlogged/`` and publish its result (or its error) until none is left or the
-    run is decided. ``after_each()`` runs after every publish (the serial committer)."""
+    run is decided. ``engine()`` gives the worker's engine; it is called once, after the
+    first claim, so an engine started then (:class:`EngineAtFirstUse`) starts while its
+    first checkpoint is read. ``after_each()`` runs after every publish (the serial
+    committer)."""
     suite = load_suite(config)
     tasks = validation_tasks(suite, config.validation.num_tasks)
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-    prefetcher = CheckpointPrefetcher(source.read, pin=_engine_on_cuda(engine))
+    prefetcher = CheckpointPrefetcher(source.read, pin=_pins_host_buffers(config))
     try:
         claimed = _claim(queue, plan, checkpoints, prefetcher)
+        worker_engine = engine() if claimed else None
         while claimed and not queue.stopped():
             wait_start_s = time.perf_counter()
             item = prefetcher.take()
@@ -725,13 +729,13 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
                 if item.error is not None:
                     raise _corrupt(item.checkpoint, item.error)
                 start_ms, refit_start_s = now_ms(), time.perf_counter()
-                engine.load_weights(item.weights)  # refit, no optimizer state; waits for the copies
-                checked = source.verify(engine, item.checkpoint, item.weights)
+                worker_engine.load_weights(item.weights)  # refit, no optimizer state; waits for the copies
+                checked = source.verify(worker_engine, item.checkpoint, item.weights)
                 prefetcher.release(item)
                 generation_start_s = time.perf_counter()
-                accuracy, results = validate(engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
+                accuracy, results = validate(worker_engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
                 generation_stop_s = time.perf_counter()
-                write_results(run, item.checkpoint.step, results, params, config.seed, engine.describe(), checked,
+                write_results(run, item.checkpoint.step, results, params, config.seed, worker_engine.describe(), checked,
                               unlogged_results(run, item.checkpoint.step))
                 record_timing(run, item.checkpoint.step, read_wait_s=refit_start_s - wait_start_s,
                               refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s)
@@ -754,13 +758,14 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
 
 
 def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> InferenceEngine:
-    """This worker's engine, ready before it claims a checkpoint: built with its weights
-    unset (``refit_only``: the first refit fills every one, verified by fingerprint and
-    canary), then warmed up by generating 2 tokens for the first validation prompt and
-    scoring that completion once per reward worker (lazy initialisation, first kernel
-    launches, allocator, the reward workers' start and imports), so no checkpoint's time
-    includes start-up. Appends where start-up went to ``eval/startup.jsonl``
-    (:func:`record_startup`).
+    """This worker's engine, ready before it refits its first checkpoint: built with its
+    weights unset (``refit_only``: the first refit fills every one, verified by
+    fingerprint and canary), then warmed up by generating 2 tokens for the validation
+    prompts of one engine batch (``validation.batch_size`` rows on a GPU, where the first
+    batch of that shape pays the allocator's growth and the first kernel launches; one
+    row on the CPU) and scoring one completion once per reward worker (their start and
+    imports), so no checkpoint's time includes start-up. Appends where start-up went to
+    ``eval/startup.jsonl`` (:func:`record_startup`).
 
     Args:
         launch_unix_s: Unix time (s) at which the evaluator launched the worker ranks
@@ -773,11 +778,13 @@ def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = N
     built_s = time.perf_counter()
     try:
         suite = load_suite(config)
-        task = validation_tasks(suite, config.validation.num_tasks)[0]
+        tasks = validation_tasks(suite, config.validation.num_tasks)
         v = config.validation
-        [completion] = engine.generate([task.prompt], SamplingParams(v.temperature, v.top_p, 2), seeds=[0])
+        rows = v.batch_size if _engine_on_cuda(engine) else 1
+        prompts = [tasks[i % len(tasks)].prompt for i in range(rows)]
+        completion = engine.generate(prompts, SamplingParams(v.temperature, v.top_p, 2), seeds=list(range(rows)))[0]
         try:
-            score(suite.reward, [(completion.text, task)] * REWARD_WORKERS)  # the rewards are discarded
+            score(suite.reward, [(completion.text, tasks[0])] * REWARD_WORKERS)  # the rewards are discarded
         except VerifierError:
             pass  # a broken reward fails the first checkpoint's validation, in step order, as without warm-up
         if _engine_on_cuda(engine):
@@ -817,6 +824,35 @@ def _engine_on_cuda(engine: InferenceEngine) -> bool:
     return str(getattr(engine, "device", "cpu")).startswith("cuda")
 
 
+def _pins_host_buffers(config: RunConfig) -> bool:
+    """The checkpoint reads go to pinned host memory: the ``hf`` engine on a GPU refits
+    from it with one DMA per tensor (vLLM takes the weights through its own process)."""
+    return config.inference.engine == "hf" and config.model.device.startswith("cuda")
+
+
+class EngineAtFirstUse:
+    """A worker's engine, started (:func:`start_engine`) the first time it is asked for;
+    :meth:`close` closes it if it was started.
+
+    Args:
+        run, config, launch_unix_s: as :func:`start_engine`'s.
+    """
+
+    def __init__(self, run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> None:
+        self._start = lambda: start_engine(run, config, launch_unix_s)
+        self._engine: InferenceEngine | None = None
+
+    def __call__(self) -> InferenceEngine:
+        if self._engine is None:
+            self._engine = self._start()
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
 def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, log: ParsedLog,
                           show_progress: bool, workers: int) -> None:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
@@ -844,7 +880,7 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
     if workers == 1:
         checkpoints = _series_by_step(source)
         queue = local_queue(len(plan.pending_steps))
-        engine = start_engine(run, config)
+        engine = EngineAtFirstUse(run, config)
         committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints, queue, show_progress)
         try:
             evaluate_claimed(queue, run, source, config, checkpoints, plan, engine,
@@ -869,7 +905,8 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
                   launch_unix_s: float | None = None) -> dict | None:
     """A torchrun rank of ``evaluate --workers N``: one engine on device ``LOCAL_RANK``
     (CUDA) or a CPU process with its share of the cores, started (:func:`start_engine`)
-    before the rank claims anything; rank 0 also commits (a thread with its own store
+    once the rank has claimed its first checkpoint, while that one is read (a rank that
+    claims nothing starts none); rank 0 also commits (a thread with its own store
     connection) to ``mllog_file`` (the evaluator's, resolved when it took the lock).
     Dies with the launching evaluator (it holds the lock). ``launch_unix_s``: when the
     evaluator launched the ranks (Unix s; for ``eval/startup.jsonl``).
@@ -885,7 +922,7 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    engine = start_engine(run, config, launch_unix_s)
+    engine = EngineAtFirstUse(run, config, launch_unix_s)
     failure: list[dict] = []
     committer_thread = None
     try:
