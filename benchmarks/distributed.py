@@ -199,6 +199,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 16 with --large, 8 on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="rollout length (default: 64 on cuda, 8 on cpu)")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--reshard-every-micro-batch", action="store_true",
+                        help="FSDP's default (least memory; always with --large); without it gradients are reduced "
+                             "once a step (distributed.reshard_every_micro_batch: false)")
     parser.add_argument("--task", choices=("format", "arithmetic"), default="format",
                         help="reward: format (benchmarks/format_task.py, earned by a random model) or the real arithmetic one")
     parser.add_argument("--keep", type=Path, help="copy each run's MLPerf log and torchrun's stderr into this directory")
@@ -215,6 +218,7 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     prompts = args.prompts or (16 if args.large else 64 if cuda else 2)
     micro = args.micro_batch_size or (16 if args.large else 32 if cuda else 8)
+    reshard = args.reshard_every_micro_batch or args.large  # --large: gathered weights and gradients would not fit
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         build_start_s = time.perf_counter()
@@ -228,7 +232,8 @@ def main() -> None:
                      "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
             "task": task,
             "checkpoint": {"max_in_flight": 1},
-            "distributed": {"activation_checkpointing": args.activation_checkpointing},
+            "distributed": {"activation_checkpointing": args.activation_checkpointing,
+                            "reshard_every_micro_batch": reshard},
         }
         config_file = tmp / "bench.yaml"
         config_file.write_text(yaml.safe_dump(config))
@@ -251,6 +256,7 @@ def main() -> None:
         "dtype": dtype,
         "global_batch_size": prompts * 16,
         "micro_batch_size": micro,
+        "reshard_every_micro_batch": reshard,
         "steps": args.steps,
         "task": args.task,
         "build_model_s": round(build_model_s, 2),

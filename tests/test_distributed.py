@@ -93,17 +93,19 @@ def _rows(batch, rows: slice, prompts: slice):
                    advantages=batch.advantages[rows], rewards=batch.rewards[prompts])
 
 
-def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str) -> None:
+def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str, reshard: bool = True) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True)
+        policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True,
+                                          reshard_every_micro_batch=reshard)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)
         here = distributed.Layout(rank, world)
         prompts = distributed.prompt_share(batch.rewards.shape[0], here)
         g = batch.rewards.shape[1]
         share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
-        result = optimize_step(policy, opt, share, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+        result = optimize_step(policy, opt, share, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9,
+                               reshard_every_micro_batch=reshard)
         engine = HFEngine(MODEL, "float32")
         distributed.refit_engine(engine.model, policy)  # one parameter at a time
         if rank == 0:
@@ -113,10 +115,12 @@ def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out:
         dist.destroy_process_group()
 
 
-def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path):
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard-every-micro-batch", "sync-after-last"])
+def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path, reshard):
     """The accumulation invariant across ranks: 2 ranks x 2 micro-batches of 16 rows give
     the update of one 64-row batch in one process (global token-mean loss, summed
-    gradients), and the refit engine holds exactly the updated weights."""
+    gradients), and the refit engine holds exactly the updated weights; the same when
+    gradients are reduced only after the last micro-batch (``reshard=False``)."""
     from test_trainer import _batch, _step
 
     batch = _batch()
@@ -125,7 +129,7 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path):
     opt = torch.optim.SGD(load_model(MODEL, "float32").parameters(), lr=0.0)
     expected = optimize_step(load_model(MODEL, "float32"), opt, batch, 64, 1.0, PGLossOptions(), grad_clip_norm=1e9)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_sharded_step, args=(2, str(tmp_path / "pg"), batch, 16, str(out)), nprocs=2, join=True)
+    mp.spawn(_sharded_step, args=(2, str(tmp_path / "pg"), batch, 16, str(out), reshard), nprocs=2, join=True)
     got = torch.load(out)
     assert got["tokens"] == expected.num_valid_tokens == batch.num_tokens
     assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)

@@ -309,6 +309,18 @@ class DistributedConfig(_Strict):
     """Recompute each decoder layer's activations in the backward pass (less memory,
     about one more forward pass of compute)."""
 
+    reshard_every_micro_batch: bool = True
+    """``true`` (FSDP's default, least memory): each decoder layer's weights are
+    all-gathered for every micro-batch's forward and again for its backward, then freed,
+    and its gradients reduce-scattered after every micro-batch. ``false``: within a step
+    the weights stay gathered after their first all-gather and the gradients accumulate
+    unsharded in fp32, reduce-scattered once after the last micro-batch (FSDP2's
+    ``set_requires_gradient_sync`` / ``set_reshard_after_backward``, with
+    ``reshard_after_forward=False``): one all-gather and one reduce-scatter a step
+    instead of about two and one per micro-batch, for the whole model's weights in the
+    compute dtype plus its fp32 gradients on every rank (6 bytes a parameter in
+    bfloat16). The update is the same either way."""
+
 
 class RunConfig(_Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""

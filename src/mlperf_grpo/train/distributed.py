@@ -164,7 +164,7 @@ def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
 
 
 def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
-                 compile_layers: bool = False) -> torch.nn.Module:
+                 compile_layers: bool = False, reshard_every_micro_batch: bool = True) -> torch.nn.Module:
     """Wrap a Hugging Face causal LM with FSDP2, as torchtitan's ``parallelize`` does:
     ``fully_shard`` on each decoder layer (``policy.model.layers``), then on the root.
 
@@ -177,7 +177,11 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     the backward pass (``torch.utils.checkpoint``, non-reentrant, wrapped inside each
     layer's FSDP unit as torchtitan does). ``compile_layers``: each layer is compiled
     (:func:`~mlperf_grpo.model.compile_decoder_layers`) after the wrapping and before
-    ``fully_shard``, torchtitan's order. The policy's ``config.use_cache`` is set False.
+    ``fully_shard``, torchtitan's order. ``reshard_every_micro_batch=False``: the
+    weights are not freed after a forward (``reshard_after_forward=False``) and the
+    training loop calls :func:`sync_after_micro_batch` before each micro-batch (see
+    ``distributed.reshard_every_micro_batch``). The policy's ``config.use_cache`` is set
+    False.
 
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -199,8 +203,8 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     if compile_layers:
         compile_decoder_layers(policy)
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(policy, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_every_micro_batch)
+    fully_shard(policy, mp_policy=mp, reshard_after_forward=reshard_every_micro_batch)
     for module in policy.modules():  # each fully_shard group reduces its own gradients
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -208,16 +212,30 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     return policy
 
 
+def sync_after_micro_batch(policy: torch.nn.Module, last: bool) -> None:
+    """Before a micro-batch of an FSDP2 policy sharded with
+    ``reshard_every_micro_batch=False``: reduce-scatter the gradients and free the
+    gathered weights after this micro-batch's backward only if it is the step's ``last``
+    (before, gradients accumulate unsharded in the reduce dtype, fp32, and the weights
+    stay gathered for the next micro-batch). A no-op for a policy that is not sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(policy, FSDPModule):
+        policy.set_requires_gradient_sync(last)
+        policy.set_reshard_after_backward(last)
+
+
 def load_sharded_policy(
     path: str, device: str, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
-    compile_layers: bool = False,
+    compile_layers: bool = False, reshard_every_micro_batch: bool = True,
 ) -> torch.nn.Module:
     """The policy at ``path``, fp32, FSDP2-sharded over the process group's ranks as it is
     built: every rank must call this.
 
     1. the architecture on the meta device (:func:`~mlperf_grpo.model.model_skeleton`);
     2. :func:`shard_policy` (``fully_shard`` per decoder layer and at the root; each layer
-       compiled first with ``compile_layers``);
+       compiled first with ``compile_layers``; ``reshard_every_micro_batch`` as there);
     3. storage for this rank's shards only, on ``device``; RoPE's ``inv_freq`` and other
        non-persistent buffers recomputed from the config
        (:func:`~mlperf_grpo.model.materialize`);
@@ -240,7 +258,8 @@ def load_sharded_policy(
     from torch.distributed.checkpoint import load as dcp_load
 
     directory = check_model_path(path)
-    policy = shard_policy(model_skeleton(path, "float32"), compute_dtype, activation_checkpointing, compile_layers)
+    policy = shard_policy(model_skeleton(path, "float32"), compute_dtype, activation_checkpointing, compile_layers,
+                          reshard_every_micro_batch)
     materialize(policy, device)
     in_files = set(weight_shapes(directory))
     state = {_plain_name(n): t for n, t in policy.state_dict().items()}

@@ -108,6 +108,10 @@ class OptimizeResult:
     """Mean IS weight over valid tokens (1 without the correction)."""
 
 
+COMPILED_WIDTH_MULTIPLE = 8
+"""Micro-batch widths of a compiled policy are multiples of this (see :func:`optimize_step`)."""
+
+
 def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
     passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
@@ -128,6 +132,8 @@ def optimize_step(
     seq_logprob_error_threshold: float | None = None,
     needs_prev_logprobs: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    width_multiple: int = 1,
+    reshard_every_micro_batch: bool = True,
 ) -> OptimizeResult:
     """One optimizer step on a global batch, accumulating gradients over micro-batches.
 
@@ -151,7 +157,14 @@ def optimize_step(
     reads nothing back from the device (its sums are read once, after the optimizer step).
     Under torchrun the batch is this rank's share and the count is the global batch's
     (summed over ranks), as are the returned loss, counts and IS weight mean; the gradient
-    norm is over all shards.
+    norm is over all shards. ``reshard_every_micro_batch=False`` (an FSDP2 policy sharded
+    with it, ``distributed.reshard_every_micro_batch``): gradients are reduced once, after
+    the last micro-batch (:func:`~mlperf_grpo.train.distributed.sync_after_micro_batch`).
+
+    ``width_multiple``: each micro-batch's width is rounded up to a multiple of it (the
+    batch right-padded with masked columns): a compiled policy then never sees a sequence
+    length of another alignment, which would recompile each decoder layer (inductor
+    guards on ``length % 8``). The masked columns change no value in exact arithmetic.
 
     Raises:
         ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
@@ -162,6 +175,7 @@ def optimize_step(
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
+    batch = batch.padded_to_multiple(width_multiple)
     mask = batch.completion_mask  # [B, L-1]
     # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
     num_valid_tokens = 0 if filtered else int(distributed.all_reduce_sum([mask.sum().item()])[0])
@@ -172,7 +186,10 @@ def optimize_step(
     # to the device once a step (a copy from pageable host memory waits for the device)
     input_ids, attention_mask, token_mask, rollout_logprobs, advantages = (
         t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
-    for rows, width in batch.micro_batch_spans(micro_batch_size):  # each micro-batch cut to its longest row
+    spans = batch.micro_batch_spans(micro_batch_size, width_multiple)  # each micro-batch cut to its longest row
+    for index, (rows, width) in enumerate(spans):
+        if not reshard_every_micro_batch:
+            distributed.sync_after_micro_batch(policy, last=index == len(spans) - 1)
         ids = input_ids[rows, :width]
         # Logits from the first completion column on (earlier ones would only score prompt
         # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
@@ -317,7 +334,8 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
         policy = distributed.load_sharded_policy(config.model.path, config.model.device, compute_dtype,
                                                  config.distributed.activation_checkpointing,
-                                                 compile_layers=config.model.compile_policy)
+                                                 compile_layers=config.model.compile_policy,
+                                                 reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
         engine = distributed.engine_from_policy(config, policy)
     else:
         policy = load_model(config.model.path, "float32", config.model.device)
@@ -400,7 +418,8 @@ def _train(
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
-                DTYPES[config.model.train_compute_dtype],
+                DTYPES[config.model.train_compute_dtype], width_multiple=COMPILED_WIDTH_MULTIPLE if config.model.compile_policy else 1,
+                reshard_every_micro_batch=config.distributed.reshard_every_micro_batch,
             )
             distributed.barrier()  # every rank's optimizer.step() has returned
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned

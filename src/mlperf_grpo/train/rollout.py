@@ -54,18 +54,34 @@ class RolloutBatch:
         """Valid completion tokens in the global batch (the loss normalizer)."""
         return int(self.completion_mask.sum().item())
 
-    def micro_batch_spans(self, micro_batch_size: int) -> list[tuple[slice, int]]:
+    def micro_batch_spans(self, micro_batch_size: int, width_multiple: int = 1) -> list[tuple[slice, int]]:
         """``(rows, width)`` per micro-batch, in row order: ``rows`` is the slice of
-        ``micro_batch_size`` rows, ``width`` the longest sequence among them. Rows are
-        right-padded, so ``input_ids[rows, :width]`` (and ``[rows, :width - 1]`` of the
-        shifted tensors) drops only padding: a micro-batch is padded to its own longest
-        row, not the global batch's."""
+        ``micro_batch_size`` rows, ``width`` the longest sequence among them rounded up to
+        a multiple of ``width_multiple`` (at most ``L``). Rows are right-padded, so
+        ``input_ids[rows, :width]`` (and ``[rows, :width - 1]`` of the shifted tensors)
+        drops only padding: a micro-batch is padded to its own longest row, not the
+        global batch's."""
         lengths = self.attention_mask.sum(dim=1)  # [B]
         spans = []
         for start in range(0, lengths.shape[0], micro_batch_size):
             rows = slice(start, start + micro_batch_size)
-            spans.append((rows, int(lengths[rows].max())))
+            width = -(-int(lengths[rows].max()) // width_multiple) * width_multiple
+            spans.append((rows, min(width, self.input_ids.shape[1])))
         return spans
+
+    def padded_to_multiple(self, multiple: int) -> RolloutBatch:
+        """This batch with ``L`` right-padded to a multiple of ``multiple`` (padding
+        columns: token 0, attention, completion mask and log-probs 0), so that every
+        :meth:`micro_batch_spans` width can be a multiple of it. ``self`` when it is one."""
+        extra = -self.input_ids.shape[1] % multiple
+        if extra == 0:
+            return self
+        pad = torch.nn.functional.pad
+        return RolloutBatch(
+            input_ids=pad(self.input_ids, (0, extra)), attention_mask=pad(self.attention_mask, (0, extra)),
+            completion_mask=pad(self.completion_mask, (0, extra)), rollout_logprobs=pad(self.rollout_logprobs, (0, extra)),
+            advantages=self.advantages, rewards=self.rewards,
+        )
 
 
     def first_completion_column(self, rows: slice) -> int:
