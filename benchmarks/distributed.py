@@ -89,6 +89,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LARGE_PARAMS = 8e9
+FROZEN_LEARNING_RATE = 1e-12
+"""AdamW steps of about this size round away on fp32 weights of magnitude >= 1e-5 (their
+ulp is larger): the policy, and so the length of its completions, stays as initialised."""
 
 
 def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
@@ -198,6 +201,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step, 16 completions each (default: 64 on cuda, i.e. GBS 1024; 16 with --large; 2 on cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch per rank (default: 32 on cuda, 16 with --large, 8 on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="rollout length (default: 64 on cuda, 8 on cpu)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="AdamW's (default: 1e-12 on cuda, below every weight's rounding step: the weights stay "
+                             "as initialised, so every step does the same work in both runs; else the config's)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--reshard-every-micro-batch", action="store_true",
                         help="FSDP's default (least memory; always with --large); without it gradients are reduced "
@@ -218,6 +224,7 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     prompts = args.prompts or (16 if args.large else 64 if cuda else 2)
     micro = args.micro_batch_size or (16 if args.large else 32 if cuda else 8)
+    lr = args.learning_rate if args.learning_rate is not None else (FROZEN_LEARNING_RATE if cuda and not args.large else None)
     reshard = args.reshard_every_micro_batch or args.large  # --large: gathered weights and gradients would not fit
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -231,6 +238,7 @@ def main() -> None:
             "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "max_steps": args.steps,
                      "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
             "task": task,
+            **({"optimizer": {"learning_rate": lr}} if lr else {}),
             "checkpoint": {"max_in_flight": 1},
             "distributed": {"activation_checkpointing": args.activation_checkpointing,
                             "reshard_every_micro_batch": reshard},
@@ -257,6 +265,7 @@ def main() -> None:
         "global_batch_size": prompts * 16,
         "micro_batch_size": micro,
         "reshard_every_micro_batch": reshard,
+        "learning_rate": lr,
         "steps": args.steps,
         "task": args.task,
         "build_model_s": round(build_model_s, 2),
