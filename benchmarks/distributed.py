@@ -1,7 +1,7 @@
 """Data-parallel GRPO training: N ranks against 1, the same config, launched with torchrun.
 
     python benchmarks/distributed.py --device cpu --nproc 2                      # CPU, gloo (smoke)
-    python benchmarks/distributed.py --device cuda --nproc 2                     # 2 GPUs vs 1 GPU, GBS 1024
+    python benchmarks/distributed.py --device cuda --nproc 2 --steps 5           # 2 GPUs vs 1 GPU, GBS 1024
     python benchmarks/distributed.py --device cuda --nproc 2 --prompts 16        # the same at GBS 256
     python benchmarks/distributed.py --device cuda --large --nproc 2             # ~8B: does not fit on 1 GPU
 
@@ -12,20 +12,24 @@ worker launched with ``torchrun --standalone --nproc-per-node K`` for K = 1 and 
 ``--nproc`` (``--large``: K = ``--nproc`` only), same config, same global batch.
 
 Default config on CUDA: a 1.4B model, GBS 1024 (64 prompts x 16, the largest of the
-reference's GBS 256 / 512 / 1024), 64 new tokens, micro-batches of 32 rows, 5 steps.
-Data parallelism only pays where each GPU's share of the work is throughput-bound: at
-GBS 256 on 2 GPUs each rank generates 128 rows, and a decode step of 128 rows takes
-about as long as one of 256 (latency-bound: measured 2.6 s against 2.4 s), so halving
-the rows barely shortens generation. The engine generates in batches of 256 rows, so
-from 512 rows per rank on, a rank runs its batches one after another and 2 ranks halve
-the number of batches; training (micro-batches one after another) scales the same way.
-``--prompts 16`` measures GBS 256. Estimated on H200s from the GBS 256 figures
-(generation about 2.4 s per 256 rows; training about 2.2 s per 256 rows eager and about
-half that with ``model.compile``, the CUDA default, whose first step pays about 35 s of
-compilation; about 0.3 s more per step on 2 GPUs): a 1-GPU step at GBS 1024 about 14 s
-(18.5 s eager), a 2-GPU step about 8 s (10.3 s eager), speedup about 1.75 (1.8 eager);
-the whole benchmark (model build, 2 x start-up and compilation, 2 x 5 steps, one
-checkpoint each) about 4 min.
+reference's GBS 256 / 512 / 1024), 64 new tokens, micro-batches of 32 rows, 5 steps,
+gradients reduced once a step (``distributed.reshard_every_micro_batch: false``;
+``--reshard-every-micro-batch`` for FSDP's default) and AdamW's learning rate 1e-12
+(``--learning-rate``): every kernel runs, but the updates round away on the fp32
+weights, so the policy and its completion lengths stay as initialised and both runs do
+the same work at every step (with a real learning rate the format reward teaches each
+run to stop early at its own pace, and the per-step work diverges by more than the
+parallelism changes it). Data parallelism only pays where each GPU's share of the work
+is throughput-bound: at GBS 256 on 2 GPUs each rank generates 128 rows, and a decode
+step of 128 rows takes about as long as one of 256 (latency-bound: measured 2.6 s
+against 2.4 s), so halving the rows barely shortens generation. The engine generates
+in batches of 256 rows, so from 512 rows per rank on, a rank runs its batches one after
+another and 2 ranks halve the number of batches; training (micro-batches one after
+another) scales the same way. ``--prompts 16`` measures GBS 256. Measured on 2 H200s
+(``--steps 5``): 1 GPU 0.0796 steps/s, 2 GPUs 0.1434, speedup 1.80; about 4 min in all
+(model build, 2 x start-up and compilation, 2 x 5 steps). ``--keep DIR`` copies each
+run's MLPerf log and torchrun's stderr (e.g. with ``TORCH_LOGS=recompiles``) to ``DIR``;
+a progress line with each step's phases goes to stderr after each run.
 
 ``--large`` (about 8e9 parameters: 144 GB of fp32 weights, gradients and AdamW moments
 plus the bfloat16 engine copy, more than one H200's 141 GB) runs ``--nproc`` ranks only,
