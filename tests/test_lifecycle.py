@@ -138,7 +138,37 @@ def _corrupt_header(model: Path) -> None:
     (model / "model.safetensors").write_bytes(b"\xff" * 64)
 
 
+def _truncate_weights(model: Path) -> None:
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _random_weights(model: Path) -> None:
+    (model / "model.safetensors").write_bytes(os.urandom(4096))
+
+
+def _config_value_of_the_wrong_type(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config["hidden_size"] = "sixty-four"
+    (model / "config.json").write_text(json.dumps(config))
+
+
+def _config_not_json(model: Path) -> None:
+    (model / "config.json").write_text("{not json")
+
+
+def _unknown_architecture(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "no_such_model"
+    (model / "config.json").write_text(json.dumps(config))
+
+
 SETUP_FAULTS = {
+    "truncated-weights": (_truncate_weights, "model.safetensors: Error while deserializing header"),
+    "random-bytes-weights": (_random_weights, "model.safetensors: Error while deserializing header"),
+    "config-value-of-the-wrong-type": (_config_value_of_the_wrong_type, "config.json: Validation error for field 'hidden_size'"),
+    "config-not-json": (_config_not_json, "config.json: It looks like the config file"),
+    "unknown-architecture": (_unknown_architecture, "config.json: The checkpoint you are trying to load has model type `no_such_model`"),
     "no-weights": (_no_weights, "has no weights (model.safetensors"),
     "no-tokenizer": (_no_tokenizer, "has no tokenizer files"),
     "vocab-size-not-the-weights": (_config_vocab_not_the_weights, "tensor 'model.embed_tokens.weight' has shape [15, 64] in the weight files but config.json needs [20, 64]"),
@@ -148,14 +178,15 @@ SETUP_FAULTS = {
 }
 
 
+@pytest.mark.parametrize("command", ["run", "train"])
 @pytest.mark.parametrize("fault", list(SETUP_FAULTS))
-def test_setup_failure_leaves_no_run_behind(tmp_path, capsys, fault):
+def test_setup_failure_leaves_no_run_behind(tmp_path, capsys, fault, command):
     damage, message = SETUP_FAULTS[fault]
     model = tmp_path / "model"
     shutil.copytree(BUILTIN_MODEL_DIR, model)
     damage(model)
     cfg = _write(tmp_path / "c.yaml", {"model": {"path": str(model)}})
-    assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
+    assert main([command, "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
     captured = capsys.readouterr()
     (line,) = _errors(captured.err)
     assert message in line, line
@@ -243,3 +274,19 @@ def test_open_division_note_comes_after_the_checks(tmp_path, capsys):
     (used / "run.json").write_text("{}")
     assert main(["train", "--output", str(used)]) == 2
     assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("output", ["a-file", "a-file/run"])
+def test_output_that_is_a_file_is_one_error_line_and_nothing_is_made(tmp_path, capsys, command, output):
+    """``--output`` naming a regular file (or a path under one): exactly one error line,
+    exit 2, no note before it, nothing created or changed."""
+    (tmp_path / "a-file").write_text("mine\n")
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    assert main([command, "--config", str(cfg), "--output", str(tmp_path / output)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"mlperf-grpo: error: output {tmp_path / output}: {tmp_path / 'a-file'} is a "
+                                         "file, not a directory; pass a new --output directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "c.yaml"]
+    assert (tmp_path / "a-file").read_text() == "mine\n"

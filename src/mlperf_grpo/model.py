@@ -15,6 +15,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.config import BUILTIN_MODEL
@@ -27,6 +28,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class ModelLoadError(ValueError):
     """The model directory is missing or is not a loadable Hugging Face causal LM."""
+
+
+HF_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError, StrictDataclassError)
+"""What ``transformers``/``safetensors`` raise for a model directory they cannot load (a
+config value of the wrong type: ``StrictDataclassError``; weights that do not fit the
+config: ``RuntimeError``; a weight file that is not safetensors: ``SafetensorError``)."""
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an error's message (with the next one where it ends in ':')."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 BUILTIN_PREFIX = "builtin:"
@@ -100,7 +113,10 @@ def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
                 for key in f.keys():
                     shapes[key] = tuple(f.get_slice(key).get_shape())
         except (OSError, SafetensorError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the safetensors header of {path}: {str(err).splitlines()[0]}") from None
+            raise ModelLoadError(
+                f"cannot read the safetensors header of {path}: {_reason(err)}; the file is truncated or not "
+                "safetensors: copy the model's weight files there again"
+            ) from None
     return shapes
 
 
@@ -114,8 +130,10 @@ def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"cannot build the model of {directory / 'config.json'}: {str(err).splitlines()[0]}") from None
+    except HF_LOAD_ERRORS as err:
+        raise ModelLoadError(
+            f"cannot build the model of {directory / 'config.json'}: {_reason(err)}; copy the model's config.json there again"
+        ) from None
 
 
 def _expected_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
@@ -145,6 +163,35 @@ def tied_groups(model: torch.nn.Module) -> list[set[str]]:
     return list(groups.values())
 
 
+def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
+    """Check that the weight files of a model directory hold every parameter its
+    ``config.json`` needs, each with its shape (a tied name may stand for its group),
+    reading only ``config.json`` and the safetensors headers.
+
+    Returns:
+        ``(shapes_in_files, tied_groups, embedding_name, embedding_rows)``: tensor name ->
+        shape in the weight files; then as :func:`_expected_shapes`.
+    Raises:
+        ModelLoadError: one line naming the file or tensor that is wrong and what to do.
+    """
+    have = weight_shapes(directory)
+    want, groups, embedding_name, rows = _expected_shapes(directory)
+    for group in groups:
+        present = sorted(n for n in group if n in have)
+        if not present:
+            raise ModelLoadError(
+                f"model {directory}: the weight files have no tensor {sorted(group)[0]!r} that "
+                f"{directory / 'config.json'} needs; the weights and config.json are of different models"
+            )
+        for name in present:
+            if have[name] != want[name]:
+                raise ModelLoadError(
+                    f"model {directory}: tensor {name!r} has shape {list(have[name])} in the weight files but "
+                    f"config.json needs {list(want[name])}; the weights and config.json (vocab_size, sizes) do not match"
+                )
+    return have, groups, embedding_name, rows
+
+
 def check_model(path: str, sample_text: str) -> None:
     """Check a model directory fully but cheaply, before a run directory is made.
 
@@ -158,21 +205,7 @@ def check_model(path: str, sample_text: str) -> None:
         ModelLoadError: one line naming the file or value that is wrong and what to do.
     """
     directory = check_model_path(path)
-    have = weight_shapes(directory)
-    want, tied_groups, embedding_name, rows = _expected_shapes(directory)
-    for group in tied_groups:
-        present = sorted(n for n in group if n in have)
-        if not present:
-            raise ModelLoadError(
-                f"model {directory}: the weight files have no tensor {sorted(group)[0]!r} that "
-                f"{directory / 'config.json'} needs; the weights and config.json are of different models"
-            )
-        for name in present:
-            if have[name] != want[name]:
-                raise ModelLoadError(
-                    f"model {directory}: tensor {name!r} has shape {list(have[name])} in the weight files but "
-                    f"config.json needs {list(want[name])}; the weights and config.json (vocab_size, sizes) do not match"
-                )
+    _, _, embedding_name, rows = check_weights(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(
             f"model directory {directory} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
@@ -212,19 +245,23 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16") on ``device``
-    ("cpu" or "cuda"), in eval mode.
+    ("cpu" or "cuda"), in eval mode. The weight files are checked against ``config.json``
+    first (:func:`check_weights`: headers only).
 
     Raises:
-        ModelLoadError: not found or not loadable (nothing is downloaded), or ``cuda``
-            asked for where no CUDA device is available.
+        ModelLoadError: not found or not loadable (nothing is downloaded): a weight file
+            truncated or not safetensors, a tensor missing or of another shape, a
+            ``config.json`` that does not build; or ``cuda`` asked for where no CUDA
+            device is available.
     """
     check_device(device)
     directory = check_model_path(path)
+    check_weights(directory)  # names the file or tensor that is wrong; from_pretrained would not
     hf_logging.disable_progress_bar()  # our own bars show progress; keep stderr readable
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load model from {directory}: {str(err).splitlines()[0]}") from None
+    except HF_LOAD_ERRORS as err:
+        raise ModelLoadError(f"cannot load model from {directory}: {_reason(err)}") from None
     return model.to(device).eval()
 
 

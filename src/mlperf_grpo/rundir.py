@@ -150,8 +150,12 @@ class RunDir:
         return sorted(int(m.group(1)) for p in self.checkpoints.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
 
     def check_unused(self) -> None:
-        """Raises RunDirError when the directory already holds a run (a second run there
-        would mix two runs in one log); the message says how to finish or replace it."""
+        """Raises RunDirError when the path or a folder above it is a file (the directory
+        cannot be made), or the directory already holds a run (a second run there would
+        mix two runs in one log); the message says how to finish or replace it."""
+        existing = next((p for p in (self.root, *self.root.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise RunDirError(f"output {self.root}: {existing} is a file, not a directory; pass a new --output directory")
         if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
             raise RunDirError(
                 f"{self.root} already holds a run; pass another --output or delete it. If its training "

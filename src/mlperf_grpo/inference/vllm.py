@@ -56,7 +56,7 @@ from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, load_tokenizer
+from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, check_weights, load_tokenizer
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -124,12 +124,15 @@ class VLLMEngine:
             fraction, max model length, enforce eager).
         seed: vLLM's engine seed (every request also carries its own).
     Raises:
-        ModelLoadError: no model directory, or ``cuda`` without a CUDA device.
+        ModelLoadError: no model directory, weight files that are unreadable or do not fit
+            ``config.json`` (:func:`~mlperf_grpo.model.check_weights`), or ``cuda``
+            without a CUDA device.
     """
 
     def __init__(self, model_path: str, dtype: str, device: str, options: InferenceConfig, seed: int) -> None:
         check_device(device)
         directory = check_model_path(model_path)
+        check_weights(directory)  # vLLM loads them: a bad file is one line here, not a traceback from its engine core
         self.tokenizer = load_tokenizer(model_path)
         self.model_path = model_path
         self.dtype = DTYPES[dtype]

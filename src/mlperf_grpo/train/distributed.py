@@ -47,8 +47,8 @@ from mlperf_grpo.model import (
     load_tokenizer,
     materialize,
     model_skeleton,
+    check_weights,
     tied_groups,
-    weight_shapes,
 )
 
 
@@ -250,26 +250,31 @@ def load_sharded_policy(
     (``tests/test_distributed.py``).
 
     Raises:
-        ModelLoadError: the directory, its config or its weight files are unusable, or a
-            parameter is in no weight file.
+        ModelLoadError: the directory, its config or its weight files are unusable (a
+            file truncated or not safetensors, a tensor missing or of another shape), or
+            a rank fails to read them (every rank raises it).
         ValueError: the model has no ``model.layers`` to shard.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     directory = check_model_path(path)
+    in_files = set(check_weights(directory)[0])  # every parameter there, with its shape (headers only)
     policy = shard_policy(model_skeleton(path, "float32"), compute_dtype, activation_checkpointing, compile_layers,
                           reshard_every_micro_batch)
     materialize(policy, device)
-    in_files = set(weight_shapes(directory))
     state = {_plain_name(n): t for n, t in policy.state_dict().items()}
     for group in tied_groups(policy):
-        names = {_plain_name(n) for n in group}
-        if not names & in_files:
-            raise ModelLoadError(f"model {directory}: the weight files have no tensor {sorted(names)[0]!r}")
-        for name in names - in_files:  # tied to a loaded name: the same tensor
+        for name in {_plain_name(n) for n in group} - in_files:  # tied to a loaded name: the same tensor
             del state[name]
-    dcp_load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    try:
+        dcp_load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    except CheckpointException as err:  # a BaseException: it would pass every `except Exception`
+        reason = next((str(exc).splitlines()[0] for exc, _ in err.failures.values() if str(exc)), "unreadable")
+        raise ModelLoadError(f"cannot load the weight files of {directory}: {reason}; copy the model's weight "
+                             "files there again") from None
     return policy
 
 

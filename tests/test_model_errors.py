@@ -1,0 +1,140 @@
+"""A model directory whose weight files or config.json are damaged: every loader
+(``load_model``, the sharded ``load_sharded_policy``, the vLLM engine) raises
+``ModelLoadError`` naming the file, never a library's own error (which the CLI would
+report as a failure, exit 1, or, for torch's ``CheckpointException``, a traceback)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from mlperf_grpo.config import InferenceConfig
+from mlperf_grpo.inference.vllm import VLLMEngine
+from mlperf_grpo.model import BUILTIN_MODEL_DIR, ModelLoadError, load_model
+from mlperf_grpo.train import distributed
+
+WEIGHTS = "model.safetensors"
+
+
+def _truncate(model):
+    data = (model / WEIGHTS).read_bytes()
+    (model / WEIGHTS).write_bytes(data[: len(data) // 2])
+
+
+def _short_by_one_byte(model):
+    data = (model / WEIGHTS).read_bytes()
+    (model / WEIGHTS).write_bytes(data[:-1])
+
+
+def _random_bytes(model):
+    (model / WEIGHTS).write_bytes(os.urandom(4096))
+
+
+def _empty(model):
+    (model / WEIGHTS).write_bytes(b"")
+
+
+def _missing(model):
+    (model / WEIGHTS).unlink()
+
+
+def _embedding_one_row_short(model):
+    weights = load_file(str(model / WEIGHTS))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:-1].clone()
+    save_file(weights, str(model / WEIGHTS), metadata={"format": "pt"})
+
+
+def _norm_missing(model):
+    weights = load_file(str(model / WEIGHTS))
+    del weights["model.norm.weight"]
+    save_file(weights, str(model / WEIGHTS), metadata={"format": "pt"})
+
+
+def _config_value_of_the_wrong_type(model):
+    config = json.loads((model / "config.json").read_text())
+    config["hidden_size"] = "sixty-four"
+    (model / "config.json").write_text(json.dumps(config))
+
+
+def _unknown_architecture(model):
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "no_such_model"
+    (model / "config.json").write_text(json.dumps(config))
+
+
+FAULTS = {  # damage -> what the one line says
+    "truncated": (_truncate, f"{WEIGHTS}: Error while deserializing header"),
+    "short-by-one-byte": (_short_by_one_byte, f"{WEIGHTS}: Error while deserializing header"),
+    "random-bytes": (_random_bytes, f"{WEIGHTS}: Error while deserializing header"),
+    "empty": (_empty, f"{WEIGHTS}: Error while deserializing header"),
+    "missing": (_missing, "has no weights (model.safetensors or model.safetensors.index.json)"),
+    "shape-not-the-config": (_embedding_one_row_short, "tensor 'model.embed_tokens.weight' has shape [14, 64] in the weight files but config.json needs [15, 64]"),
+    "tensor-missing": (_norm_missing, "the weight files have no tensor 'model.norm.weight'"),
+    "config-value-of-the-wrong-type": (_config_value_of_the_wrong_type, "config.json: Validation error for field 'hidden_size'"),
+    "unknown-architecture": (_unknown_architecture, "config.json: The checkpoint you are trying to load has model type `no_such_model`"),
+}
+
+
+@pytest.fixture
+def damaged(tmp_path, request):
+    damage, message = FAULTS[request.param]
+    model = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL_DIR, model)
+    damage(model)
+    return model, message
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_line(err: pytest.ExceptionInfo, model, message: str) -> None:
+    text = str(err.value)
+    assert "\n" not in text and str(model) in text and message in text, text
+
+
+@pytest.mark.parametrize("damaged", list(FAULTS), indirect=True)
+def test_load_model_names_the_bad_file(damaged):
+    model, message = damaged
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(model), "float32")
+    _one_line(err, model, message)
+
+
+@pytest.mark.parametrize("damaged", list(FAULTS), indirect=True)
+def test_sharded_load_names_the_bad_file(damaged, one_rank_group):
+    model, message = damaged
+    with pytest.raises(ModelLoadError) as err:
+        distributed.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
+    _one_line(err, model, message)
+
+
+@pytest.mark.parametrize("damaged", ["shape-not-the-config"], indirect=True)
+def test_sharded_load_maps_a_failure_inside_the_distributed_load(damaged, one_rank_group, monkeypatch):
+    """Files that pass the header check and then fail in ``torch.distributed.checkpoint``
+    (replaced in between): its ``CheckpointException``, a ``BaseException``, becomes
+    one ModelLoadError line."""
+    model, _ = damaged
+    good = distributed.check_weights(BUILTIN_MODEL_DIR)
+    monkeypatch.setattr(distributed, "check_weights", lambda directory: good)
+    with pytest.raises(ModelLoadError) as err:
+        distributed.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
+    _one_line(err, model, "Size mismatch between saved torch.Size([14, 64]) and current: torch.Size([15, 64])")
+    assert "copy the model's weight files there again" in str(err.value)
+
+
+@pytest.mark.parametrize("damaged", ["truncated", "random-bytes", "missing"], indirect=True)
+def test_vllm_engine_checks_the_weights_it_would_load(damaged):
+    """vLLM loads ``model.path``'s weights (the evaluator's engine too): checked first,
+    before vLLM is imported (so this runs without vLLM)."""
+    model, message = damaged
+    with pytest.raises(ModelLoadError) as err:
+        VLLMEngine(str(model), "float32", "cpu", InferenceConfig(engine="vllm"), seed=1)
+    _one_line(err, model, message)
