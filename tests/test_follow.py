@@ -179,6 +179,56 @@ def test_plain_evaluate_continues_a_killed_followers_log_and_merges_it(reference
     assert normalized(run / "mlperf.log") == normalized(reference / "reference" / "mlperf.log")
 
 
+def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checked(reference, tmp_path, monkeypatch):
+    """A follower's rounds in one process: a round reads the tensor headers and
+    non-weight files of the checkpoints no earlier round found sound, and no others (nor
+    ``model.path``'s again); a checkpoint whose file changed after it was published is
+    still refused when it is first checked, and checked again until it is sound."""
+    from mlperf_grpo.evaluate import follow, offline
+    from mlperf_grpo.evaluate.offline import EvaluationError
+    from mlperf_grpo.inference.base import build_engine
+    from mlperf_grpo.model import check_model_path
+    from mlperf_grpo.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(reference / "trained", run.root)
+    later = tmp_path / "later"  # the checkpoints training has not published yet
+    later.mkdir()
+    for step in range(4, 9):
+        (run.checkpoints / f"step_{step}").rename(later / f"step_{step}")
+    run.eval_dir.mkdir()
+    config, mllog_file = run.load()
+    read = []
+    real_files, real_tensors = offline.check_model_files, offline.check_same_tensors
+    monkeypatch.setattr(offline, "check_model_files", lambda recorded, directory, what: (read.append(directory), real_files(recorded, directory, what))[1])
+    monkeypatch.setattr(offline, "check_same_tensors", lambda checkpoints: (read.append(checkpoints[-1].path), real_tensors(checkpoints))[1])
+    source = follow.LiveSeries(run.checkpoints)
+    engine = build_engine(config, batch_size=config.validation.batch_size)
+
+    def round_reads():
+        read.clear()
+        follow._evaluate_published(run, config, mllog_file, engine, source, show_progress=False)
+        return read.copy()
+
+    step_3, step_4 = run.checkpoints / "step_3", run.checkpoints / "step_4"
+    try:
+        assert round_reads() == [check_model_path(config.model.path), step_3, step_3]
+        assert round_reads() == []  # nothing new: nothing read again
+        (later / "step_4").rename(step_4)  # published (an atomic rename), then changed
+        original = (step_4 / "tokenizer_config.json").read_bytes()
+        (step_4 / "tokenizer_config.json").write_bytes(original.replace(b"}", b', "extra": 1}', 1))
+        with pytest.raises(EvaluationError, match=f"step_4: {step_4 / 'tokenizer_config.json'} differs from the file"):
+            round_reads()
+        assert read == [step_4, step_4]
+        (step_4 / "tokenizer_config.json").write_bytes(original)
+        assert round_reads() == [step_4, step_4]  # not found sound before: read again
+        assert round_reads() == []
+    finally:
+        engine.close()
+    evals = [(e.metadata["step"], e.value > 0.69) for e in read_log(run.follow_log).find("eval_accuracy")]
+    assert evals == [(3, False), (4, True)]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--stop-training-at-pass"], "--stop-training-at-pass stops a training the evaluator follows: add --follow"),
     (["--follow", "--workers", "2"], "--follow evaluates with one worker"),

@@ -5,8 +5,9 @@ Reads top to bottom like the lifecycle it runs::
     wait for the run (a trainer in setup holds its lock before run.json exists)
     training already over, nothing followed: evaluate it as 'evaluate' does
     hold eval/.lock (the one writer of eval/mlperf_eval.log) and, while the trainer holds the run:
-        new step_N/ published: plan the checkpoints not yet logged, evaluate them in step
-            order with one engine (kept across rounds), commit to eval/mlperf_eval.log
+        new step_N/ published: plan the checkpoints not yet logged (reading the files only
+            of checkpoints no earlier round checked), evaluate them in step order with one
+            engine (kept across rounds), commit to eval/mlperf_eval.log
         a pass committed: run_stop (success, backdated) in eval/mlperf_eval.log;
             --stop-training-at-pass: write stop_training.json, the trainer stops after its step
     training ended (its lock released): evaluate what is left (none passed: run_stop
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
@@ -38,6 +39,7 @@ from mlperf_grpo.evaluate.offline import (
     RunSeries,
     SeriesProblem,
     StepOrderCommitter,
+    check_series,
     evaluate_claimed,
     evaluate_run,
     evaluate_series,
@@ -98,6 +100,7 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
     engine: InferenceEngine | None = None
     passing_step = _passing_step(_live_log(mllog_file, run.follow_log))  # a resumed follower may have passed
     seen: list[int] | None = None
+    source = LiveSeries(run.checkpoints)  # kept across rounds: what it checked once is not read again
     try:
         while _trainer_running(run):
             if passing_step is not None:
@@ -109,7 +112,7 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
                 seen = steps
                 if steps:
                     engine = engine or build_engine(config, batch_size=config.validation.batch_size)
-                    _evaluate_published(run, config, mllog_file, engine, show_progress)
+                    _evaluate_published(run, config, mllog_file, engine, source, show_progress)
                     passing_step = _passing_step(_live_log(mllog_file, run.follow_log))
                     if passing_step is not None:  # nothing more to evaluate: free the device now
                         engine.close()
@@ -121,10 +124,10 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
             engine.close()
 
 
-def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine: InferenceEngine, show_progress: bool) -> None:
+def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine: InferenceEngine, source: LiveSeries,
+                        show_progress: bool) -> None:
     """One round: evaluate the published checkpoints not yet logged, commit them in step
     order to the follower's log, up to a pass (its ``run_stop``); never an aborted one."""
-    source = LiveSeries(run.checkpoints)
     plan = replace(plan_evaluation(source, config, _live_log(mllog_file, run.follow_log)), final_step=None)
     if not plan.pending_steps:
         return
@@ -143,14 +146,19 @@ class LiveSeries(RunSeries):
     """Our trainer's series while it is still written: ``tmp_step_N/`` are the writes in
     flight (not reported), and the end of the series is not checked (training has not
     ended; :func:`~mlperf_grpo.evaluate.offline.check_series` reports that fault, and its
-    notes, at index ``len(checkpoints)``); every other check is the offline one."""
+    notes, at index ``len(checkpoints)``); every other check is the offline one, and a
+    checkpoint's files (and ``model.path``'s) are read by the first round that checks it
+    only (``files_checked``: a published ``step_N/`` appears by an atomic rename and
+    never changes)."""
+
+    files_checked: set[Path] = field(default_factory=set, compare=False)
 
     def discover(self) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
         checkpoints, _in_flight, problem = super().discover()
         return checkpoints, [], problem
 
     def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
-        _notes, problem = super().check(checkpoints, config, log)
+        _notes, problem = check_series(checkpoints, config, log, self.root, self.files_checked)
         return [], None if problem is not None and problem.index == len(checkpoints) else problem
 
 

@@ -111,7 +111,8 @@ class SeriesProblem:
 
 
 def check_series(
-    checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path
+    checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path,
+    files_checked: set[Path] | None = None,
 ) -> tuple[list[str], SeriesProblem | None]:
     """Check a checkpoint series before anything is evaluated. Cheap: reads records,
     safetensors headers and the small non-weight files, never the weights (those are
@@ -130,6 +131,11 @@ def check_series(
         files differing from their training-time fingerprint; a series that ends before
         the last step training published (or, after a hard kill, more than
         ``checkpoint.max_in_flight`` steps before the log's last trained step).
+
+    ``files_checked`` (a follower's, kept across its rounds): the directories (the
+    model's, checkpoints') whose files an earlier call found sound; their tensor headers
+    and non-weight files are not read again (a published ``step_N/`` never changes, and
+    the engine loaded ``model.path`` once), and each one found sound now is added.
     Raises:
         EvaluationError: nothing can be evaluated: no checkpoints; the first not at the
             first eval step; no ``run_start`` in the log; the files of ``model.path`` (what
@@ -144,13 +150,17 @@ def check_series(
     run_starts = log.find(C.RUN_START)
     if not run_starts:
         raise EvaluationError("the MLPerf log has no run_start; was training logged to another file?")
-    try:
-        check_model_files(checkpoints[0].info.files, check_model_path(config.model.path), "model.path")
-    except CheckpointError as err:
-        raise EvaluationError(str(err)) from None
+    files_checked = set() if files_checked is None else files_checked
+    model_dir = check_model_path(config.model.path)
+    if model_dir not in files_checked:
+        try:
+            check_model_files(checkpoints[0].info.files, model_dir, "model.path")
+        except CheckpointError as err:
+            raise EvaluationError(str(err)) from None
+        files_checked.add(model_dir)
     previous = run_starts[0].time_ms or 0
     for index, c in enumerate(checkpoints):
-        fault = _checkpoint_fault(c, checkpoints[0], s0 + index, previous, config)
+        fault = _checkpoint_fault(c, checkpoints[0], s0 + index, previous, config, files_checked)
         if fault is not None:
             return [], SeriesProblem(index, fault)
         previous = c.info.training_step_end_time_ms
@@ -161,8 +171,10 @@ def check_series(
     return notes, None
 
 
-def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, previous_ms: int, config: RunConfig) -> str | None:
-    """What is wrong with one checkpoint of the series (None: nothing found)."""
+def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, previous_ms: int, config: RunConfig,
+                      files_checked: set[Path]) -> str | None:
+    """What is wrong with one checkpoint of the series (None: nothing found); its files
+    are read unless ``c.path`` is in ``files_checked``, and it is added there when sound."""
     if c.step != expected_step:
         return f"checkpoint series has a gap: missing step_{expected_step}"
     info = c.info
@@ -173,6 +185,8 @@ def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, prev
     if info.training_step_end_time_ms <= previous_ms:
         return (f"{c.path.name}: weight-update time {info.training_step_end_time_ms} is not after "
                 f"{previous_ms} (run_start or the previous checkpoint)")
+    if c.path in files_checked:  # found sound by an earlier call: a published step_N/ never changes
+        return None
     try:
         check_same_tensors([first, c] if c is not first else [c])
         if c.info.files != first.info.files:
@@ -180,6 +194,7 @@ def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, prev
         check_model_files(c.info.files, c.path, c.path.name)
     except CheckpointError as err:
         return str(err)
+    files_checked.add(c.path)
     return None
 
 
