@@ -197,10 +197,12 @@ def test_sigkilled_evaluator_resumes_to_the_uninterrupted_log(run, finished):
         ("after the 1st eval triple", lambda proc, t0: count_evals(run) >= 1),
         ("after the 2nd eval triple", lambda proc, t0: count_evals(run) >= 2),
     ]
-    logged = []
+    logged, spawned = [], {}  # pid -> Unix time it was spawned
     for i, (name, ready) in enumerate(kill_points):
         t0 = time.monotonic()
+        spawned_unix_s = time.time()
         proc = spawn_evaluate(run, f"killed{i}")
+        spawned[proc.pid] = spawned_unix_s
         assert wait_for(lambda: ready(proc, t0), proc), f"{name}: evaluator exited before the kill point"
         proc.send_signal(signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL, name
@@ -212,7 +214,9 @@ def test_sigkilled_evaluator_resumes_to_the_uninterrupted_log(run, finished):
     # 0.5 s is still in start-up; each later kill point is at or past the previous one
     assert logged[0] == 0 and logged == sorted(logged) and logged[3] >= 1 and logged[4] >= 2, logged
 
+    spawned_unix_s = time.time()
     proc = spawn_evaluate(run, "final")
+    spawned[proc.pid] = spawned_unix_s
     assert proc.wait() == 0
     assert "note: ignoring unfinished checkpoint" in (run.parent / "final.err").read_text()
     assert "status: success" in (run.parent / "final.out").read_text()
@@ -224,6 +228,13 @@ def test_sigkilled_evaluator_resumes_to_the_uninterrupted_log(run, finished):
         assert [e.metadata["step"] for e in log.find(key)] == [18, 19, 20, 21]
     for step in (18, 19, 20, 21):  # per-task results too, whichever process wrote them
         assert read_results(run / "eval" / f"step_{step}.jsonl") == read_results(finished / "eval" / f"step_{step}.jsonl")
+    # eval/startup.jsonl and eval/timing.jsonl grew across the attempts; each line names its process
+    for name in ("startup.jsonl", "timing.jsonl"):
+        for line in map(json.loads, (run / "eval" / name).read_text().splitlines()):
+            assert line["pid"] in spawned, (name, line)
+            assert abs(line["process_start_unix_s"] - spawned[line["pid"]]) < 5.0, (name, line)
+    startups = [json.loads(l) for l in (run / "eval" / "startup.jsonl").read_text().splitlines()]
+    assert startups[-1]["pid"] == proc.pid and len({(s["pid"], s["process_start_unix_s"]) for s in startups}) == len(startups)
 
 
 def test_evaluate_on_a_finished_run_reports_and_writes_nothing(finished, tmp_path, capsys):
@@ -547,7 +558,7 @@ def test_evaluator_reads_no_initial_weights_and_is_warm_before_the_first_checkpo
     evaluate_run(run, retain_checkpoints=True, show_progress=False, workers=1)
     assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
     [startup] = [json.loads(l) for l in (run / "eval" / "startup.jsonl").read_text().splitlines()]
-    assert startup["rank"] == 0 and startup["launch_unix_s"] is None
+    assert startup["rank"] == 0 and startup["launch_unix_s"] is None and startup["pid"] == os.getpid()
     assert startup["engine_s"] > 0 and startup["warm_up_s"] > 0
     first_eval_start_ms = read_log(run / "mlperf.log").find("eval_start")[0].time_ms
     ready_ms = 1000 * (startup["start_unix_s"] + startup["engine_s"] + startup["warm_up_s"])

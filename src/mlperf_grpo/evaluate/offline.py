@@ -25,6 +25,7 @@ evaluated unless the run passed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -766,10 +767,35 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
     """Append one line to ``eval/timing.jsonl``: where one checkpoint's evaluation time
     went, in seconds (``read_wait_s``: waiting for its verified read, the part the
     prefetch did not hide; ``refit_s``: weights into the engine and verified;
-    ``generation_s``: validation) and which rank evaluated it. Informational only."""
-    record = {"step": step, "rank": int(os.environ.get("RANK", 0)), **{k: round(v, 4) for k, v in seconds.items()}}
+    ``generation_s``: validation), which rank evaluated it, and the process
+    (:func:`process_fields`). Informational only."""
+    record = {"step": step, "rank": int(os.environ.get("RANK", 0)), **{k: round(v, 4) for k, v in seconds.items()},
+              **process_fields()}
     with open(run.eval_dir / "timing.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def process_fields() -> dict[str, int | float | None]:
+    """``{"pid": ..., "process_start_unix_s": ...}`` of the calling process, for the
+    lines of ``eval/timing.jsonl`` and ``eval/startup.jsonl``: together they name the
+    process that wrote a line (a pid is reused only by a later process), so the lines of
+    each evaluation attempt (these files are appended to across resumes) can be told
+    apart. The start time is the kernel's (``/proc/PID/stat`` field 22 after the boot
+    time of ``/proc/stat``, ``proc(5)``; to the second), ``None`` where there is no
+    ``/proc``."""
+    return {"pid": os.getpid(), "process_start_unix_s": _process_start_unix_s(os.getpid())}
+
+
+@functools.lru_cache(maxsize=None)
+def _process_start_unix_s(pid: int) -> float | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot_unix_s = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                           if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; fields after "(comm)" start at 3
+    return round(boot_unix_s + start_ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> InferenceEngine:
@@ -818,10 +844,10 @@ def record_startup(run: RunDir, **fields: float | None) -> None:
     ``launch_unix_s``: when the evaluator launched the ranks, null for the evaluator's own
     worker; ``start_unix_s``: when this worker began building its engine, after its
     imports; ``engine_s``: engine built; ``warm_up_s``: the warm-up generation and
-    scoring).
+    scoring; ``pid``, ``process_start_unix_s``: :func:`process_fields`).
     Informational only."""
     record = {"rank": int(os.environ.get("RANK", 0)),
-              **{k: (None if v is None else round(v, 4)) for k, v in fields.items()}}
+              **{k: (None if v is None else round(v, 4)) for k, v in fields.items()}, **process_fields()}
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     with open(run.eval_dir / "startup.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
