@@ -42,12 +42,12 @@ from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model import (
     ModelLoadError,
     check_model_path,
+    check_weights,
     compile_decoder_layers,
     decoder_layers,
     load_tokenizer,
     materialize,
     model_skeleton,
-    check_weights,
     tied_groups,
 )
 
@@ -257,7 +257,6 @@ def load_sharded_policy(
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = check_model_path(path)
