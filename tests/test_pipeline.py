@@ -116,7 +116,7 @@ def test_output_that_already_holds_a_run_is_refused(default_run, tmp_path, capsy
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     assert main(["train", "--output", str(not_a_dir)]) == 2
-    assert "cannot create run directory" in capsys.readouterr().err
+    assert f"{not_a_dir} is a file, not a directory; pass a new --output directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
