@@ -220,6 +220,9 @@ def main() -> None:
     if args.worker:
         worker(*(Path(p) for p in args.worker))
         return
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        parser.error(f"--learning-rate {args.learning_rate}: AdamW's learning rate must be > 0 (e.g. 1e-12 to keep "
+                     "the weights as initialised)")
     from checkpoint import build_model_dir  # benchmarks/checkpoint.py
 
     cuda = args.device == "cuda"
@@ -242,7 +245,7 @@ def main() -> None:
             "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "max_steps": args.steps,
                      "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
             "task": task,
-            **({"optimizer": {"learning_rate": lr}} if lr else {}),
+            **({"optimizer": {"learning_rate": lr}} if lr is not None else {}),
             "checkpoint": {"max_in_flight": 1},
             "distributed": {"activation_checkpointing": args.activation_checkpointing,
                             "reshard_every_micro_batch": reshard},

@@ -138,6 +138,50 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path, reshard):
         torch.testing.assert_close(got["engine"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
+def _count_collectives(rank: int, world: int, init_file: str, batch, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        counts = {"all_gather": 0, "reduce_scatter": 0}
+        for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"):
+            if hasattr(dist, name):  # FSDP2 calls *_single from torch 2.12 on, *_tensor before
+                def counted(*args, _call=getattr(dist, name), _kind=name.rsplit("_", 1)[0].removesuffix("_into"), **kwargs):
+                    counts[_kind] += 1
+                    return _call(*args, **kwargs)
+                setattr(dist, name, counted)
+        prompts = distributed.prompt_share(batch.rewards.shape[0], distributed.Layout(rank, world))
+        g = batch.rewards.shape[1]
+        share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
+        got = {}
+        for reshard in (True, False):
+            policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=False,
+                                              reshard_every_micro_batch=reshard)
+            counts.update(all_gather=0, reduce_scatter=0)
+            optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), share, 8, 1.0, PGLossOptions(),
+                          grad_clip_norm=1e9, reshard_every_micro_batch=reshard)
+            got[reshard] = dict(counts)
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_after_last_micro_batch_gathers_and_reduces_once_a_step(tmp_path):
+    """What ``reshard_every_micro_batch: false`` is for: over 4 micro-batches, each of the
+    3 FSDP groups (2 decoder layers, the root) all-gathers its weights and
+    reduce-scatters its gradients once in the step; with the default it all-gathers
+    twice (forward, backward) and reduce-scatters once per micro-batch. (The update is
+    the same: ``test_one_step_on_two_ranks_equals_one_big_batch``.)"""
+    from test_trainer import _batch
+
+    batch = _batch()  # 64 rows: 32 a rank, 4 micro-batches of 8
+    groups = len(load_model(MODEL, "float32").model.layers) + 1
+    out = tmp_path / "counts.pt"
+    mp.spawn(_count_collectives, args=(2, str(tmp_path / "pg"), batch, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got[True] == {"all_gather": 4 * 2 * groups, "reduce_scatter": 4 * groups}
+    assert got[False] == {"all_gather": groups, "reduce_scatter": groups}
+
+
 # ---------------------------------------------------------------- building sharded
 
 

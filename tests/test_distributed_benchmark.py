@@ -69,3 +69,17 @@ def test_build_model_dir_writes_a_finite_model_that_loads(tmp_path):
     assert n == sum(p.numel() for p in model.parameters()) > 1e6
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert model.model.layers[0].mlp.up_proj.weight.float().std() > 0.01  # initialised, not zeros
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "nan"])
+def test_a_learning_rate_that_is_not_positive_is_refused_before_anything_runs(value, monkeypatch, capsys):
+    """``--learning-rate 0`` was dropped from the config (``if lr``), so the run trained at
+    the config's 4e-6 while the JSON line reported 0; now any value AdamW would not
+    train with exits 2 with one line, before a model is built."""
+    bench = _module("distributed")
+    monkeypatch.setattr(sys, "argv", ["distributed.py", "--device", "cpu", "--learning-rate", value])
+    monkeypatch.setattr(bench, "launch", lambda *a: pytest.fail("a run was launched"))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    assert f"--learning-rate {float(value)}: AdamW's learning rate must be > 0" in capsys.readouterr().err
