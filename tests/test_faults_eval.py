@@ -11,10 +11,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.check import check_log
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
 from mlperf_grpo.evaluate import offline
@@ -709,6 +712,134 @@ def test_killed_two_worker_evaluation_resumes_with_one_worker_to_the_same_log(tr
     assert not read_log(run / "mlperf.log").find("run_stop")
     assert evaluate_with(run, 1) == normalized(finished / "mlperf.log")
     assert (run / "mlperf.log").read_text().startswith(cut)
+
+
+# --------------------------------------------------------------------------- 9. the ranks of a torchrun, any nodes
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+MLPERF_GRPO = str(Path(sys.executable).parent / "mlperf-grpo")
+
+
+def torchrun_evaluate(run, launcher_args, *evaluate_args, timeout_s=300):
+    """``torchrun LAUNCHER_ARGS --no-python mlperf-grpo evaluate RUN --retain-checkpoints
+    ARGS``; a hang fails the test (timeout)."""
+    return subprocess.run([*TORCHRUN, *launcher_args, "--no-python", MLPERF_GRPO, "evaluate", str(run),
+                           "--retain-checkpoints", *evaluate_args],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=run.parent)
+
+
+def two_node_evaluate(run, out_dir, timeout_s=300):
+    """Two torchrun agents, as on two nodes (``--nnodes 2 --nproc-per-node 1``, c10d
+    rendezvous on a local port), each running ``evaluate RUN``; returns their
+    ``(returncode, stdout, stderr)``. A hang fails the test (timeout); both are killed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for node in range(2):
+            with open(out_dir / f"node{node}.out", "w") as out, open(out_dir / f"node{node}.err", "w") as err:
+                procs.append(subprocess.Popen(
+                    [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"eval-{port}", "--no-python", MLPERF_GRPO,
+                     "evaluate", str(run), "--retain-checkpoints"], stdout=out, stderr=err, cwd=run.parent))
+        deadline = time.monotonic() + timeout_s
+        codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(code, (out_dir / f"node{n}.out").read_text(), (out_dir / f"node{n}.err").read_text())
+            for n, code in enumerate(codes)]
+
+
+def ranks_that_evaluated(run):
+    return {json.loads(line)["rank"] for line in (run / "eval" / "timing.jsonl").read_text().splitlines()}
+
+
+def test_torchrun_ranks_log_equals_the_serial_log_and_passes_the_checker(trained, finished, tmp_path):
+    run = copy_run(trained, tmp_path / "run")
+    proc = torchrun_evaluate(run, ["--standalone", "--nproc-per-node", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")  # pass at the 4th checkpoint
+    assert proc.stdout.count("status: success") == 1 and "passing step: 21" in proc.stdout  # rank 0 alone prints
+    assert ranks_that_evaluated(run) == {0, 1}
+    for step in (18, 19, 20, 21):
+        assert read_results(run / "eval" / f"step_{step}.jsonl") == read_results(finished / "eval" / f"step_{step}.jsonl")
+    report = check_log(run / "mlperf.log")
+    assert report.official.verdict == "SUCCESS" and report.clean, (report.official.messages, report.findings)
+
+
+def test_two_torchrun_nodes_log_equals_the_serial_log(trained, finished, tmp_path):
+    run = copy_run(trained, tmp_path / "run")
+    nodes = two_node_evaluate(run, tmp_path)
+    assert [code for code, _, _ in nodes] == [0, 0], [err[-3000:] for _, _, err in nodes]
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+    assert sorted(out.count("status: success") for _, out, _ in nodes) == [0, 1]  # global rank 0, on one of them
+    assert ranks_that_evaluated(run) == {0, 1}  # each node's rank evaluated checkpoints
+    assert check_log(run / "mlperf.log").official.verdict == "SUCCESS"
+
+
+def test_two_torchrun_nodes_stop_at_rank_0s_error_without_a_hang(trained, tmp_path):
+    """Rank 0 refuses the run at a corrupt checkpoint: it exits 2 with its line; the rank
+    on the other node exits 1 with that line (so its torchrun does not wait out the 300 s
+    exit barrier for a node that failed); both torchruns end within the timeout."""
+    run = copy_run(trained, tmp_path / "run")
+    flip_byte(run, 19)  # no pass before it: rank 0's committer refuses the run there
+    nodes = two_node_evaluate(run, tmp_path, timeout_s=240)
+    refusal = (f"step_19/{SHARD}: xxh3_128 differs from training_info.json; the checkpoint is corrupt; no earlier "
+               "checkpoint passed, so the run cannot be scored past it: restore step_19/ from a copy and run evaluate "
+               "again (it resumes there), or train again")
+    ours = sorted(line for _, _, err in nodes for line in err.splitlines() if line.startswith("mlperf-grpo:"))
+    assert ours == [f"mlperf-grpo: error: {refusal}", f"mlperf-grpo: rank 1: error: rank 0 failed: {refusal}"], ours
+    stderr = "".join(err for _, _, err in nodes)
+    assert "exitcode  : 2" in stderr and "exitcode  : 1" in stderr and "mlperf_grpo/" not in stderr
+    assert all(code != 0 for code, _, _ in nodes)
+    assert eval_steps(run / "mlperf.log") == [18] and not read_log(run / "mlperf.log").find("run_stop")
+
+
+def test_torchrun_refuses_more_workers_than_ranks_with_one_line(trained, tmp_path):
+    run = copy_run(trained, tmp_path / "run")
+    before = (run / "mlperf.log").read_bytes()
+    refusal = "under torchrun the evaluation workers are its 2 rank(s) (WORLD_SIZE 2): leave out --workers, or give --workers 2"
+    proc = torchrun_evaluate(run, ["--standalone", "--nproc-per-node", "2"], "--workers", "3", timeout_s=120)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("mlperf-grpo:")]
+    assert ours[0] == f"mlperf-grpo: error: {refusal}", proc.stderr[-3000:]  # rank 0's line; rank 1 exits 0 ...
+    assert all(line == "mlperf-grpo: stopped by SIGTERM" for line in ours[1:]), ours  # ... unless torchrun stopped it first
+    assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
+    assert "mlperf_grpo/" not in proc.stderr  # no traceback of ours (torchrun prints its own)
+    assert (run / "mlperf.log").read_bytes() == before and not (run / "eval").exists()
+
+
+@pytest.mark.parametrize("evaluate_args, refusal", [
+    (["RUN", "--follow"], "--follow evaluates with one worker, not torchrun's 2 ranks: run it without torchrun (or with "
+                          "one rank)"),
+    (["--checkpoints", "CKPT", "--mllog", "LOG", "--config", "C"],
+     "under torchrun (2 ranks) evaluate takes RUN_DIR alone (a run our trainer wrote); another trainer's series "
+     "(--checkpoints/--mllog/--config) is evaluated by one worker: run it without torchrun"),
+])
+def test_rank_0_of_two_refuses_what_one_worker_does(tmp_path, monkeypatch, capsys, evaluate_args, refusal):
+    """Rank 0 of a 2-rank torchrun (its environment, serving the store itself: no agent)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "False"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["evaluate", *[str(tmp_path / a) if a.isupper() else a for a in evaluate_args]]) == 2
+    assert error_lines(capsys.readouterr().err) == f"mlperf-grpo: error: {refusal}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_finished_run_under_torchrun_exits_0_on_every_rank(finished, tmp_path):
+    run = copy_run(finished, tmp_path / "run")
+    log, summary = (run / "mlperf.log").read_bytes(), (run / "eval" / "summary.json").read_bytes()
+    proc = torchrun_evaluate(run, ["--standalone", "--nproc-per-node", "2"], timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # torchrun exits 0 only when every rank did
+    assert proc.stdout.count("status: success") == 1
+    assert (run / "mlperf.log").read_bytes() == log and (run / "eval" / "summary.json").read_bytes() == summary
 
 
 def test_old_checkpoint_without_a_fingerprint_is_reported_unchecked(engine_results):

@@ -142,8 +142,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Offline evaluation of a trained run (or of another trainer's series); writes run_stop."""
-    if args.run_dir is not None and (args.workers or 1) > 1:
+    """Offline evaluation of a trained run (or of another trainer's series); writes run_stop.
+    Under torchrun with WORLD_SIZE > 1 every rank is a worker (:func:`_evaluate_as_torchrun_rank`)."""
+    torchrun_world = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 0  # torch not imported yet
+    if torchrun_world > 1:
+        return _evaluate_as_torchrun_rank(args)
+    return _evaluate(args, torchrun_world)
+
+
+def _evaluate(args: argparse.Namespace, torchrun_world: int) -> int:
+    """``evaluate`` in this process (``torchrun_world``: WORLD_SIZE under torchrun, this
+    process its rank 0; 0 without torchrun)."""
+    if args.run_dir is not None and (args.workers or 1) > 1 and not torchrun_world:
         from mlperf_grpo.evaluate.prestart import prestart_rank_server
 
         prestart_rank_server("mlperf_grpo.evaluate.offline")  # the ranks' imports run while ours do
@@ -154,6 +164,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     foreign = (args.checkpoints, args.mllog, args.config, args.eval_log, args.format)
     if args.stop_training_at_pass and not args.follow:
         raise BadInput("--stop-training-at-pass stops a training the evaluator follows: add --follow")
+    if torchrun_world:
+        _check_torchrun_args(args, foreign, torchrun_world)
     if args.follow:
         return _follow(args, foreign)
     if args.run_dir is not None:
@@ -161,10 +173,45 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise BadInput("give RUN_DIR (a run our trainer wrote) or --checkpoints/--mllog/--config (another "
                            "trainer's series), not both")
         args.phase = "evaluate"
-        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints, workers=args.workers,
-                               merge=_merge_in_place)
+        outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints,
+                               workers=torchrun_world or args.workers, merge=_merge_in_place)
         return _print_outcome(outcome, args.run_dir)
     return _evaluate_foreign(args)
+
+
+def _check_torchrun_args(args: argparse.Namespace, foreign: tuple, world: int) -> None:
+    """Under torchrun the evaluation workers are its ``world`` ranks (one: the serial
+    evaluator); refuse what does not fit them."""
+    if args.workers not in (None, world):
+        raise BadInput(f"under torchrun the evaluation workers are its {world} rank(s) (WORLD_SIZE {world}): leave out "
+                       f"--workers, or give --workers {world}")
+    if world == 1:
+        return
+    if args.follow:
+        raise BadInput(f"--follow evaluates with one worker, not torchrun's {world} ranks: run it without torchrun "
+                       "(or with one rank)")
+    if args.run_dir is None or any(v is not None for v in foreign):
+        raise BadInput(f"under torchrun ({world} ranks) evaluate takes RUN_DIR alone (a run our trainer wrote); another "
+                       "trainer's series (--checkpoints/--mllog/--config) is evaluated by one worker: run it without torchrun")
+
+
+def _evaluate_as_torchrun_rank(args: argparse.Namespace) -> int:
+    """``evaluate`` under torchrun with WORLD_SIZE > 1: every rank is a worker with its
+    engine. Rank 0 does all the rest as ``evaluate RUN_DIR --workers WORLD_SIZE`` does
+    (checks the command, takes the lock, checks the log and series, plans, commits in step
+    order, tears down, writes the summary), publishing the plan to the others through
+    torchrun's store, and its exit code at the end; the others check nothing themselves,
+    evaluate what rank 0 planned, print nothing and exit 0 (also when rank 0 found
+    nothing to evaluate; on another node than rank 0's, with rank 0's failure)."""
+    from mlperf_grpo.evaluate.offline import join_evaluation
+    from mlperf_grpo.evaluate.workers import joined_ranks
+
+    with joined_ranks() as ranks:
+        if ranks.rank != 0:
+            return join_evaluation(args.run_dir, ranks)
+        exit_code = _evaluate(args, ranks.world_size)
+        ranks.conclude(exit_code)
+        return exit_code
 
 
 def _follow(args: argparse.Namespace, foreign: tuple) -> int:
@@ -405,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write evaluations and run_stop to this log instead of --mllog (then 'mlperf-grpo merge')")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="engines evaluating in parallel, one per GPU (or CPU process); the log is committed in step "
-                        "order, the same for any N (default: the config's validation.workers)")
+                        "order, the same for any N (default: the config's validation.workers; under torchrun its "
+                        "WORLD_SIZE ranks, on any number of nodes)")
     p.add_argument("--follow", action="store_true",
                    help="evaluate RUN_DIR's checkpoints as its running training publishes them (one worker), logging "
                         "to RUN_DIR/eval/mlperf_eval.log; merged into the training log once training ended")
@@ -489,12 +537,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """``train``/``run`` under torchrun: the ranks' process group (train/distributed.py)."""
-    if args.command not in ("train", "run"):
-        return contextlib.nullcontext()
+    """``train``/``run`` under torchrun: the ranks' process group (train/distributed.py);
+    ``evaluate``: no process group (its ranks share torchrun's store), rank 0's stdout only."""
+    if args.command not in ("train", "run") and not (args.command == "evaluate" and "TORCHELASTIC_RUN_ID" in os.environ):
+        return contextlib.nullcontext()  # (evaluate imports nothing before it starts its fork server)
     from mlperf_grpo.train import distributed
 
-    return distributed.process_group()
+    return distributed.process_group() if args.command != "evaluate" else distributed.rank_zero_stdout()
 
 
 def _rank_tag() -> str:

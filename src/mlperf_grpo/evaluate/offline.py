@@ -6,7 +6,8 @@ Reads top to bottom like the lifecycle it runs::
     discover step_N/ checkpoints; check the series before evaluating anything
         (steps, records, tensor headers, non-weight files, the end of training)
     plan: the checkpoints after those already logged (up to a series fault)
-    N workers (one here, or torchrun ranks), each with one engine, claim the next one:
+    N workers (one here, local torchrun ranks, or the ranks of a torchrun that started
+    this process on any number of nodes), each with one engine, claim the next one:
         read its shards (hash-verified as read; the next one read meanwhile), refit the
         engine, verify (device fingerprint, canary), validate (pass@k), publish
     commit strictly in step order: eval_start, eval_accuracy, eval_stop in one write
@@ -25,6 +26,7 @@ evaluated unless the run passed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -57,7 +59,16 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.validator import TaskResult, validate
-from mlperf_grpo.evaluate.workers import WorkQueue, die_with_parent, launch, local_queue, rank_queue
+from mlperf_grpo.evaluate.workers import (
+    RankFailedError,
+    TorchrunRanks,
+    WorkQueue,
+    die_with_parent,
+    joined,
+    launch,
+    local_queue,
+    rank_queue,
+)
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, now_ms, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, canary_mismatch
@@ -78,7 +89,8 @@ class RefitError(RuntimeError):
     """After a refit the engine does not run the checkpoint's weights; evaluation stops."""
 
 
-_ERRORS: dict[str, type[Exception]] = {"EvaluationError": EvaluationError, "RefitError": RefitError, "VerifierError": VerifierError}
+_ERRORS: dict[str, type[Exception]] = {"EvaluationError": EvaluationError, "RefitError": RefitError, "VerifierError": VerifierError,
+                                       "RankFailedError": RankFailedError}
 """The errors a worker reports as a result (raised again, in step order, by the committer)."""
 
 
@@ -430,7 +442,7 @@ def evaluate_series(
     Raises: as :func:`evaluate_run`.
     """
     check_engine_available(config)  # before the lock or anything else is written
-    if workers > 1:
+    if workers > 1 and joined() is None:
         prestart_rank_server(__name__)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
         if merge is not None and _read_checked_log(mllog_file).find(C.RUN_STOP):
@@ -933,7 +945,18 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
         return
     if source != RunSeries(run.checkpoints):
         raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
-    outcome = launch(evaluate_rank, (str(run.root), str(mllog_file), plan, show_progress, time.time()), workers)[0]
+    ranks = joined()
+    if ranks is None:
+        outcome = launch(evaluate_rank, (str(run.root), str(mllog_file), plan, show_progress, time.time()), workers)[0]
+    else:  # this process is rank 0 of the ranks torchrun started: they are the workers
+        ranks.publish_plan({"mllog_file": str(mllog_file), "plan": asdict(plan)})
+        try:
+            outcome = evaluate_rank(str(run.root), str(mllog_file), plan, show_progress)
+        except BaseException:
+            WorkQueue(ranks.store, 0).stop()  # the others claim nothing more
+            raise
+        finally:
+            ranks.wait_ended()  # no rank reads a checkpoint or writes a result past this
     if outcome is not None:
         raise _ERRORS.get(outcome["error"], RuntimeError)(outcome["message"])
 
@@ -944,8 +967,9 @@ def _series_by_step(source: SeriesSource) -> dict[int, Checkpoint]:
 
 def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: bool,
                   launch_unix_s: float | None = None) -> dict | None:
-    """A torchrun rank of ``evaluate --workers N``: one engine on device ``LOCAL_RANK``
-    (CUDA) or a CPU process with its share of the cores, started (:func:`start_engine`)
+    """A torchrun rank of ``evaluate --workers N`` (or of ``evaluate`` under torchrun):
+    one engine on device ``LOCAL_RANK`` (CUDA) or a CPU process with its share of its
+    node's cores, started (:func:`start_engine`)
     once the rank has claimed its first checkpoint, while that one is read (a rank that
     claims nothing starts none); rank 0 also commits (a thread with its own store
     connection) to ``mllog_file`` (the evaluator's, resolved when it took the lock).
@@ -962,7 +986,7 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     if config.model.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     engine = EngineAtFirstUse(run, config, launch_unix_s)
     failure: list[dict] = []
     committer_thread = None
@@ -990,6 +1014,37 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     if committer_thread is not None:
         committer_thread.join()
     return failure[0] if failure else None
+
+
+def join_evaluation(run_dir: Path, ranks: TorchrunRanks) -> int:
+    """A rank other than 0 of ``evaluate RUN_DIR`` under torchrun: wait for rank 0's
+    plan and evaluate as a worker (:func:`evaluate_rank`), or nothing when rank 0
+    concluded without a plan (nothing to evaluate, or it failed first); then tell rank 0
+    this rank stopped (with its error if it failed) and wait for rank 0 to conclude.
+    Writes only what a worker writes (``eval/unlogged/``, ``eval/timing.jsonl``,
+    ``eval/startup.jsonl``).
+
+    Returns:
+        this rank's exit code (:meth:`TorchrunRanks.verdict`).
+    Raises:
+        RankFailedError: rank 0 failed, and this rank is on another node (its message).
+        whatever :func:`evaluate_rank` raises (reported to rank 0 first).
+    """
+    shared = ranks.wait_plan()
+    try:
+        if shared is not None:
+            p = shared["plan"]
+            plan = EvalPlan(p["pending_steps"], p["problem"] and SeriesProblem(**p["problem"]), p["final_step"])
+            evaluate_rank(str(run_dir), shared["mllog_file"], plan, show_progress=False)
+    except BaseException as err:
+        with contextlib.suppress(Exception):  # best effort (rank 0 may be gone): this error is the one raised
+            ranks.end(failure=f"rank {ranks.rank}: {type(err).__name__}: {err}")
+        raise
+    ranks.end()
+    exit_code, error = ranks.verdict()
+    if error is not None and exit_code:
+        raise RankFailedError(f"rank 0 failed: {error}")
+    return exit_code
 
 
 def _unscorable(problem: SeriesProblem) -> str:

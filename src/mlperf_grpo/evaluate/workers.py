@@ -1,5 +1,7 @@
-"""Evaluation workers: a work queue on a ``torch.distributed`` store, and the launch of
-N worker ranks with torchrun's own launcher (``torch.distributed.launcher``).
+"""Evaluation workers: a work queue on a ``torch.distributed`` store, and the ranks that
+serve it: N local ranks launched with torchrun's own launcher
+(``torch.distributed.launcher``), or the ranks ``torchrun`` itself started (any number of
+nodes), which this process joins (:func:`joined_ranks`).
 
 The queue is a handful of keys in a store every rank can reach (a ``TCPStore`` served by
 the launcher's agent, or an in-process ``HashStore`` for one worker)::
@@ -7,6 +9,16 @@ the launcher's agent, or an in-process ``HashStore`` for one worker)::
     next         counter: store.add("next", 1) - 1 is the index a worker claims (atomic)
     result/<i>   JSON of the evaluation of pending checkpoint i (or its error)
     stop         set once the run is decided (a pass committed, or an error): claim no more
+    failed       set by a rank other than 0 that failed: its one line (the committer raises it)
+
+Under ``torchrun`` rank 0 coordinates through three more keys::
+
+    plan         JSON rank 0 publishes once it has planned the evaluation; the other
+                 ranks wait for it (or for the verdict: nothing to evaluate, or a failure)
+    ended/<r>    set by rank r != 0 when it has stopped: rank 0 waits for every one
+                 before the teardown
+    verdict      JSON rank 0 sets as it ends: its exit code and error line; the other
+                 ranks wait for it and exit accordingly
 
 Each worker claims the next unevaluated checkpoint; rank 0 also commits the results to
 the log strictly in step order (see ``offline.py``). Nothing here knows about the log.
@@ -14,12 +26,15 @@ the log strictly in step order (see ``offline.py``). Nothing here knows about th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import signal
 import socket
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -29,6 +44,14 @@ from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, prestart_rank_serve
 
 STORE_TIMEOUT = timedelta(hours=24)
 """How long a rank waits on the store (a checkpoint's evaluation may take hours at scale)."""
+
+POLL_S = 0.05
+"""How often a rank waiting for a key looks for it, in s (a ``store.wait`` would hold off
+signal handlers until it returns, and logs a warning each time its timeout ends)."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank other than 0 failed (its message names it); the evaluation stops."""
 
 
 class WorkQueue:
@@ -55,12 +78,26 @@ class WorkQueue:
         self.store.set(f"result/{index}", json.dumps(result))
 
     def result(self, index: int, block: bool = True) -> dict[str, Any] | None:
-        """Index's result; waits for it when ``block``, else ``None`` if not there yet."""
+        """Index's result; waits for it when ``block``, else ``None`` if not there yet.
+
+        Raises:
+            RankFailedError: a rank failed (:meth:`fail`) before the result came; the
+                queue is stopped.
+        """
         key = f"result/{index}"
-        if not block and not self.store.check([key]):
-            return None
-        self.store.wait([key], STORE_TIMEOUT)
+        while not self.store.check([key]):
+            if not block:
+                return None
+            if self.store.check(["failed"]):
+                self.stop()
+                raise RankFailedError(self.store.get("failed").decode())
+            time.sleep(POLL_S)
         return json.loads(self.store.get(key))
+
+    def fail(self, message: str) -> None:
+        """This rank failed (``message``: one line): the committer raises it, none claims more."""
+        self.store.set("failed", message)
+        self.stop()
 
     def stop(self) -> None:
         """No worker claims anything more."""
@@ -76,17 +113,113 @@ def local_queue(count: int) -> WorkQueue:
 
 
 def rank_queue(count: int, serve: bool = True) -> WorkQueue:
-    """The queue of a rank started by torchrun or :func:`launch`: a connection to the
-    launcher's store (``MASTER_ADDR``/``MASTER_PORT``; rank 0 serves it itself when the
-    agent does not, unless ``serve`` is False: a second connection of the same rank),
-    under the prefix ``mlperf_eval/``. Use one connection per thread."""
+    """The queue of a rank started by torchrun or :func:`launch` (:func:`rank_store`)."""
+    return WorkQueue(rank_store(serve), count)
+
+
+def rank_store(serve: bool = True) -> dist.Store:
+    """A connection to the store of the ranks torchrun or :func:`launch` started
+    (``MASTER_ADDR``/``MASTER_PORT``; rank 0 serves it itself when the agent does not,
+    shared by its connections, unless ``serve`` is False), under the prefix
+    ``mlperf_eval/``. Use one connection per thread."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
         is_master=serve and rank == 0 and not agent_store, timeout=STORE_TIMEOUT, wait_for_workers=False,
+        multi_tenant=True,
     )
-    return WorkQueue(dist.PrefixStore("mlperf_eval/", store), count)
+    return dist.PrefixStore("mlperf_eval/", store)
+
+
+class TorchrunRanks:
+    """The ranks ``torchrun`` started (``RANK`` of ``WORLD_SIZE``, over any number of
+    nodes), joined through their store (:func:`rank_store`): every rank is an evaluation
+    worker, rank 0 the coordinator. Get it from :func:`joined_ranks`."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.node = int(os.environ.get("GROUP_RANK", "0"))
+        self.store = rank_store()
+
+    def publish_plan(self, plan: dict[str, Any]) -> None:
+        """Rank 0: what the workers evaluate (JSON-serializable)."""
+        self.store.set("plan", json.dumps(plan))
+
+    def wait_plan(self) -> dict[str, Any] | None:
+        """Ranks other than 0: rank 0's plan, or ``None`` when rank 0 concluded without
+        one (nothing to evaluate, or it failed first: see :meth:`verdict`).
+
+        Raises:
+            TimeoutError: neither after ``STORE_TIMEOUT``.
+        """
+        _wait_for(self.store, ["plan"], ["verdict"], timeout=STORE_TIMEOUT)
+        return json.loads(self.store.get("plan")) if self.store.check(["plan"]) else None
+
+    def end(self, failure: str | None = None) -> None:
+        """Ranks other than 0: this rank has stopped (``failure``: its one line, raised by
+        rank 0's committer)."""
+        if failure is not None:
+            WorkQueue(self.store, 0).fail(failure)
+        self.store.set(f"ended/{self.rank}", "1")
+
+    def wait_ended(self) -> None:
+        """Rank 0: wait until every other rank has stopped (none reads a checkpoint or
+        writes a result any more). Raises TimeoutError after ``STORE_TIMEOUT``."""
+        _wait_for(self.store, [f"ended/{r}" for r in range(1, self.world_size)], timeout=STORE_TIMEOUT)
+
+    def conclude(self, exit_code: int, error: str | None = None) -> None:
+        """Rank 0: how it ends (its exit code, its error line); the queue is stopped."""
+        WorkQueue(self.store, 0).stop()
+        self.store.set("verdict", json.dumps({"exit_code": exit_code, "error": error, "node": self.node}))
+
+    def verdict(self) -> tuple[int, str | None]:
+        """Ranks other than 0: the exit code for this rank and rank 0's error line, once
+        rank 0 has concluded. On rank 0's node, 0 (its agent reports rank 0's failure and
+        stops the others); on another node, rank 0's code (1 for an error), so that
+        node's agent fails too instead of waiting for the others at its exit barrier
+        (``torchrun`` waits there up to 300 s). Raises TimeoutError after ``STORE_TIMEOUT``."""
+        _wait_for(self.store, ["verdict"], timeout=STORE_TIMEOUT)
+        verdict = json.loads(self.store.get("verdict"))
+        if verdict["node"] == self.node:
+            return 0, None
+        return (1 if verdict["error"] and not verdict["exit_code"] else verdict["exit_code"]), verdict["error"]
+
+
+def _wait_for(store: dist.Store, *any_of: list[str], timeout: timedelta) -> None:
+    """Wait until every key of one of the lists ``any_of`` is set (polled every
+    ``POLL_S``). Raises TimeoutError."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not any(store.check(keys) for keys in any_of):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the evaluation's ranks did not set {any_of} within {timeout}")
+        time.sleep(POLL_S)
+
+
+_joined: TorchrunRanks | None = None
+
+
+@contextlib.contextmanager
+def joined_ranks() -> Iterator[TorchrunRanks]:
+    """Join the ranks ``torchrun`` started for the duration (``evaluate`` under torchrun
+    with ``WORLD_SIZE`` > 1; :func:`joined` gives them meanwhile). Rank 0 leaving by an
+    exception concludes with it (exit code 1, its message), so no rank waits for it."""
+    global _joined
+    ranks = TorchrunRanks()
+    _joined = ranks
+    try:
+        yield ranks
+    except BaseException as err:
+        if ranks.rank == 0:
+            ranks.conclude(1, str(err) or type(err).__name__)
+        raise
+    finally:
+        _joined = None
+
+
+def joined() -> TorchrunRanks | None:
+    """The torchrun ranks this process joined (:func:`joined_ranks`), or ``None``."""
+    return _joined
 
 
 def die_with_parent() -> None:

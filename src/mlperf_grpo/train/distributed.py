@@ -105,17 +105,26 @@ def process_group() -> Iterator[Layout]:
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device_id)  # the small CPU stats go through gloo
     else:
         dist.init_process_group("gloo")
-    here = layout()
+    try:
+        with rank_zero_stdout():
+            yield layout()
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_zero_stdout() -> Iterator[None]:
+    """Under ``torchrun``, send the stdout of ranks other than 0 to ``/dev/null`` for the
+    duration (rank 0 prints the outcome; errors still reach stderr). Without: nothing."""
     saved_stdout = sys.stdout
-    if here.rank != 0:
+    if launched() and int(os.environ.get("RANK", "0")) != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (closed below)
     try:
-        yield here
+        yield
     finally:
         if sys.stdout is not saved_stdout:
             sys.stdout.close()
             sys.stdout = saved_stdout
-        dist.destroy_process_group()
 
 
 def check_layout(config: RunConfig, world_size: int | None = None, deferred: bool = True) -> None:
