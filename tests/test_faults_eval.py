@@ -88,6 +88,9 @@ def spawn_evaluate(run, out_name):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run), "--retain-checkpoints"],
         stdout=out, stderr=err,
+        # Ctrl-C's default, as in a terminal's foreground job: a test runner started in the
+        # background of a shell inherits SIGINT ignored, and Python then keeps ignoring it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     out.close()
     err.close()
