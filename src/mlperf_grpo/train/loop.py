@@ -188,7 +188,7 @@ def optimize_step(
         t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
     spans = batch.micro_batch_spans(micro_batch_size, width_multiple)  # each micro-batch cut to its longest row
     for index, (rows, width) in enumerate(spans):
-        if not reshard_every_micro_batch:
+        if not reshard_every_micro_batch and index in (0, len(spans) - 1):  # the flags persist in between
             distributed.sync_after_micro_batch(policy, last=index == len(spans) - 1)
         ids = input_ids[rows, :width]
         # Logits from the first completion column on (earlier ones would only score prompt
