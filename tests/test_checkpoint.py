@@ -258,3 +258,49 @@ def test_read_verified_refuses_a_shard_of_the_right_size_with_other_bytes(tmp_pa
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError, match="step_18/model-00001-of-00001.safetensors: xxh3_128 differs"):
         read_verified(checkpoint, ReadBuffers())
+
+
+def test_prefetcher_allocates_every_buffer_set_around_the_first_read(tmp_path, monkeypatch):
+    """Both host buffer sets exist, at the shard sizes, before the second checkpoint is
+    submitted (pinning then stays out of the first refit); later reads allocate nothing
+    and give the same tensors as a plain read."""
+    from mlperf_grpo.checkpoint import reader
+    from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    for step in (18, 19, 20):
+        write_checkpoint(tmp_path, {"w": torch.arange(4096, dtype=torch.float32) * step,
+                                    "b": torch.ones(100, dtype=torch.float32)}, _info(step), BUILTIN_MODEL_DIR,
+                         max_shard_size=10_000)
+    found = discover_checkpoints(tmp_path)[0]
+    sizes = {name: shard["bytes"] for name, shard in found[0].info.weights["shards"].items()}
+    assert len(sizes) == 2
+    plain = {c.step: {n: t.clone() for n, t in read_verified(c, ReadBuffers()).items()} for c in found}
+    allocations = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        allocations.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(reader.torch, "empty", counting_empty)
+    prefetcher = CheckpointPrefetcher(read_verified, pin=False)
+    try:
+        prefetcher.submit(0, found[0])
+        first = prefetcher.take()
+        deadline = time.monotonic() + 10
+        while len(allocations) < 4 and time.monotonic() < deadline:  # the second set follows the first read
+            time.sleep(0.01)
+        assert sorted(allocations) == sorted(list(sizes.values()) * 2)
+        prefetcher.submit(1, found[1])
+        prefetcher.release(first)
+        prefetcher.submit(2, found[2])
+        for step in (19, 20):
+            item = prefetcher.take()
+            assert item.error is None and item.checkpoint.step == step
+            assert item.weights.keys() == plain[step].keys()
+            assert all(torch.equal(item.weights[n], plain[step][n]) for n in plain[step])
+            prefetcher.release(item)
+        assert len(allocations) == 4
+    finally:
+        prefetcher.close()

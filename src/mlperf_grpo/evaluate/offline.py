@@ -745,7 +745,7 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
     tasks = validation_tasks(suite, config.validation.num_tasks)
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-    prefetcher = CheckpointPrefetcher(source.read, pin=_pins_host_buffers(config))
+    prefetcher = CheckpointPrefetcher(source.read, pin=_pins_host_buffers(config), reserve=isinstance(source, RunSeries))
     try:
         claimed = _claim(queue, plan, checkpoints, prefetcher)
         worker_engine = engine() if claimed else None

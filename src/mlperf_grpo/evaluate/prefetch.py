@@ -4,7 +4,10 @@ A background thread reads each submitted checkpoint with
 :func:`~mlperf_grpo.checkpoint.reader.read_verified` (hash-verified as read) into one of
 two reusable host buffer sets (pinned when the engine is on a GPU, so the refit is one
 DMA per tensor): while checkpoint ``k`` is refit and validated from one set, ``k+1`` is
-read into the other. Host memory: two checkpoints' weight bytes.
+read into the other. Host memory: two checkpoints' weight bytes. Every set is allocated
+(pinned) by the thread right around the first read (the first set before it, the others
+just after it, sized by that checkpoint), while the engine starts: pinning stalls the
+device work of other threads, so none is left to happen during a refit or a validation.
 """
 
 from __future__ import annotations
@@ -40,17 +43,21 @@ class CheckpointPrefetcher:
             hash-verified as read; raises on a corrupt or unreadable checkpoint).
         pin: pin the host buffers (the engine is on a GPU).
         buffer_sets: host copies that may exist at once (2: one refit, one being read).
+        reserve: allocate every set around the first read (:meth:`ReadBuffers.reserve`,
+            our series); off for sources whose ``read`` does not use the buffers.
     Use: :meth:`submit` a checkpoint, :meth:`take` it (blocks until read), give its
     buffers back with :meth:`release` once the engine holds the weights; :meth:`close`.
     """
 
-    def __init__(self, read: Callable[[Checkpoint, ReadBuffers], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2) -> None:
+    def __init__(self, read: Callable[[Checkpoint, ReadBuffers], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2,
+                 reserve: bool = True) -> None:
         self._read = read
         self._todo: queue.Queue[tuple[int, Checkpoint] | None] = queue.Queue()
         self._done: queue.Queue[Prefetched] = queue.Queue()
         self._free: queue.Queue[ReadBuffers | None] = queue.Queue()
-        for _ in range(buffer_sets):
-            self._free.put(ReadBuffers(pin=pin))
+        self._unreserved = [ReadBuffers(pin=pin) for _ in range(buffer_sets)] if reserve else []
+        for buffers in self._unreserved or [ReadBuffers(pin=pin) for _ in range(buffer_sets)]:
+            self._free.put(buffers)
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
 
@@ -80,6 +87,18 @@ class CheckpointPrefetcher:
                 return
             index, checkpoint = job
             try:
+                if self._unreserved:
+                    buffers.reserve(checkpoint)
                 self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers), None, buffers))
             except Exception as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint)
                 self._done.put(Prefetched(index, checkpoint, None, err, buffers))
+            self._reserve_the_others(checkpoint)
+
+    def _reserve_the_others(self, checkpoint: Checkpoint) -> None:
+        """After the first read: allocate the other sets at its sizes (once)."""
+        others, self._unreserved = self._unreserved[1:], []
+        for buffers in others:
+            try:
+                buffers.reserve(checkpoint)
+            except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
+                return
