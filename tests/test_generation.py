@@ -119,3 +119,20 @@ def test_generate_peak_memory_stays_below_the_full_vocabulary_logits_tensor():
     peak_delta_bytes = (_rss_kib("VmHWM") - before_kib) * 1024
     assert all(len(c.token_ids) == new_tokens for c in completions)
     assert peak_delta_bytes < logits_bytes / 4, f"peak RSS grew by {peak_delta_bytes / 1e6:.0f} MB"
+
+
+def test_generation_runs_without_cudnn_attention_and_restores_the_setting():
+    """cuDNN attention plans every new key length (benchmarks/attention_backends.py):
+    generation leaves it out, every other attention kernel stays allowed, and the
+    process's setting (the training's forward passes) is as before afterwards."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=None)
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                                                        torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                                        torch.backends.cuda.flash_sdp_enabled(),
+                                                        torch.backends.cuda.math_sdp_enabled())))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert before  # torch's default
+    HFEngine.from_model(model, batch_size=4).generate_ids([[3, 4], [5]], SamplingParams(1.0, 1.0, 3), [1, 2])
+    assert seen and set(seen) == {(False, True, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -25,6 +25,8 @@ from typing import BinaryIO
 
 import torch
 
+from mlperf_grpo.checkpoint.host_memory import page_locked_empty
+
 ALIGNMENT_BYTES = 4096
 """Alignment of memory address, file offset and length of every O_DIRECT write."""
 
@@ -42,8 +44,11 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose first byte is at a multiple of
-    :data:`ALIGNMENT_BYTES` (a view into a buffer that much larger; pinned when ``pin``)."""
-    raw = torch.empty(nbytes + ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin)
+    :data:`ALIGNMENT_BYTES` (a view into a buffer that much larger; page-locked when
+    ``pin``, :func:`~mlperf_grpo.checkpoint.host_memory.page_locked_empty`)."""
+    if pin:
+        return page_locked_empty(nbytes, ALIGNMENT_BYTES)
+    raw = torch.empty(nbytes + ALIGNMENT_BYTES, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT_BYTES
     return raw[skip: skip + nbytes]
 

@@ -38,6 +38,7 @@ from mlperf_grpo.checkpoint.format import (
     new_hasher,
     tensor_specs_digest,
 )
+from mlperf_grpo.checkpoint.host_memory import page_locked_empty
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -255,7 +256,8 @@ _SAFETENSORS_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.i
 
 class ReadBuffers:
     """Reusable host memory for the shards of one checkpoint: one uint8 buffer per shard
-    file name, grown when a shard is larger, pinned when ``pin`` (so a device copy from it
+    file name, grown when a shard is larger, page-locked when ``pin``
+    (:func:`~mlperf_grpo.checkpoint.host_memory.page_locked_empty`: a device copy from it
     is a DMA that needs no staging copy). Reading a series of equal-sized checkpoints
     allocates once; the tensors of :func:`read_verified` are views into these buffers and
     stay valid until the next read into the same buffers."""
@@ -268,7 +270,7 @@ class ReadBuffers:
         """A uint8 buffer of exactly ``size_bytes`` for shard ``name``."""
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < size_bytes:
-            buffer = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            buffer = page_locked_empty(size_bytes) if self.pin else torch.empty(size_bytes, dtype=torch.uint8)
             self._buffers[name] = buffer
         return buffer[:size_bytes]
 

@@ -15,12 +15,24 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.model import build_model_for_refit, load_model, load_tokenizer
+
+
+GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels ``generate`` may use: all but cuDNN's. A KV-cached generation
+gives attention a new key length at every step, and cuDNN's attention builds an execution
+plan per new shape. On the H200 (torch 2.11, a 1.4B Qwen3-shaped model, 256 rows),
+64-token generations at key lengths not seen before took 8.4 s, then 3.1 s at the same
+lengths: a process paid seconds to minutes of planning before its steps ran at speed
+(the training's first rollouts, every evaluator's first checkpoint). Without cuDNN:
+5.07 s then 5.01 s (at other lengths), no first-time cost, steady steps slower by about
+8%. Measured by ``benchmarks/attention_backends.py``."""
 
 
 class RowSeededSampler(LogitsProcessor):
@@ -277,15 +289,16 @@ class HFEngine:
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P], left-padded
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
         sampler = RowSeededSampler(seeds, params.temperature, params.top_p, params.max_new_tokens)
-        sequences = self.model.generate(
-            input_ids=input_ids.to(self.model.device),
-            attention_mask=attention_mask.to(self.model.device),
-            do_sample=False,
-            logits_processor=LogitsProcessorList([sampler]),
-            max_new_tokens=params.max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_id,
-        )  # [B, P + T]; stops once every row has produced EOS
+        with sdpa_kernel(GENERATION_SDPA_BACKENDS):
+            sequences = self.model.generate(
+                input_ids=input_ids.to(self.model.device),
+                attention_mask=attention_mask.to(self.model.device),
+                do_sample=False,
+                logits_processor=LogitsProcessorList([sampler]),
+                max_new_tokens=params.max_new_tokens,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+            )  # [B, P + T]; stops once every row has produced EOS
         generated = sequences[:, width:].cpu()  # [B, T]
         token_logprobs = sampler.token_logprobs()[:, : generated.shape[1]].cpu()  # [B, T]
         completions = []
