@@ -22,7 +22,8 @@ one JSON line:
 - ``generation_s``, ``refit_s``, ``read_wait_s``: medians over the serial run's
   checkpoints from ``eval/timing.jsonl`` (validation; weights into the engine and
   verified; waiting for the verified read that the prefetch did not hide);
-- ``non_generation_s``: ``per_checkpoint_s - generation_s``;
+- ``non_generation_s``: the median over the serial run's checkpoints of its
+  ``eval_stop``-to-``eval_stop`` gap minus its own ``generation_s`` (paired by step);
 - ``load_limit_s``: median over the checkpoints of ``safetensors.torch.load_file`` of
   the same files to the same device, in the same run (after the evaluations, so the
   page cache is as warm as the evaluator found it; on CPU, where ``load_file`` maps the
@@ -170,16 +171,28 @@ def normalized_log(run: Path, keep_time: bool = False) -> list:
     return out
 
 
-def eval_span_s(run: Path) -> tuple[float, float, float]:
-    """From the log: (first eval_start to last eval_stop, median eval_stop to next
-    eval_stop) in seconds, and the first eval_start (Unix s); the second is the steady
-    cost of one more checkpoint."""
-    starts, stops = [], []
+def eval_span_s(run: Path) -> tuple[float, float, float, float]:
+    """From a serial run's log and ``eval/timing.jsonl``: (first eval_start to last
+    eval_stop, median eval_stop to next eval_stop, median over the checkpoints of that
+    gap minus the same checkpoint's generation seconds) in seconds, and the first
+    eval_start (Unix s). The second is the steady cost of one more checkpoint, the third
+    what of it is not generation (paired by step: generation times vary by seconds from
+    checkpoint to checkpoint, so a difference of two medians would not be this)."""
+    starts, stops, gbs = {}, {}, None
     for record in normalized_log(run, keep_time=True):
-        if isinstance(record, dict) and record["key"] in ("eval_start", "eval_stop"):
-            (starts if record["key"] == "eval_start" else stops).append(record["time_ms"] / 1000)
-    gaps = [b - a for a, b in zip(stops, stops[1:])] or [stops[-1] - starts[0]]
-    return stops[-1] - starts[0], statistics.median(gaps), min(starts)
+        if not isinstance(record, dict):
+            continue
+        if record["key"] == "global_batch_size":
+            gbs = record["value"]
+        elif record["key"] in ("eval_start", "eval_stop"):
+            step = record["metadata"]["samples_count"] // gbs
+            (starts if record["key"] == "eval_start" else stops)[step] = record["time_ms"] / 1000
+    steps = sorted(stops)
+    gaps = {b: stops[b] - stops[a] for a, b in zip(steps, steps[1:])} or {steps[0]: stops[steps[0]] - starts[steps[0]]}
+    generation = {t["step"]: t["generation_s"] for t in timings(run)}
+    non_generation = [gap - generation[step] for step, gap in gaps.items()]
+    return stops[steps[-1]] - min(starts.values()), statistics.median(gaps.values()), statistics.median(non_generation), \
+        min(starts.values())
 
 
 def keep_files(run: Path, keep: Path) -> None:
@@ -248,8 +261,8 @@ def main() -> None:
         progress("load limit measured")
         steps = timings(serial)
         identical = normalized_log(serial) == normalized_log(parallel)
-        serial_eval_s, per_checkpoint_s, serial_first_s = eval_span_s(serial)
-        parallel_eval_s, _, parallel_first_s = eval_span_s(parallel)
+        serial_eval_s, per_checkpoint_s, non_generation_s, serial_first_s = eval_span_s(serial)
+        parallel_eval_s, _, _, parallel_first_s = eval_span_s(parallel)
         serial_worker = per_worker(serial, serial_start)[0]
         parallel_per_rank = per_worker(parallel, parallel_start)
         launch_unix_s = next(iter(startups(parallel).values()))["launch_unix_s"]
@@ -261,6 +274,7 @@ def main() -> None:
         "dtype": dtype,
         "checkpoints": len(steps),
         "per_checkpoint_s": per_checkpoint_s,
+        "non_generation_s": non_generation_s,
         "generation_s": statistics.median(t["generation_s"] for t in steps),
         "refit_s": statistics.median(t["refit_s"] for t in steps),
         "read_wait_s": statistics.median(t["read_wait_s"] for t in steps),
@@ -282,7 +296,6 @@ def main() -> None:
         "parallel_per_rank": parallel_per_rank,
         "setup_s": setup_s,
     }
-    out["non_generation_s"] = out["per_checkpoint_s"] - out["generation_s"]
     out["refit_over_load"] = out["refit_s"] / load_s
     out["non_generation_over_load"] = out["non_generation_s"] / load_s
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
