@@ -232,7 +232,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, help="validation tasks, 4 generations each (default: 251 on cuda, 8 on cpu)")
     parser.add_argument("--batch-size", type=int, default=256, help="validation.batch_size")
     parser.add_argument("--prompts", type=int, default=1, help="training prompts per step (16 rollouts each)")
-    parser.add_argument("--max-new-tokens", type=int, help="rollout and validation length (default: 16 on cuda, 4 on cpu)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="rollout and validation length (default: 256 on cuda, where per-checkpoint validation then "
+                             "outweighs a process's start-up as the real benchmark's minutes do; 4 on cpu)")
     parser.add_argument("--run", type=Path, help="evaluate (copies of) this trained run instead of making one")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the run is made (a real disk)")
     parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
@@ -241,7 +243,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.tasks = args.tasks or (251 if cuda else 8)
-    args.max_new_tokens = args.max_new_tokens or (16 if cuda else 4)
+    args.max_new_tokens = args.max_new_tokens or (256 if cuda else 4)
     for name in ("MLPERF_MLLOG_FILE", "RETAIN_GRPO_CHECKPOINTS", "DEFERRED_OFFLINE_EVAL"):
         os.environ.pop(name, None)
     root = Path(tempfile.mkdtemp(prefix="evaluate-bench-", dir=args.dir))
