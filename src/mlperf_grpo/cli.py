@@ -150,9 +150,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return _evaluate(args, torchrun_world)
 
 
-def _evaluate(args: argparse.Namespace, torchrun_world: int) -> int:
+def _evaluate(args: argparse.Namespace, torchrun_world: int, ranks=None) -> int:
     """``evaluate`` in this process (``torchrun_world``: WORLD_SIZE under torchrun, this
-    process its rank 0; 0 without torchrun)."""
+    process its rank 0; 0 without torchrun; ``ranks``: the ``TorchrunRanks`` it joined when
+    WORLD_SIZE > 1)."""
     if args.run_dir is not None and (args.workers or 1) > 1 and not torchrun_world:
         from mlperf_grpo.evaluate.prestart import prestart_rank_server
 
@@ -174,7 +175,7 @@ def _evaluate(args: argparse.Namespace, torchrun_world: int) -> int:
                            "trainer's series), not both")
         args.phase = "evaluate"
         outcome = evaluate_run(args.run_dir, retain_checkpoints=args.retain_checkpoints,
-                               workers=torchrun_world or args.workers, merge=_merge_in_place)
+                               workers=torchrun_world or args.workers, merge=_merge_in_place, ranks=ranks)
         return _print_outcome(outcome, args.run_dir)
     return _evaluate_foreign(args)
 
@@ -209,7 +210,7 @@ def _evaluate_as_torchrun_rank(args: argparse.Namespace) -> int:
     with joined_ranks() as ranks:
         if ranks.rank != 0:
             return join_evaluation(args.run_dir, ranks)
-        exit_code = _evaluate(args, ranks.world_size)
+        exit_code = _evaluate(args, ranks.world_size, ranks)
         ranks.conclude(exit_code)
         return exit_code
 

@@ -63,8 +63,7 @@ from mlperf_grpo.evaluate.workers import (
     RankFailedError,
     TorchrunRanks,
     WorkQueue,
-    die_with_parent,
-    joined,
+    die_with_launcher,
     launch,
     local_queue,
     rank_queue,
@@ -316,12 +315,15 @@ def retain_requested(flag: bool) -> bool:
 
 
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None,
-                 merge: MergeLogs | None = None) -> EvalOutcome:
+                 merge: MergeLogs | None = None, ranks: TorchrunRanks | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
     ``workers`` engines evaluate checkpoints in parallel (default: the config's
     ``evaluation.workers``); results are committed strictly in step order, so the log
     is the same, apart from times, for any number of workers.
+
+    ``ranks``: the torchrun ranks this process joined as rank 0 (``workers`` is then
+    their number): they are the workers, instead of ranks launched here.
 
     A run an evaluator followed during training (``evaluate --follow``; its
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
@@ -354,7 +356,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
             return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
                                    retain=retain, show_progress=show_progress)
     return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
-                           workers=workers)
+                           workers=workers, ranks=ranks)
 
 
 MergeLogs = Callable[[Path, Path], None]
@@ -429,6 +431,7 @@ def evaluate_series(
     retain: bool = False,
     show_progress: bool = True,
     workers: int = 1,
+    ranks: TorchrunRanks | None = None,
 ) -> EvalOutcome:
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
@@ -437,12 +440,13 @@ def evaluate_series(
     is logged (before the teardown); a training log that already has a ``run_stop`` was
     merged before (or closed by training), and ``eval_log`` is then not read.
     ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
-    ``source`` its :class:`RunSeries`: the ranks load both from it.
+    ``source`` its :class:`RunSeries`: the ranks load both from it; they are ``ranks``
+    (torchrun's, joined by this process as rank 0) or, without, launched here.
 
     Raises: as :func:`evaluate_run`.
     """
     check_engine_available(config)  # before the lock or anything else is written
-    if workers > 1 and joined() is None:
+    if workers > 1 and ranks is None:
         prestart_rank_server(__name__)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
         if merge is not None and _read_checked_log(mllog_file).find(C.RUN_STOP):
@@ -454,7 +458,7 @@ def evaluate_series(
             if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
-                _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers)
+                _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
         if merge is not None and eval_log is not None:
             merge(mllog_file, eval_log)
             eval_log = None
@@ -907,12 +911,13 @@ class EngineAtFirstUse:
 
 
 def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, log: ParsedLog,
-                          show_progress: bool, workers: int) -> None:
+                          show_progress: bool, workers: int, ranks: TorchrunRanks | None = None) -> None:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
-    up to the first pass; one worker runs here, more are torchrun ranks (:func:`launch`)."""
+    up to the first pass; one worker runs here, more are torchrun ranks (``ranks``, or
+    launched here: :func:`launch`)."""
     plan = plan_evaluation(source, config, log)
     try:
-        _run_workers(run, source, config, mllog_file, plan, show_progress, workers)
+        _run_workers(run, source, config, mllog_file, plan, show_progress, workers, ranks)
     except EvaluationError:
         _remove_if_nothing_committed(run)
         raise
@@ -929,7 +934,7 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
 
 
 def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, plan: EvalPlan,
-                 show_progress: bool, workers: int) -> None:
+                 show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
     if workers == 1:
         checkpoints = _series_by_step(source)
         queue = local_queue(len(plan.pending_steps))
@@ -945,7 +950,6 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
         return
     if source != RunSeries(run.checkpoints):
         raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
-    ranks = joined()
     if ranks is None:
         outcome = launch(evaluate_rank, (str(run.root), str(mllog_file), plan, show_progress, time.time()), workers)[0]
     else:  # this process is rank 0 of the ranks torchrun started: they are the workers
@@ -973,13 +977,18 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     once the rank has claimed its first checkpoint, while that one is read (a rank that
     claims nothing starts none); rank 0 also commits (a thread with its own store
     connection) to ``mllog_file`` (the evaluator's, resolved when it took the lock).
-    Dies with the launching evaluator (it holds the lock). ``launch_unix_s``: when the
-    evaluator launched the ranks (Unix s; for ``eval/startup.jsonl``).
+    Dies with the launching evaluator (it holds the lock; :func:`die_with_launcher`).
+    ``launch_unix_s``: when the evaluator launched the ranks (Unix s; for
+    ``eval/startup.jsonl``).
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
     """
-    die_with_parent()
+    die_with_launcher()
+    # one process, one bar: a thread lock, not tqdm's default multiprocessing one (a named
+    # semaphore that, in a forkserver rank, the evaluator's resource tracker would report
+    # leaked when the launcher stops the rank with SIGTERM)
+    tqdm.set_lock(threading.RLock())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = RunDir(Path(run_dir))
     config = run.load()[0]

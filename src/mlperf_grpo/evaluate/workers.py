@@ -27,12 +27,14 @@ the log strictly in step order (see ``offline.py``). Nothing here knows about th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
+import multiprocessing
 import os
+import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -40,7 +42,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, prestart_rank_server
+from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, die_with_parent, prestart_rank_server
 
 STORE_TIMEOUT = timedelta(hours=24)
 """How long a rank waits on the store (a checkpoint's evaluation may take hours at scale)."""
@@ -196,39 +198,46 @@ def _wait_for(store: dist.Store, *any_of: list[str], timeout: timedelta) -> None
         time.sleep(POLL_S)
 
 
-_joined: TorchrunRanks | None = None
-
-
 @contextlib.contextmanager
 def joined_ranks() -> Iterator[TorchrunRanks]:
     """Join the ranks ``torchrun`` started for the duration (``evaluate`` under torchrun
-    with ``WORLD_SIZE`` > 1; :func:`joined` gives them meanwhile). Rank 0 leaving by an
-    exception concludes with it (exit code 1, its message), so no rank waits for it."""
-    global _joined
+    with ``WORLD_SIZE`` > 1; rank 0 passes them to the evaluation, ``evaluate_run(...,
+    ranks=)``). Rank 0 leaving by an exception concludes with it (exit code 1, its
+    message), so no rank waits for it."""
     ranks = TorchrunRanks()
-    _joined = ranks
     try:
         yield ranks
     except BaseException as err:
         if ranks.rank == 0:
             ranks.conclude(1, str(err) or type(err).__name__)
         raise
-    finally:
-        _joined = None
 
 
-def joined() -> TorchrunRanks | None:
-    """The torchrun ranks this process joined (:func:`joined_ranks`), or ``None``."""
-    return _joined
+def die_with_launcher() -> None:
+    """This rank is SIGKILLed as soon as the process that launched it dies, so a
+    SIGKILLed evaluator (or torchrun agent) leaves no rank running, printing or writing:
+    the kernel kills it when its parent dies (:func:`~mlperf_grpo.evaluate.prestart.die_with_parent`;
+    under ``evaluate --workers N`` the parent is the fork server, which dies with the
+    evaluator), and a daemon thread kills it when the process that asked for it
+    (``multiprocessing.parent_process()``: the evaluator, not the fork server) is gone,
+    which it sees as the end of the pipe that process holds open for it (its sentinel).
+    The ranks then stop before they notice the evaluator's store is gone (its errors
+    and tracebacks are never printed). A rank the evaluator launched (:func:`launch`)
+    also stops at once on Ctrl-C (SIGINT to the terminal's process group), as on the
+    SIGTERM the launcher sends: the evaluator handles it and prints the one line (an
+    interrupted rank would otherwise wait for its committer thread until the launcher
+    SIGKILLs it, 30 s later). Call it in the rank's main thread."""
+    die_with_parent()
+    launcher = multiprocessing.parent_process()
+    if launcher is not None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        threading.Thread(target=_kill_self_when_ready, args=(launcher.sentinel,), name="die-with-launcher",
+                         daemon=True).start()
 
 
-def die_with_parent() -> None:
-    """Linux: this process is killed when the process that started it dies (a SIGKILLed
-    evaluator leaves no rank writing to the run). No-op where ``prctl`` is missing."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _kill_self_when_ready(fd: int) -> None:
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int, Any]:
@@ -259,10 +268,19 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int
 
     from mlperf_grpo.train.stop import Terminated
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # our one line, not its warnings
+    _quiet_launcher_logs()
     try:
         return elastic_launch(config, entrypoint)(*args)
     except SignalException as err:  # the launcher's own SIGTERM/SIGINT handler stopped the ranks
         if err.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
         raise Terminated("stopped by SIGTERM") from None
+
+
+def _quiet_launcher_logs() -> None:
+    """Our one line, not the launcher's warnings ("Received 15 death signal, shutting
+    down workers", "Closing process ... via signal"): its modules' loggers get their own
+    level when imported (``LOGLEVEL``, default WARNING), so each is set to ERROR."""
+    prefix = "torch.distributed.elastic"
+    for name in [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]:
+        logging.getLogger(name).setLevel(logging.ERROR)
