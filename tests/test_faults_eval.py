@@ -879,6 +879,49 @@ def test_torchrun_refuses_more_workers_than_ranks_with_one_line(trained, tmp_pat
     assert (run / "mlperf.log").read_bytes() == before and not (run / "eval").exists()
 
 
+def test_other_ranks_stop_within_the_silence_limit_when_rank_0_is_killed(trained, finished, tmp_path):
+    """Two ranks of a torchrun on two nodes, the store hosted elsewhere (here, as by the
+    agent that hosts the rendezvous): rank 0 SIGKILLed after its first commit. Rank 1
+    sees its heartbeat stand still and exits 1 with one line within RANK0_SILENCE_S (plus
+    the checkpoint it is evaluating), instead of waiting on the store for 24 h; the run
+    resumes to the uninterrupted log."""
+    from torch.distributed import TCPStore
+
+    from mlperf_grpo.evaluate.workers import RANK0_SILENCE_S
+
+    run = copy_run(trained, tmp_path / "run")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841  (the agent's store)
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "RANK": str(rank), "LOCAL_RANK": "0",
+                   "GROUP_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            with open(tmp_path / f"rank{rank}.err", "w") as err:
+                procs.append(subprocess.Popen([sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run),
+                                               "--retain-checkpoints"], env=env, stdout=subprocess.DEVNULL, stderr=err))
+        assert wait_for(lambda: count_evals(run) >= 1, procs[0]), "rank 0 exited before its first commit"
+        killed = time.monotonic()
+        procs[0].send_signal(signal.SIGKILL)
+        assert procs[1].wait(timeout=RANK0_SILENCE_S + 60) == 1
+        assert time.monotonic() - killed < RANK0_SILENCE_S + 30
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = (tmp_path / "rank1.err").read_text()
+    assert error_lines(err) == (
+        f"mlperf-grpo: rank 1: error: rank 0 is gone (its heartbeat in the store stood still for {RANK0_SILENCE_S:g} s: "
+        "killed, or its node lost); this rank stops. Nothing partial was logged: run the same evaluate command again "
+        "to resume the run")
+    assert not read_log(run / "mlperf.log").find("run_stop")
+    assert evaluate_with(run, 1) == normalized(finished / "mlperf.log")
+
+
 @pytest.mark.parametrize("evaluate_args, refusal", [
     (["RUN", "--follow"], "--follow evaluates with one worker, not torchrun's 2 ranks: run it without torchrun (or with "
                           "one rank)"),

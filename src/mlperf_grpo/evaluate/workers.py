@@ -11,7 +11,7 @@ the launcher's agent, or an in-process ``HashStore`` for one worker)::
     stop         set once the run is decided (a pass committed, or an error): claim no more
     failed       set by a rank other than 0 that failed: its one line (the committer raises it)
 
-Under ``torchrun`` rank 0 coordinates through three more keys::
+Under ``torchrun`` rank 0 coordinates through four more keys::
 
     plan         JSON rank 0 publishes once it has planned the evaluation; the other
                  ranks wait for it (or for the verdict: nothing to evaluate, or a failure)
@@ -19,6 +19,11 @@ Under ``torchrun`` rank 0 coordinates through three more keys::
                  before the teardown
     verdict      JSON rank 0 sets as it ends: its exit code and error line; the other
                  ranks wait for it and exit accordingly
+    heartbeat/0  counter rank 0 adds to every ``HEARTBEAT_S`` from the moment it joins;
+                 a rank that sees it stand still for ``RANK0_SILENCE_S`` (rank 0 was
+                 killed, or its node lost, while the store lives on elsewhere) fails the
+                 queue and exits with one line (:class:`Rank0LostError`) instead of
+                 waiting for rank 0 until ``STORE_TIMEOUT``
 
 Each worker claims the next unevaluated checkpoint; rank 0 also commits the results to
 the log strictly in step order (see ``offline.py``). Nothing here knows about the log.
@@ -52,8 +57,22 @@ POLL_S = 0.05
 signal handlers until it returns, and logs a warning each time its timeout ends)."""
 
 
+HEARTBEAT_S = 2.0
+"""Under torchrun: how often rank 0 adds to its heartbeat counter in the store, in s."""
+
+RANK0_SILENCE_S = 30.0
+"""Under torchrun: how long the other ranks accept rank 0's heartbeat standing still
+before they stop (:class:`Rank0LostError`), in s. Rank 0's heartbeat is a thread of its
+own; only a rank 0 that is gone (or frozen that long) misses it."""
+
+
 class RankFailedError(RuntimeError):
     """A rank other than 0 failed (its message names it); the evaluation stops."""
+
+
+class Rank0LostError(RuntimeError):
+    """Under torchrun, rank 0's heartbeat stood still for ``RANK0_SILENCE_S`` (it was
+    killed, or its node lost): this rank stops; the run is resumable."""
 
 
 class WorkQueue:
@@ -137,12 +156,64 @@ def rank_store(serve: bool = True) -> dist.Store:
 class TorchrunRanks:
     """The ranks ``torchrun`` started (``RANK`` of ``WORLD_SIZE``, over any number of
     nodes), joined through their store (:func:`rank_store`): every rank is an evaluation
-    worker, rank 0 the coordinator. Get it from :func:`joined_ranks`."""
+    worker, rank 0 the coordinator. Get it from :func:`joined_ranks`.
+
+    Rank 0 heartbeats (``heartbeat/0``) from a thread of its own; every other rank
+    watches that heartbeat from a thread of its own: once it has stood still for
+    ``RANK0_SILENCE_S`` with no verdict set, the watcher fails the queue (no rank claims
+    a checkpoint more; a rank 0 that is only slow raises that line) and the rank's next
+    wait on rank 0 (its plan, its verdict) raises :class:`Rank0LostError`. A rank
+    evaluating a checkpoint then finishes it first, so a rank stops within about
+    ``RANK0_SILENCE_S`` plus one checkpoint's evaluation of rank 0's death.
+    """
 
     def __init__(self) -> None:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.node = int(os.environ.get("GROUP_RANK", "0"))
         self.store = rank_store()
+        self.rank0_lost: str | None = None
+        self._closed = threading.Event()
+        target = self._heartbeat if self.rank == 0 else self._watch_rank0
+        self._thread = threading.Thread(target=target, args=(rank_store(serve=False),), name=target.__name__.strip("_"),
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat (rank 0) or the watcher (the others)."""
+        self._closed.set()
+        self._thread.join()
+
+    def _heartbeat(self, store: dist.Store) -> None:
+        """Rank 0's heartbeat thread (its own store connection): ends with the process,
+        or when the store is gone."""
+        with contextlib.suppress(dist.DistError):
+            while not self._closed.is_set():
+                store.add("heartbeat/0", 1)
+                self._closed.wait(HEARTBEAT_S)
+
+    def _watch_rank0(self, store: dist.Store) -> None:
+        """The watcher thread of a rank other than 0 (its own store connection): sets
+        ``rank0_lost`` and fails the queue when rank 0's heartbeat stood still for
+        ``RANK0_SILENCE_S`` (or the store, rank 0's own, is gone) before a verdict
+        (or :meth:`close`)."""
+        beats, since = None, time.monotonic()
+        try:
+            while not store.check(["verdict"]):
+                if (now := store.add("heartbeat/0", 0)) != beats:
+                    beats, since = now, time.monotonic()
+                elif time.monotonic() - since > RANK0_SILENCE_S:
+                    break
+                if self._closed.wait(min(HEARTBEAT_S, RANK0_SILENCE_S / 4)):
+                    return
+            else:
+                return
+            why = f"its heartbeat in the store stood still for {RANK0_SILENCE_S:g} s"
+        except dist.DistError as err:
+            why = f"the store is unreachable ({_reason(err)})"
+        self.rank0_lost = (f"rank 0 is gone ({why}: killed, or its node lost); this rank stops. Nothing partial "
+                           "was logged: run the same evaluate command again to resume the run")
+        with contextlib.suppress(dist.DistError):
+            WorkQueue(store, 0).fail(f"rank {self.rank}: {self.rank0_lost}")
 
     def publish_plan(self, plan: dict[str, Any]) -> None:
         """Rank 0: what the workers evaluate (JSON-serializable)."""
@@ -153,9 +224,10 @@ class TorchrunRanks:
         one (nothing to evaluate, or it failed first: see :meth:`verdict`).
 
         Raises:
+            Rank0LostError: rank 0's heartbeat stood still (see the class).
             TimeoutError: neither after ``STORE_TIMEOUT``.
         """
-        _wait_for(self.store, ["plan"], ["verdict"], timeout=STORE_TIMEOUT)
+        self._wait_for_rank0(["plan"], ["verdict"])
         return json.loads(self.store.get("plan")) if self.store.check(["plan"]) else None
 
     def end(self, failure: str | None = None) -> None:
@@ -180,19 +252,36 @@ class TorchrunRanks:
         rank 0 has concluded. On rank 0's node, 0 (its agent reports rank 0's failure and
         stops the others); on another node, rank 0's code (1 for an error), so that
         node's agent fails too instead of waiting for the others at its exit barrier
-        (``torchrun`` waits there up to 300 s). Raises TimeoutError after ``STORE_TIMEOUT``."""
-        _wait_for(self.store, ["verdict"], timeout=STORE_TIMEOUT)
+        (``torchrun`` waits there up to 300 s). Raises Rank0LostError when rank 0's heartbeat
+        stood still (see the class), TimeoutError after ``STORE_TIMEOUT``."""
+        self._wait_for_rank0(["verdict"])
         verdict = json.loads(self.store.get("verdict"))
         if verdict["node"] == self.node:
             return 0, None
         return (1 if verdict["error"] and not verdict["exit_code"] else verdict["exit_code"]), verdict["error"]
 
 
-def _wait_for(store: dist.Store, *any_of: list[str], timeout: timedelta) -> None:
+    def _wait_for_rank0(self, *any_of: list[str]) -> None:
+        """:func:`_wait_for` rank 0's keys; raises Rank0LostError once the watcher has
+        found rank 0 gone."""
+        def rank0_lost() -> None:
+            if self.rank0_lost is not None:
+                raise Rank0LostError(self.rank0_lost)
+
+        _wait_for(self.store, *any_of, timeout=STORE_TIMEOUT, check=rank0_lost)
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of a store error (torch appends a C++ backtrace)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _wait_for(store: dist.Store, *any_of: list[str], timeout: timedelta, check: Callable[[], None] = lambda: None) -> None:
     """Wait until every key of one of the lists ``any_of`` is set (polled every
-    ``POLL_S``). Raises TimeoutError."""
+    ``POLL_S``; ``check()`` runs before each poll and may raise). Raises TimeoutError."""
     deadline = time.monotonic() + timeout.total_seconds()
     while not any(store.check(keys) for keys in any_of):
+        check()
         if time.monotonic() > deadline:
             raise TimeoutError(f"the evaluation's ranks did not set {any_of} within {timeout}")
         time.sleep(POLL_S)
@@ -211,6 +300,8 @@ def joined_ranks() -> Iterator[TorchrunRanks]:
         if ranks.rank == 0:
             ranks.conclude(1, str(err) or type(err).__name__)
         raise
+    finally:
+        ranks.close()
 
 
 def die_with_launcher() -> None:

@@ -1,0 +1,93 @@
+"""The torchrun ranks' coordination through their store (evaluate/workers.py), in this
+process: the store is hosted here, as torchrun's agent on another node hosts it, and rank
+0 is simulated by writing its keys."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from mlperf_grpo.evaluate import workers
+from mlperf_grpo.evaluate.workers import Rank0LostError, TorchrunRanks
+
+SILENCE_S = 1.0
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A TCPStore hosted here (the agent's), the environment of rank 1 of 2 on node 1,
+    and a short silence limit; yields the store under the ranks' prefix."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "1", "LOCAL_RANK": "0", "GROUP_RANK": "1",
+                        "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(workers, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(workers, "RANK0_SILENCE_S", SILENCE_S)
+    yield dist.PrefixStore("mlperf_eval/", store)
+
+
+def beat_for(store, seconds):
+    """Rank 0's heartbeat for ``seconds`` (a thread), then silence, as when it is SIGKILLed."""
+    def beat():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            store.add("heartbeat/0", 1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rank_stops_waiting_once_rank_0s_heartbeat_stands_still(agent_store):
+    """Rank 0 heartbeats for twice the silence limit (the rank keeps waiting: no false
+    alarm), then stops, as if killed: the rank's wait for the plan ends one silence limit
+    later with one line saying so and how to resume, and the queue is failed (no worker
+    claims more; a rank 0 only slow would raise that line)."""
+    beating = beat_for(agent_store, 2 * SILENCE_S)
+    ranks = TorchrunRanks()
+    start = time.monotonic()
+    with pytest.raises(Rank0LostError) as caught:
+        ranks.wait_plan()
+    waited_s = time.monotonic() - start
+    beating.join()
+    assert 3 * SILENCE_S - 0.5 < waited_s < 3 * SILENCE_S + 5.0, waited_s
+    assert str(caught.value) == (
+        f"rank 0 is gone (its heartbeat in the store stood still for {SILENCE_S:g} s: killed, or its node lost); this "
+        "rank stops. Nothing partial was logged: run the same evaluate command again to resume the run")
+    assert agent_store.get("failed").decode() == f"rank 1: {caught.value}"
+    assert agent_store.check(["stop"])
+    ranks.close()
+
+
+def test_a_rank_takes_rank_0s_verdict_after_its_heartbeat_stopped(agent_store):
+    """Rank 0 concluded (its verdict set), then exited (no heartbeat): no alarm, the
+    rank takes the verdict."""
+    beat_for(agent_store, 0.2).join()
+    agent_store.set("verdict", json.dumps({"exit_code": 0, "error": None, "node": 0}))
+    ranks = TorchrunRanks()
+    time.sleep(2 * SILENCE_S)
+    assert ranks.verdict() == (0, None)
+    assert ranks.rank0_lost is None and not agent_store.check(["failed"])
+    ranks.close()
+
+
+def test_rank_0_heartbeats_from_its_own_thread(agent_store, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    ranks = TorchrunRanks()
+    time.sleep(0.5)  # its main thread does nothing: the thread beats (every 0.05 s here)
+    first = agent_store.add("heartbeat/0", 0)
+    time.sleep(0.5)
+    assert first >= 2 and agent_store.add("heartbeat/0", 0) > first
+    ranks.close()
+    stopped = agent_store.add("heartbeat/0", 0)
+    time.sleep(0.2)
+    assert agent_store.add("heartbeat/0", 0) == stopped
