@@ -138,3 +138,45 @@ def test_vllm_engine_checks_the_weights_it_would_load(damaged):
     with pytest.raises(ModelLoadError) as err:
         VLLMEngine(str(model), "float32", "cpu", InferenceConfig(engine="vllm"), seed=1)
     _one_line(err, model, message)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded-index"])
+def test_load_model_reads_each_weight_file_once_and_equals_from_pretrained(tmp_path, monkeypatch, sharded):
+    """Each weight file is opened (its header read) once, where the check and
+    ``from_pretrained`` used to read it twice; the model is ``from_pretrained``'s
+    exactly (weights, buffers, tied embedding, config, generation config, logits)."""
+    import transformers.modeling_utils
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from mlperf_grpo import model as model_module
+
+    directory = BUILTIN_MODEL_DIR
+    if sharded:
+        directory = tmp_path / "sharded"
+        AutoModelForCausalLM.from_pretrained(BUILTIN_MODEL_DIR).save_pretrained(directory, max_shard_size="40KB")
+        shutil.copy(BUILTIN_MODEL_DIR / "generation_config.json", directory)
+        assert len(list(directory.glob("*.safetensors"))) > 1 and (directory / "model.safetensors.index.json").is_file()
+    opened = []
+
+    def counting_safe_open(path, *args, **kwargs):
+        opened.append(os.path.basename(path))
+        return safe_open(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "safe_open", counting_safe_open)
+        patch.setattr(transformers.modeling_utils, "safe_open", counting_safe_open)
+        loaded = load_model(str(directory), "bfloat16")
+    assert sorted(opened) == sorted(p.name for p in directory.glob("*.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, local_files_only=True).eval()
+    ours, theirs = dict(loaded.state_dict(keep_vars=True)), dict(reference.state_dict(keep_vars=True))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    assert {k: torch.equal(b, dict(reference.named_buffers())[k]) for k, b in loaded.named_buffers()} == {
+        k: True for k, _ in reference.named_buffers()}
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tied, as from_pretrained ties them
+    assert loaded.config.to_dict() == reference.config.to_dict()
+    assert loaded.generation_config.to_dict() == reference.generation_config.to_dict()
+    assert not loaded.training
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.equal(loaded(prompt).logits, reference(prompt).logits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
@@ -92,32 +94,44 @@ def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
         ModelLoadError: no ``model.safetensors`` (or sharded index), a shard missing, or a
             header that does not parse.
     """
+    with contextlib.ExitStack() as files:
+        return {name: tuple(t.get_shape()) for name, t in open_weights(directory, files).items()}
+
+
+def open_weights(directory: Path, files: contextlib.ExitStack) -> dict:
+    """Tensor name -> a lazy safetensors slice (``get_shape()``; ``[...]`` reads it) of
+    every tensor of the weight files, each file opened once (its header read once) and
+    kept open until ``files`` closes.
+
+    Raises:
+        ModelLoadError: as :func:`weight_shapes`.
+    """
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise ModelLoadError(f"{index} is not a readable safetensors index (no weight_map)") from None
     elif (directory / SAFETENSORS_FILE).is_file():
-        files = [SAFETENSORS_FILE]
+        names = [SAFETENSORS_FILE]
     else:
         raise ModelLoadError(
             f"model directory {directory} has no weights ({SAFETENSORS_FILE} or {SAFETENSORS_INDEX}); "
             "copy the model's safetensors files there"
         )
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name in files:
+    tensors = {}
+    for name in names:
         path = directory / name
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
+            f = files.enter_context(safe_open(str(path), framework="pt"))
+            for key in f.keys():
+                tensors[key] = f.get_slice(key)
         except (OSError, SafetensorError, ValueError) as err:
             raise ModelLoadError(
                 f"cannot read the safetensors header of {path}: {_reason(err)}; the file is truncated or not "
                 "safetensors: copy the model's weight files there again"
             ) from None
-    return shapes
+    return tensors
 
 
 def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -126,10 +140,20 @@ def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
     Raises:
         ModelLoadError: ``config.json`` does not load or names an unknown architecture.
     """
+    config = _config(directory)
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except HF_LOAD_ERRORS as err:
+        raise ModelLoadError(
+            f"cannot build the model of {directory / 'config.json'}: {_reason(err)}; copy the model's config.json there again"
+        ) from None
+
+
+def _config(directory: Path):
+    """``directory/config.json`` as a ``transformers`` config. Raises ModelLoadError."""
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
     except HF_LOAD_ERRORS as err:
         raise ModelLoadError(
             f"cannot build the model of {directory / 'config.json'}: {_reason(err)}; copy the model's config.json there again"
@@ -174,7 +198,11 @@ def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set
     Raises:
         ModelLoadError: one line naming the file or tensor that is wrong and what to do.
     """
-    have = weight_shapes(directory)
+    return _check_shapes(directory, weight_shapes(directory))
+
+
+def _check_shapes(directory: Path, have: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
+    """:func:`check_weights` on the tensor shapes ``have`` of the weight files."""
     want, groups, embedding_name, rows = _expected_shapes(directory)
     for group in groups:
         present = sorted(n for n in group if n in have)
@@ -245,8 +273,10 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16") on ``device``
-    ("cpu" or "cuda"), in eval mode. The weight files are checked against ``config.json``
-    first (:func:`check_weights`: headers only).
+    ("cpu" or "cuda"), in eval mode, as ``AutoModelForCausalLM.from_pretrained`` loads
+    it. Each weight file is opened once (:func:`open_weights`): its header is checked
+    against ``config.json`` (as :func:`check_weights`), then ``from_pretrained`` reads
+    the tensors through the same open files (``state_dict=``), so no header is read twice.
 
     Raises:
         ModelLoadError: not found or not loadable (nothing is downloaded): a weight file
@@ -256,12 +286,19 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """
     check_device(device)
     directory = check_model_path(path)
-    check_weights(directory)  # names the file or tensor that is wrong; from_pretrained would not
     hf_logging.disable_progress_bar()  # our own bars show progress; keep stderr readable
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
-    except HF_LOAD_ERRORS as err:
-        raise ModelLoadError(f"cannot load model from {directory}: {_reason(err)}") from None
+    with contextlib.ExitStack() as files:
+        tensors = open_weights(directory, files)
+        # names the file or tensor that is wrong; from_pretrained would not
+        _check_shapes(directory, {name: tuple(t.get_shape()) for name, t in tensors.items()})
+        try:
+            config = _config(directory)
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # as AutoModelForCausalLM picks it
+            model = model_class.from_pretrained(None, config=config, state_dict=tensors,
+                                                generation_config=_generation_config(directory), dtype=DTYPES[dtype])
+        except HF_LOAD_ERRORS as err:
+            raise ModelLoadError(f"cannot load model from {directory}: {_reason(err)}") from None
+    model.name_or_path = model.config.name_or_path = str(directory)  # as from_pretrained(directory) records it
     return model.to(device).eval()
 
 
@@ -301,12 +338,19 @@ def model_skeleton(path: str, dtype: str) -> PreTrainedModel:
     """
     directory = check_model_path(path)
     model = _skeleton(directory, DTYPES[dtype])
-    if model.can_generate():  # as GenerationMixin.adjust_generation_fn does in from_pretrained
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
-        except OSError:  # no generation_config.json: the one from_config built from config.json stays
-            pass
+    generation_config = _generation_config(directory)
+    if model.can_generate() and generation_config is not None:  # as adjust_generation_fn does in from_pretrained
+        model.generation_config = generation_config
     return model
+
+
+def _generation_config(directory: Path) -> GenerationConfig | None:
+    """``directory/generation_config.json``, or ``None`` without one (the model keeps the
+    generation config built from ``config.json``)."""
+    try:
+        return GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:
+        return None
 
 
 def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
