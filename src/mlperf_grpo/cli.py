@@ -203,7 +203,8 @@ def _evaluate_as_torchrun_rank(args: argparse.Namespace) -> int:
     order, tears down, writes the summary), publishing the plan to the others through
     torchrun's store, and its exit code at the end; the others check nothing themselves,
     evaluate what rank 0 planned, print nothing and exit 0 (also when rank 0 found
-    nothing to evaluate; on another node than rank 0's, with rank 0's failure)."""
+    nothing to evaluate; on another node than rank 0's, with rank 0's failure), or exit 1
+    with one line when rank 0 is gone (its heartbeat stood still: ``workers.TorchrunRanks``)."""
     from mlperf_grpo.evaluate.offline import join_evaluation
     from mlperf_grpo.evaluate.workers import joined_ranks
 

@@ -260,7 +260,6 @@ class TorchrunRanks:
             return 0, None
         return (1 if verdict["error"] and not verdict["exit_code"] else verdict["exit_code"]), verdict["error"]
 
-
     def _wait_for_rank0(self, *any_of: list[str]) -> None:
         """:func:`_wait_for` rank 0's keys; raises Rank0LostError once the watcher has
         found rank 0 gone."""
@@ -327,6 +326,7 @@ def die_with_launcher() -> None:
 
 
 def _kill_self_when_ready(fd: int) -> None:
+    """SIGKILL this process once ``fd`` (a pipe's read end) is readable: EOF, its writer gone."""
     select.select([fd], [], [])
     os.kill(os.getpid(), signal.SIGKILL)
 
