@@ -91,3 +91,24 @@ def test_rank_0_heartbeats_from_its_own_thread(agent_store, monkeypatch):
     stopped = agent_store.add("heartbeat/0", 0)
     time.sleep(0.2)
     assert agent_store.add("heartbeat/0", 0) == stopped
+
+
+def test_a_rank_whose_store_is_gone_stops_with_one_line(monkeypatch):
+    """Without an agent's store rank 0 serves it: rank 0 killed, the store is gone, and
+    the rank's wait ends at once with one line (not a store error)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank0_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "False"}.items():
+        monkeypatch.setenv(name, value)
+    ranks = TorchrunRanks()
+    del rank0_store  # its server stops with it, as with a killed rank 0
+    start = time.monotonic()
+    with pytest.raises(Rank0LostError, match=r"^rank 0 is gone \(the store is unreachable \(.*\): killed, or its node "
+                                             r"lost\); this rank stops\. Nothing partial was logged") as caught:
+        ranks.wait_plan()
+    assert "\n" not in str(caught.value) and time.monotonic() - start < 10.0
+    ranks.close()

@@ -210,8 +210,7 @@ class TorchrunRanks:
             why = f"its heartbeat in the store stood still for {RANK0_SILENCE_S:g} s"
         except dist.DistError as err:
             why = f"the store is unreachable ({_reason(err)})"
-        self.rank0_lost = (f"rank 0 is gone ({why}: killed, or its node lost); this rank stops. Nothing partial "
-                           "was logged: run the same evaluate command again to resume the run")
+        self.rank0_lost = _rank0_lost(why)
         with contextlib.suppress(dist.DistError):
             WorkQueue(store, 0).fail(f"rank {self.rank}: {self.rank0_lost}")
 
@@ -262,12 +261,20 @@ class TorchrunRanks:
 
     def _wait_for_rank0(self, *any_of: list[str]) -> None:
         """:func:`_wait_for` rank 0's keys; raises Rank0LostError once the watcher has
-        found rank 0 gone."""
+        found rank 0 gone, or the store (rank 0's own, without an agent's) is gone."""
         def rank0_lost() -> None:
             if self.rank0_lost is not None:
                 raise Rank0LostError(self.rank0_lost)
 
-        _wait_for(self.store, *any_of, timeout=STORE_TIMEOUT, check=rank0_lost)
+        try:
+            _wait_for(self.store, *any_of, timeout=STORE_TIMEOUT, check=rank0_lost)
+        except dist.DistError as err:
+            raise Rank0LostError(_rank0_lost(f"the store is unreachable ({_reason(err)})")) from None
+
+
+def _rank0_lost(why: str) -> str:
+    return (f"rank 0 is gone ({why}: killed, or its node lost); this rank stops. Nothing partial was logged: run "
+            "the same evaluate command again to resume the run")
 
 
 def _reason(err: BaseException) -> str:
