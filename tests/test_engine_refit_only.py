@@ -80,7 +80,7 @@ def test_the_ranks_module_imports_without_touching_cuda():
         "    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))\n"
         "if hasattr(torch._C, '_cuda_getDeviceCount'):  # a CUDA build\n"
         "    torch._C._cuda_getDeviceCount = spy('_cuda_getDeviceCount', torch._C._cuda_getDeviceCount)\n"
-        "import mlperf_grpo.evaluate.offline\n"
+        "import mlperf_grpo.evaluate.worker\n"
         "assert torch.cuda.is_available.__name__ == '<lambda>'  # the spies were in place\n"
         "print(calls)\n"
     )

@@ -30,8 +30,9 @@ from mlperf_grpo.model import BUILTIN_MODEL_DIR
 from mlperf_grpo.check import check_log
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
-from mlperf_grpo.evaluate import offline
-from mlperf_grpo.evaluate.offline import RefitError, evaluate_run, verify_refit
+from mlperf_grpo.evaluate import series
+from mlperf_grpo.evaluate.offline import evaluate_run
+from mlperf_grpo.evaluate.series import RefitError, verify_refit
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
@@ -520,7 +521,7 @@ def test_series_cut_by_a_hard_kill_within_the_in_flight_bound_is_accepted_with_a
         shutil.rmtree(run / "checkpoints" / f"step_{step}")
     config = load_config(run / "config.yaml")
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    notes, problem = offline.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
+    notes, problem = series.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
     assert problem is None
     assert notes == ["note: training was killed before recording its end; the checkpoint(s) of steps 29..30 "
                      "were in flight and never published; the final checkpoint is step_28"]

@@ -19,7 +19,7 @@ import xxhash
 
 from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
 from mlperf_grpo.config import load_config
-from mlperf_grpo.evaluate.offline import check_series
+from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
 from mlperf_grpo.train.stop import GracefulStop, Terminated

@@ -184,8 +184,8 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     non-weight files of the checkpoints no earlier round found sound, and no others (nor
     ``model.path``'s again); a checkpoint whose file changed after it was published is
     still refused when it is first checked, and checked again until it is sound."""
-    from mlperf_grpo.evaluate import follow, offline
-    from mlperf_grpo.evaluate.offline import EvaluationError
+    from mlperf_grpo.evaluate import follow, series
+    from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.inference.base import build_engine
     from mlperf_grpo.model import check_model_path
     from mlperf_grpo.rundir import RunDir
@@ -199,9 +199,9 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     run.eval_dir.mkdir()
     config, mllog_file = run.load()
     read = []
-    real_files, real_tensors = offline.check_model_files, offline.check_same_tensors
-    monkeypatch.setattr(offline, "check_model_files", lambda recorded, directory, what: (read.append(directory), real_files(recorded, directory, what))[1])
-    monkeypatch.setattr(offline, "check_same_tensors", lambda checkpoints: (read.append(checkpoints[-1].path), real_tensors(checkpoints))[1])
+    real_files, real_tensors = series.check_model_files, series.check_same_tensors
+    monkeypatch.setattr(series, "check_model_files", lambda recorded, directory, what: (read.append(directory), real_files(recorded, directory, what))[1])
+    monkeypatch.setattr(series, "check_same_tensors", lambda checkpoints: (read.append(checkpoints[-1].path), real_tensors(checkpoints))[1])
     source = follow.LiveSeries(run.checkpoints)
     engine = build_engine(config, batch_size=config.validation.batch_size)
 

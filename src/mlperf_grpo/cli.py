@@ -157,7 +157,7 @@ def _evaluate(args: argparse.Namespace, torchrun_world: int, ranks=None) -> int:
     if args.run_dir is not None and (args.workers or 1) > 1 and not torchrun_world:
         from mlperf_grpo.evaluate.prestart import prestart_rank_server
 
-        prestart_rank_server("mlperf_grpo.evaluate.offline")  # the ranks' imports run while ours do
+        prestart_rank_server("mlperf_grpo.evaluate.worker")  # the ranks' imports run while ours do
     from mlperf_grpo.evaluate.offline import evaluate_run
 
     if not _deferred():
@@ -205,7 +205,7 @@ def _evaluate_as_torchrun_rank(args: argparse.Namespace) -> int:
     evaluate what rank 0 planned, print nothing and exit 0 (also when rank 0 found
     nothing to evaluate; on another node than rank 0's, with rank 0's failure), or exit 1
     with one line when rank 0 is gone (its heartbeat stood still: ``workers.TorchrunRanks``)."""
-    from mlperf_grpo.evaluate.offline import join_evaluation
+    from mlperf_grpo.evaluate.worker import join_evaluation
     from mlperf_grpo.evaluate.workers import joined_ranks
 
     with joined_ranks() as ranks:
@@ -504,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from mlperf_grpo.checkpoint import CheckpointError
     from mlperf_grpo.config import ConfigError
-    from mlperf_grpo.evaluate.offline import EvaluationError
+    from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.mllog import LogWriteError
     from mlperf_grpo.model import ModelLoadError
     from mlperf_grpo.rundir import RunDirError

@@ -33,19 +33,10 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.offline import (
-    EvalOutcome,
-    MergeLogs,
-    RunSeries,
-    SeriesProblem,
-    StepOrderCommitter,
-    check_series,
-    evaluate_claimed,
-    evaluate_run,
-    evaluate_series,
-    plan_evaluation,
-    retain_requested,
-)
+from mlperf_grpo.evaluate.commit import StepOrderCommitter, plan_evaluation
+from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series, retain_requested
+from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
+from mlperf_grpo.evaluate.worker import evaluate_claimed
 from mlperf_grpo.evaluate.workers import local_queue
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
@@ -145,7 +136,7 @@ def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine
 class LiveSeries(RunSeries):
     """Our trainer's series while it is still written: ``tmp_step_N/`` are the writes in
     flight (not reported), and the end of the series is not checked (training has not
-    ended; :func:`~mlperf_grpo.evaluate.offline.check_series` reports that fault, and its
+    ended; :func:`~mlperf_grpo.evaluate.series.check_series` reports that fault, and its
     notes, at index ``len(checkpoints)``); every other check is the offline one, and a
     checkpoint's files (and ``model.path``'s) are read by the first round that checks it
     only (``files_checked``: a published ``step_N/`` appears by an atomic rename and

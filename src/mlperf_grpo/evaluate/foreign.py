@@ -19,15 +19,8 @@ from mlperf_grpo.checkpoint import CheckpointCorruptError, CheckpointError, publ
 from mlperf_grpo.checkpoint import foreign
 from mlperf_grpo.checkpoint.foreign import ForeignCheckpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.offline import (
-    EvalOutcome,
-    EvaluationError,
-    RefitError,
-    RunSeries,
-    SeriesProblem,
-    evaluate_series,
-    last_trained_step,
-)
+from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trained_step
+from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
@@ -68,7 +61,7 @@ class ForeignSeries:
         return found, ignored, None if unreadable is None else SeriesProblem(len(found), unreadable[1])
 
     def check(self, checkpoints: list[ForeignCheckpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
-        """As :func:`offline.check_series`, with what these layouts record.
+        """As :func:`series.check_series`, with what these layouts record.
 
         Raises:
             EvaluationError: no checkpoints; the first not at the first eval step; no

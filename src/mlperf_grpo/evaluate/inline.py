@@ -21,15 +21,9 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.offline import (
-    EvalOutcome,
-    EvaluationError,
-    log_eval,
-    log_run_stop,
-    read_outcome,
-    write_results,
-    write_summary,
-)
+from mlperf_grpo.evaluate.commit import log_eval, log_run_stop, write_results
+from mlperf_grpo.evaluate.offline import EvalOutcome, read_outcome, write_summary
+from mlperf_grpo.evaluate.series import EvaluationError
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams, build_engine
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log

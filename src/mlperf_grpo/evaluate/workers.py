@@ -26,7 +26,7 @@ Under ``torchrun`` rank 0 coordinates through four more keys::
                  waiting for rank 0 until ``STORE_TIMEOUT``
 
 Each worker claims the next unevaluated checkpoint; rank 0 also commits the results to
-the log strictly in step order (see ``offline.py``). Nothing here knows about the log.
+the log strictly in step order (see ``commit.py``). Nothing here knows about the log.
 """
 
 from __future__ import annotations
