@@ -304,3 +304,45 @@ def test_prefetcher_allocates_every_buffer_set_around_the_first_read(tmp_path, m
         assert len(allocations) == 4
     finally:
         prefetcher.close()
+
+
+@pytest.mark.parametrize("recorded_bytes", [10**15, -5, "4096"])
+def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path, monkeypatch, recorded_bytes):
+    """A ``training_info.json`` whose shard size is absurd (a petabyte, negative, not a
+    number) is reported as corrupt by the read, as without the reservation: the
+    reservation allocates nothing for it (it used to try the recorded size: a
+    ``DefaultCPUAllocator`` error and exit 1, or on a GPU host a page-locked fill of that
+    many bytes)."""
+    from mlperf_grpo.checkpoint import reader
+    from mlperf_grpo.checkpoint.reader import read_verified
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    for step in (18, 19):
+        write_checkpoint(tmp_path, {"w": torch.arange(4096, dtype=torch.float32) * step}, _info(step), BUILTIN_MODEL_DIR)
+    info_path = tmp_path / "step_18" / "training_info.json"
+    info = json.loads(info_path.read_text())
+    [shard] = info["weights"]["shards"].values()
+    true_bytes, shard["bytes"] = shard["bytes"], recorded_bytes
+    info_path.write_text(json.dumps(info))
+    found = discover_checkpoints(tmp_path)[0]
+    allocations = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        allocations.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(reader.torch, "empty", counting_empty)
+    prefetcher = CheckpointPrefetcher(read_verified, pin=False)
+    try:
+        prefetcher.submit(0, found[0])
+        item = prefetcher.take()
+        assert isinstance(item.error, CheckpointCorruptError)
+        assert f"{true_bytes} bytes, training_info.json recorded {recorded_bytes!r}" in str(item.error)
+        prefetcher.release(item)
+        prefetcher.submit(1, found[1])  # the next checkpoint reads normally
+        item = prefetcher.take()
+        assert item.error is None and torch.equal(item.weights["w"], torch.arange(4096, dtype=torch.float32) * 19)
+        assert allocations == [true_bytes]  # only the read of step_19 allocated, at its true size
+    finally:
+        prefetcher.close()

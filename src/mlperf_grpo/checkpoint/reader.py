@@ -278,10 +278,16 @@ class ReadBuffers:
         """Allocate (and pin) now the buffers a read of ``checkpoint`` needs, at the
         shard sizes ``training_info.json`` records, so the read allocates nothing.
         Pinning is slow (on an H200 host, 2.8 GB took 2.8 s) and stalls the device
-        work of other threads meanwhile: done ahead, it stays out of a refit."""
+        work of other threads meanwhile: done ahead, it stays out of a refit. A shard whose
+        file is missing or differs in size from the record gets nothing here (an absurd
+        recorded size allocates nothing): the read reports it as :func:`read_verified` does."""
         for name, shard in checkpoint.info.weights["shards"].items():
-            if isinstance(shard.get("bytes"), int) and shard["bytes"] >= 0:
-                self.get(name, shard["bytes"])
+            try:
+                size = (checkpoint.path / name).stat().st_size
+            except OSError:
+                continue
+            if size == shard.get("bytes"):
+                self.get(name, size)
 
 
 def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
@@ -305,7 +311,7 @@ def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, tor
             except FileNotFoundError:
                 raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
             if size != expected.get("bytes"):
-                raise CheckpointCorruptError(f"{where}: {size} bytes, {INFO_FILE} recorded {expected.get('bytes')}; the checkpoint is corrupt")
+                raise CheckpointCorruptError(f"{where}: {size} bytes, {INFO_FILE} recorded {expected.get('bytes')!r}; the checkpoint is corrupt")
             data = buffers.get(path.name, size)
             if _read_hashed(path, data, hashing) != expected.get("hash"):
                 raise CheckpointCorruptError(f"{where}: {HASH_ALGORITHM} differs from {INFO_FILE}; the checkpoint is corrupt")
