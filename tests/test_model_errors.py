@@ -180,3 +180,51 @@ def test_load_model_reads_each_weight_file_once_and_equals_from_pretrained(tmp_p
     assert not loaded.training
     prompt = torch.tensor([[1, 2, 3, 4, 5]])
     assert torch.equal(loaded(prompt).logits, reference(prompt).logits)
+
+
+def _saved_model(tmp_path, model_type: str, **sizes):
+    """A tiny random model of ``model_type`` written by transformers' ``save_pretrained``
+    (its saved tensor names), with the built-in model's character tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=15, num_hidden_layers=2, num_attention_heads=4,
+                                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, **sizes)
+    torch.manual_seed(0)
+    directory = tmp_path / model_type
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
+    return directory
+
+
+@pytest.mark.parametrize("model_type, sizes, saved_name, dropped", [
+    ("gpt_neox", {"hidden_size": 64, "intermediate_size": 128, "tie_word_embeddings": False}, "embed_out.weight",
+     "embed_out.weight"),
+    ("qwen3_moe", {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+                   "num_experts_per_tok": 2, "num_key_value_heads": 2, "head_dim": 16},
+     "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.gate.weight"),
+])
+def test_a_model_saved_under_transformers_names_loads(tmp_path, model_type, sizes, saved_name, dropped):
+    """transformers 5 saves some tensors under other names than the model's parameters
+    (GPT-NeoX's output head as ``embed_out``; Qwen3-MoE's experts one tensor each, merged
+    at load): the model check takes them as ``from_pretrained`` does (it used to refuse
+    both, "the weights and config.json are of different models"), and still refuses a
+    directory with a tensor missing."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from mlperf_grpo.model import check_model
+
+    directory = _saved_model(tmp_path, model_type, **sizes)
+    with safe_open(str(directory / WEIGHTS), "pt") as f:
+        assert saved_name in f.keys()
+    check_model(str(directory), "12+34=")
+    model = load_model(str(directory), "float32")
+    reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(t, reference.state_dict()[n]) for n, t in model.state_dict().items())
+    weights = load_file(directory / WEIGHTS)
+    del weights[dropped]
+    save_file(weights, directory / WEIGHTS)
+    with pytest.raises(ModelLoadError, match="the weight files have no tensor"):
+        check_model(str(directory), "12+34=")

@@ -160,17 +160,14 @@ def _config(directory: Path):
         ) from None
 
 
-def _expected_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
-    """What the config's architecture needs, built on the meta device (no memory).
+def _expected_shapes(model: PreTrainedModel) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
+    """What the config's architecture needs, from its :func:`_skeleton` (no memory).
 
     Returns:
         ``(shapes, tied_groups, embedding_name, embedding_rows)``: parameter name ->
         shape; sets of names that share one tensor (tied embeddings); the input
         embedding's parameter name and its number of rows (token ids must be below it).
-    Raises:
-        ModelLoadError: ``config.json`` does not load or names an unknown architecture.
     """
-    model = _skeleton(directory, torch.float32)
     embedding_module = model.get_input_embeddings()
     embedding = embedding_module.weight
     embedding_name = next(n for n, m in model.named_modules() if m is embedding_module) + ".weight"
@@ -187,10 +184,36 @@ def tied_groups(model: torch.nn.Module) -> list[set[str]]:
     return list(groups.values())
 
 
+def _as_loaded(model: PreTrainedModel, have: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...] | None]:
+    """The parameter names ``from_pretrained`` loads the weight files' tensors into: in
+    transformers 5 a model's checkpoint conversion mapping renames some saved names
+    (GPT-NeoX's ``embed_out`` is its ``lm_head``) and merges others (Qwen3-MoE's
+    per-expert ``experts.N.gate_proj`` into one ``experts.gate_up_proj``), and
+    ``save_pretrained`` writes the saved form. Name -> shape for a renamed or unchanged
+    tensor, ``None`` for one merged from several (its shape is the merge's). Without that
+    mapping (transformers 4) the names are the files'."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        mapping = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):
+        return dict(have)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    if not renamings and not converters:
+        return dict(have)
+    loaded: dict[str, tuple[int, ...] | None] = {}
+    for key, shape in have.items():
+        name, merged_by = rename_source_key(key, renamings, converters)
+        loaded[name] = None if merged_by is not None else shape
+    return loaded
+
+
 def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
     """Check that the weight files of a model directory hold every parameter its
     ``config.json`` needs, each with its shape (a tied name may stand for its group),
-    reading only ``config.json`` and the safetensors headers.
+    reading only ``config.json`` and the safetensors headers. A saved name counts as the
+    parameter ``from_pretrained`` loads it into (:func:`_as_loaded`).
 
     Returns:
         ``(shapes_in_files, tied_groups, embedding_name, embedding_rows)``: tensor name ->
@@ -203,18 +226,20 @@ def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set
 
 def _check_shapes(directory: Path, have: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
     """:func:`check_weights` on the tensor shapes ``have`` of the weight files."""
-    want, groups, embedding_name, rows = _expected_shapes(directory)
+    skeleton = _skeleton(directory, torch.float32)
+    want, groups, embedding_name, rows = _expected_shapes(skeleton)
+    loaded = _as_loaded(skeleton, have)
     for group in groups:
-        present = sorted(n for n in group if n in have)
+        present = sorted(n for n in group if n in loaded)
         if not present:
             raise ModelLoadError(
                 f"model {directory}: the weight files have no tensor {sorted(group)[0]!r} that "
                 f"{directory / 'config.json'} needs; the weights and config.json are of different models"
             )
         for name in present:
-            if have[name] != want[name]:
+            if loaded[name] is not None and loaded[name] != want[name]:
                 raise ModelLoadError(
-                    f"model {directory}: tensor {name!r} has shape {list(have[name])} in the weight files but "
+                    f"model {directory}: tensor {name!r} has shape {list(loaded[name])} in the weight files but "
                     f"config.json needs {list(want[name])}; the weights and config.json (vocab_size, sizes) do not match"
                 )
     return have, groups, embedding_name, rows
