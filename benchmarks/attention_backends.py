@@ -60,8 +60,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="prompts per generation (one engine batch)")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    if not (args.params > 0 and args.rows >= 1 and args.new_tokens >= 1):
+        parser.exit(2, f"{parser.prog}: error: --params must be > 0, --rows and --new-tokens >= 1 (got {args.params:g}, "
+                       f"{args.rows}, {args.new_tokens})\n")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/attention_backends.py: --device cuda but no CUDA device is available")
+        parser.exit(2, f"{parser.prog}: error: --device cuda but no CUDA device is available\n")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with torch.device(args.device):

@@ -240,6 +240,15 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
     args = parser.parse_args()
+    at_least_one = {"--checkpoints": args.checkpoints, "--workers": args.workers, "--tasks": args.tasks,
+                    "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens}
+    bad = [f"{flag} {value}" for flag, value in at_least_one.items() if value is not None and value < 1]
+    bad += [f"{flag} {value:g}" for flag, value in (("--params", args.params), ("--eval-timeout-s", args.eval_timeout_s))
+            if not value > 0]
+    if bad:
+        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --params and --eval-timeout-s > 0\n")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: error: --device cuda but no CUDA device is available\n")
     cuda = args.device == "cuda"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.tasks = args.tasks or (251 if cuda else 8)

@@ -1,0 +1,28 @@
+"""Benchmarks given bad arguments: one line on stderr naming them, exit 2, no traceback
+(benchmarks/attention_backends.py used to raise from inside generation on ``--rows 0``;
+benchmarks/evaluate.py from the config parser on ``--checkpoints 0``, and from torch's
+lazy CUDA init on ``--device cuda`` without CUDA)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.parametrize("script, arguments, named", [
+    ("attention_backends.py", ["--rows", "0"], "--rows"),
+    ("attention_backends.py", ["--params", "-5"], "--params"),
+    ("evaluate.py", ["--checkpoints", "0", "--tasks", "-3"], "--checkpoints 0, --tasks -3"),
+    pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_bad_benchmark_arguments_are_one_line_exit_2(tmp_path, script, arguments, named):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--device", "cpu", *arguments],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and named in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing made
