@@ -55,4 +55,4 @@ def _register(array: np.ndarray) -> None:
     error = cudart.cudaHostRegister(address, size, 0)  # 0: cudaHostRegisterDefault
     if int(error) != _CUDA_SUCCESS:
         raise RuntimeError(f"cudaHostRegister of {size} bytes of host memory failed: {cudart.cudaGetErrorString(error)}")
-    weakref.finalize(array, cudart.cudaHostUnregister, address).atexit = False  # at exit the process's end frees it
+    weakref.finalize(array, cudart.cudaHostUnregister, address)
