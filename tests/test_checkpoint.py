@@ -346,3 +346,32 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
         assert allocations == [true_bytes]  # only the read of step_19 allocated, at its true size
     finally:
         prefetcher.close()
+
+
+def test_prefetcher_close_waits_for_a_buffer_allocation_in_progress(tmp_path, monkeypatch):
+    """close() returns only once the thread's page-locking (the other buffer sets, after
+    the first read) is over: no thread may be inside torch when the process exits."""
+    from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    write_checkpoint(tmp_path, {"w": torch.arange(64, dtype=torch.float32)}, _info(18), BUILTIN_MODEL_DIR)
+    checkpoint = discover_checkpoints(tmp_path)[0][0]
+    reserves, started, finished = [], threading.Event(), []
+    real_reserve = ReadBuffers.reserve
+
+    def slow_reserve(self, c):
+        reserves.append(self)
+        if len(reserves) == 2:  # the second set, reserved after the first read
+            started.set()
+            time.sleep(1.0)
+            finished.append(time.monotonic())
+        real_reserve(self, c)
+
+    monkeypatch.setattr(ReadBuffers, "reserve", slow_reserve)
+    prefetcher = CheckpointPrefetcher(read_verified, pin=False)
+    prefetcher.submit(0, checkpoint)
+    assert prefetcher.take().error is None
+    assert started.wait(10)
+    prefetcher.close()
+    closed = time.monotonic()
+    assert finished and finished[0] <= closed

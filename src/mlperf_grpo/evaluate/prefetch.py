@@ -62,6 +62,7 @@ class CheckpointPrefetcher:
         # caller's device, or a rank on device k would create a context on device 0
         # (pytorch/pytorch#21081; DataLoader's pinning thread sets its device so too).
         self._device = torch.cuda.current_device() if pin else None
+        self._reserving = threading.Lock()  # held while the thread allocates (page-locks) buffers
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
 
@@ -80,9 +81,15 @@ class CheckpointPrefetcher:
 
     def close(self) -> None:
         """Let the thread end after the read in progress, without waiting for it (a read
-        of a checkpoint nobody will evaluate may take minutes at scale); idempotent."""
+        of a checkpoint nobody will evaluate may take minutes at scale), but wait for a
+        buffer allocation in progress (page-locking: under a second per GB), so that no
+        thread is inside torch, with the GIL released, when the process exits (a daemon
+        thread that then takes the GIL back aborts the process: "terminate called
+        without an active exception"); idempotent."""
         self._todo.put(None)
         self._free.put(None)
+        with self._reserving:
+            pass
 
     def _run(self) -> None:
         if self._device is not None:
@@ -94,7 +101,8 @@ class CheckpointPrefetcher:
             index, checkpoint = job
             try:
                 if self._unreserved:
-                    buffers.reserve(checkpoint)
+                    with self._reserving:
+                        buffers.reserve(checkpoint)
                 self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers), None, buffers))
             except Exception as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint)
                 self._done.put(Prefetched(index, checkpoint, None, err, buffers))
@@ -103,8 +111,9 @@ class CheckpointPrefetcher:
     def _reserve_the_others(self, checkpoint: Checkpoint) -> None:
         """After the first read: allocate the other sets at its sizes (once)."""
         others, self._unreserved = self._unreserved[1:], []
-        for buffers in others:
-            try:
-                buffers.reserve(checkpoint)
-            except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
-                return
+        with self._reserving:
+            for buffers in others:
+                try:
+                    buffers.reserve(checkpoint)
+                except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
+                    return
