@@ -6,7 +6,6 @@ the module docstring."""
 from __future__ import annotations
 
 import gc
-import time
 
 import pytest
 import torch
@@ -87,43 +86,3 @@ def test_checkpoint_buffers_use_it_when_pinned(cudart):
     assert sorted(cudart.registered.values()) == [3001, 5000 + ALIGNMENT_BYTES]
     unpinned = ReadBuffers(pin=False).get("x", 10)
     assert unpinned.numel() == 10 and len(cudart.registered) == 2
-
-
-def test_prefetch_thread_pins_from_the_device_of_the_thread_that_made_it(cudart, monkeypatch, tmp_path):
-    """The CUDA runtime's device is per thread and a new thread starts on device 0: the
-    prefetcher's thread takes the device of the thread that made the prefetcher before
-    it page-locks anything (a rank on device 1 used to register its read buffers from
-    device 0, creating a context there, as pytorch/pytorch#21081 did for pin_memory)."""
-    import threading
-
-    from mlperf_grpo.checkpoint import write_checkpoint
-    from mlperf_grpo.checkpoint.format import TrainingInfo
-    from mlperf_grpo.checkpoint.reader import discover_checkpoints, read_verified
-    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
-    from mlperf_grpo.model import BUILTIN_MODEL_DIR
-
-    device = threading.local()  # the runtime's per-thread current device
-    monkeypatch.setattr(host_memory.torch.cuda, "current_device", lambda: getattr(device, "index", 0))
-    monkeypatch.setattr(host_memory.torch.cuda, "set_device", lambda index: setattr(device, "index", index))
-    register = cudart.cudaHostRegister
-    registered_on = []
-
-    def recording_register(address, size, flags):
-        registered_on.append(host_memory.torch.cuda.current_device())
-        return register(address, size, flags)
-
-    cudart.cudaHostRegister = recording_register
-    write_checkpoint(tmp_path, {"w": torch.arange(1024, dtype=torch.float32)},
-                     TrainingInfo(18, 288, 1_018, 18 * 256, 256, 16, "float32", [0.5] * 4), BUILTIN_MODEL_DIR)
-    torch.cuda.set_device(1)  # this rank's device
-    prefetcher = CheckpointPrefetcher(read_verified, pin=True)
-    try:
-        prefetcher.submit(0, discover_checkpoints(tmp_path)[0][0])
-        item = prefetcher.take()
-        assert item.error is None and torch.equal(item.weights["w"], torch.arange(1024, dtype=torch.float32))
-    finally:
-        prefetcher.close()
-    deadline = time.monotonic() + 10
-    while len(registered_on) < 2 and time.monotonic() < deadline:  # the second set follows the first read
-        time.sleep(0.01)
-    assert registered_on == [1, 1]

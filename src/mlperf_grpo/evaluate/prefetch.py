@@ -58,10 +58,6 @@ class CheckpointPrefetcher:
         self._unreserved = [ReadBuffers(pin=pin) for _ in range(buffer_sets)] if reserve else []
         for buffers in self._unreserved or [ReadBuffers(pin=pin) for _ in range(buffer_sets)]:
             self._free.put(buffers)
-        # The CUDA device is per thread (a new one starts on device 0): page-lock from the
-        # caller's device, or a rank on device k would create a context on device 0
-        # (pytorch/pytorch#21081; DataLoader's pinning thread sets its device so too).
-        self._device = torch.cuda.current_device() if pin else None
         self._reserving = threading.Lock()  # held while the thread allocates (page-locks) buffers
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
@@ -92,8 +88,6 @@ class CheckpointPrefetcher:
             pass
 
     def _run(self) -> None:
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
         while (job := self._todo.get()) is not None:
             buffers = self._free.get()
             if buffers is None:
