@@ -323,7 +323,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif reports:
         print(format_reports(reports))
     for _, message in errors:
-        print(f"mlperf-grpo: error: {message}", file=sys.stderr)
+        _say(f"mlperf-grpo: error: {message}")
     if errors:
         return EXIT_BAD_INPUT
     return EXIT_OK if all(r.clean for r in reports) else EXIT_FAILURE
@@ -527,15 +527,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (Terminated)
         terminated = isinstance(err, Terminated)
-        print(f"mlperf-grpo: {_stop_message(args, str(err) or ('stopped by SIGTERM' if terminated else 'interrupted (Ctrl-C)'))}",
-              file=sys.stderr)
+        _say(f"mlperf-grpo: {_stop_message(args, str(err) or ('stopped by SIGTERM' if terminated else 'interrupted (Ctrl-C)'))}")
         _note_unfinished_run(args)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, _bad_input_types()) else EXIT_FAILURE
-        print(f"mlperf-grpo: {_rank_tag()}error: {err}", file=sys.stderr)
+        _say(f"mlperf-grpo: {_rank_tag()}error: {err}")
         _note_unfinished_run(args)
         return code
+
+
+def _say(line: str) -> None:
+    """``line`` and its newline to stderr in one write: torchrun ranks share the
+    terminal's stderr, and with ``print`` (text, then newline: two writes when stderr is
+    unbuffered) two ranks' error lines could run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManager:
