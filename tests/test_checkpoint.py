@@ -260,11 +260,25 @@ def test_read_verified_refuses_a_shard_of_the_right_size_with_other_bytes(tmp_pa
         read_verified(checkpoint, ReadBuffers())
 
 
+def _count_host_allocations(monkeypatch) -> list[int]:
+    """The sizes of the host buffers the checkpoint reader allocates from now on."""
+    from mlperf_grpo.checkpoint import reader
+
+    allocations = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        allocations.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(reader.torch, "empty", counting_empty)
+    return allocations
+
+
 def test_prefetcher_allocates_every_buffer_set_around_the_first_read(tmp_path, monkeypatch):
     """Both host buffer sets exist, at the shard sizes, before the second checkpoint is
     submitted (pinning then stays out of the first refit); later reads allocate nothing
     and give the same tensors as a plain read."""
-    from mlperf_grpo.checkpoint import reader
     from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
     from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 
@@ -276,14 +290,7 @@ def test_prefetcher_allocates_every_buffer_set_around_the_first_read(tmp_path, m
     sizes = {name: shard["bytes"] for name, shard in found[0].info.weights["shards"].items()}
     assert len(sizes) == 2
     plain = {c.step: {n: t.clone() for n, t in read_verified(c, ReadBuffers()).items()} for c in found}
-    allocations = []
-    real_empty = torch.empty
-
-    def counting_empty(*args, **kwargs):
-        allocations.append(args[0])
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(reader.torch, "empty", counting_empty)
+    allocations = _count_host_allocations(monkeypatch)
     prefetcher = CheckpointPrefetcher(read_verified, pin=False)
     try:
         prefetcher.submit(0, found[0])
@@ -313,7 +320,6 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
     reservation allocates nothing for it (it used to try the recorded size: a
     ``DefaultCPUAllocator`` error and exit 1, or on a GPU host a page-locked fill of that
     many bytes)."""
-    from mlperf_grpo.checkpoint import reader
     from mlperf_grpo.checkpoint.reader import read_verified
     from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 
@@ -325,14 +331,7 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
     true_bytes, shard["bytes"] = shard["bytes"], recorded_bytes
     info_path.write_text(json.dumps(info))
     found = discover_checkpoints(tmp_path)[0]
-    allocations = []
-    real_empty = torch.empty
-
-    def counting_empty(*args, **kwargs):
-        allocations.append(args[0])
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(reader.torch, "empty", counting_empty)
+    allocations = _count_host_allocations(monkeypatch)
     prefetcher = CheckpointPrefetcher(read_verified, pin=False)
     try:
         prefetcher.submit(0, found[0])
