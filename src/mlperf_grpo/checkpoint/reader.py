@@ -277,8 +277,8 @@ class ReadBuffers:
     def reserve(self, checkpoint: Checkpoint) -> None:
         """Allocate (and pin) now the buffers a read of ``checkpoint`` needs, at the
         shard sizes ``training_info.json`` records, so the read allocates nothing.
-        Pinning is slow (on an H200 host, 2.8 GB took 2.8 s) and stalls the device
-        work of other threads meanwhile: done ahead, it stays out of a refit. A shard whose
+        Page-locking takes time (on an H200 host, 2.8 GB: 0.19 s) and may hold up the
+        device work of other threads meanwhile: done ahead, it stays out of a refit. A shard whose
         file is missing or differs in size from the record gets nothing here (an absurd
         recorded size allocates nothing): the read reports it as :func:`read_verified` does."""
         for name, shard in checkpoint.info.weights["shards"].items():

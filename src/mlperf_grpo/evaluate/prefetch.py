@@ -55,9 +55,10 @@ class CheckpointPrefetcher:
         self._todo: queue.Queue[tuple[int, Checkpoint] | None] = queue.Queue()
         self._done: queue.Queue[Prefetched] = queue.Queue()
         self._free: queue.Queue[ReadBuffers | None] = queue.Queue()
-        self._unreserved = [ReadBuffers(pin=pin) for _ in range(buffer_sets)] if reserve else []
-        for buffers in self._unreserved or [ReadBuffers(pin=pin) for _ in range(buffer_sets)]:
+        sets = [ReadBuffers(pin=pin) for _ in range(buffer_sets)]
+        for buffers in sets:
             self._free.put(buffers)
+        self._unreserved = sets if reserve else []  # the sets not yet allocated ahead
         self._reserving = threading.Lock()  # held while the thread allocates (page-locks) buffers
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
