@@ -4,6 +4,7 @@ The end-to-end tests launch the real CLI with ``torchrun --nproc-per-node 2`` an
 compare it with a plain one-process run of the same small config, step for step.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -87,6 +88,18 @@ def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_
 # ---------------------------------------------------------------- one step across ranks
 
 
+@contextlib.contextmanager
+def _joined(rank: int, world: int, init_file: str):
+    """Rank ``rank`` of a gloo group for the duration, left as training leaves it: a
+    barrier after the last collective (why: :func:`distributed.barrier`), then destroyed."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+        distributed.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _rows(batch, rows: slice, prompts: slice):
     return replace(batch, input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
                    completion_mask=batch.completion_mask[rows], rollout_logprobs=batch.rollout_logprobs[rows],
@@ -94,8 +107,7 @@ def _rows(batch, rows: slice, prompts: slice):
 
 
 def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str, reshard: bool = True) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _joined(rank, world, init_file):
         torch.manual_seed(0)
         policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True,
                                           reshard_every_micro_batch=reshard)
@@ -111,8 +123,6 @@ def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out:
         if rank == 0:
             torch.save({"engine": engine.model.state_dict(), "loss": result.loss, "grad_norm": result.grad_norm,
                         "tokens": result.num_valid_tokens}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard-every-micro-batch", "sync-after-last"])
@@ -139,8 +149,7 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path, reshard):
 
 
 def _count_collectives(rank: int, world: int, init_file: str, batch, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _joined(rank, world, init_file):
         counts = {"all_gather": 0, "reduce_scatter": 0}
         for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"):
             if hasattr(dist, name):  # FSDP2 calls *_single from torch 2.12 on, *_tensor before
@@ -161,8 +170,6 @@ def _count_collectives(rank: int, world: int, init_file: str, batch, out: str) -
             got[reshard] = dict(counts)
         if rank == 0:
             torch.save(got, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sync_after_last_micro_batch_gathers_and_reduces_once_a_step(tmp_path):
@@ -186,8 +193,7 @@ def test_sync_after_last_micro_batch_gathers_and_reduces_once_a_step(tmp_path):
 
 
 def _sharded_build(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _joined(rank, world, init_file):
         policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True,
                                                  compile_layers=True)  # as on CUDA (compiled at the first forward)
         config = RunConfig.model_validate({"model": {"path": model_dir, "dtype": "bfloat16"}})
@@ -199,8 +205,6 @@ def _sharded_build(rank: int, world: int, init_file: str, model_dir: str, out: s
                         "engine": engine.model.state_dict(), "engine_buffers": dict(engine.model.named_buffers()),
                         "tied": engine.model.lm_head.weight is engine.model.model.embed_tokens.weight,
                         "generation_config": engine.model.generation_config.to_dict()}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_sharded_build_equals_the_one_process_load(tmp_path):

@@ -360,7 +360,15 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 def barrier() -> None:
     """Wait for every rank (e.g. after the optimizer step, so the weight-update time is
-    when all ranks' updates returned); nothing without a process group."""
+    when all ranks' updates returned); nothing without a process group.
+
+    Training also ends with one, after its last collective, for a reason of gloo's: its
+    worker threads drop their reference to a finished collective's tensors after the
+    caller has moved on, and that takes the GIL. A worker still waiting for it when the
+    interpreter finalizes is ended by CPython inside C++, and the process aborts after a
+    run that succeeded ("terminate called without an active exception", SIGABRT;
+    pytorch/pytorch#190489, open). The barrier's wait releases the GIL to them.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 

@@ -479,6 +479,7 @@ def _train(
         if checkpointer is not None:  # training's end waits for every write
             checkpointer.finish("finished" if result.stop_request is None else "stopped_by_evaluator")
         log.commit()  # durable: the whole log is on disk before training returns
+        distributed.barrier()  # past every rank's last collective: see distributed.barrier
     except BaseException as err:
         if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
             checkpointer.finish(type(err).__name__, raise_error=False)
