@@ -7,6 +7,7 @@ compare it with a plain one-process run of the same small config, step for step.
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import RunConfig
@@ -243,6 +244,82 @@ def test_the_sharded_build_equals_the_one_process_load(tmp_path):
     assert got["generation_config"] == rollout.generation_config.to_dict()
 
 
+MOE_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 3,
+             "num_experts_per_tok": 2, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _sharded_gather(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    with _joined(rank, world, init_file):
+        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True)
+        full = {name: t.full_tensor() for name, t in policy.state_dict().items()}  # every rank gathers
+        rows = {name: t.to_local().shape[0] for name, t in policy.state_dict().items()}
+        if rank == 0:
+            torch.save({"policy": full, "rows": rows}, out)
+
+
+def test_the_sharded_build_reads_moe_experts_saved_one_tensor_each(tmp_path):
+    """A Qwen3-MoE model as transformers 5 saves it (each expert's gate_proj, up_proj and
+    down_proj a tensor of its own; the model's parameters are the merged
+    ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]): 2 ranks, 3
+    experts (2 on rank 0, 1 on rank 1), bfloat16 files split in several, give exactly
+    ``load_model``'s parameters. (The loader used to leave the merged parameters
+    unread: the run trained on uninitialised experts without a word.)"""
+    from test_model_errors import _saved_model
+
+    directory = _saved_model(tmp_path, "qwen3_moe", **MOE_SIZES)
+    load_model(str(directory), "bfloat16").save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / "bf16" / tokenizer_file).write_bytes((directory / tokenizer_file).read_bytes())
+    model_dir = tmp_path / "bf16"
+    assert len(list(model_dir.glob("*.safetensors"))) >= 2
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_sharded_gather, args=(2, str(tmp_path / "pg"), str(model_dir), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    expected = load_model(str(model_dir), "float32").state_dict()
+    policy = {name.replace("._checkpoint_wrapped_module", ""): t for name, t in got["policy"].items()}
+    assert policy.keys() == expected.keys()
+    assert expected["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 64, 64)
+    for name, tensor in expected.items():
+        assert torch.equal(policy[name], tensor), name
+    rows = {name.replace("._checkpoint_wrapped_module", ""): n for name, n in got["rows"].items()}
+    assert rows["model.layers.1.mlp.experts.down_proj"] == 2  # rank 0's 2 of 3 experts: really sharded
+
+
+def _drop_an_expert_part(directory) -> None:
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(weights, directory / "model.safetensors")
+
+
+def _halve_moe_intermediate_size(directory) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["moe_intermediate_size"] //= 2
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_drop_an_expert_part, "have no part 1 of expert 2 of 'model.layers.1.mlp.experts.gate_up_proj'"),
+    (_halve_moe_intermediate_size, "has shape [32, 64] in the weight files but is [16, 64]"),
+])
+def test_the_sharded_build_refuses_missing_or_misshapen_expert_parts(tmp_path, damage, message):
+    """What ``check_weights`` cannot see in a merge (a part of one expert missing, parts
+    of another size than config.json gives) is one ModelLoadError naming the tensor."""
+    from test_model_errors import _saved_model
+
+    from mlperf_grpo.model import ModelLoadError
+
+    directory = _saved_model(tmp_path, "qwen3_moe", **MOE_SIZES)
+    damage(directory)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ModelLoadError, match=re.escape(message)) as err:
+            distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
+        assert "\n" not in str(err.value) and str(directory) in str(err.value)
+    finally:
+        dist.destroy_process_group()
+
+
+
 def test_a_buffer_the_initializer_does_not_recompute_is_refused():
     from mlperf_grpo.model import ModelLoadError, materialize, model_skeleton
 
@@ -365,3 +442,28 @@ def _descends(pid: int, ancestor: int) -> bool:
         except (OSError, IndexError, ValueError):
             return False
     return False
+
+
+def test_the_sharded_build_refuses_a_merge_it_does_not_perform(tmp_path, monkeypatch):
+    """A conversion other than stacking experts and concatenating their parts (here a
+    stack along dim 1) is refused in one line before anything is read, naming the way
+    out, instead of loading wrong rows."""
+    from test_model_errors import _saved_model
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    from mlperf_grpo.model import ModelLoadError
+
+    directory = _saved_model(tmp_path, "qwen3_moe", **MOE_SIZES)
+    odd = [WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+                           target_patterns="mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+           WeightConverter(source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
+                           operations=[MergeModulelist(dim=1)])]
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda model, *a, **k: odd)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ModelLoadError, match=r"is merged into model\.layers\.\d\.mlp\.experts\.down_proj by "
+                                                 r"\['MergeModulelist'\].*train it in one process"):
+            distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
+    finally:
+        dist.destroy_process_group()

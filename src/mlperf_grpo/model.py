@@ -21,6 +21,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.config import BUILTIN_MODEL
+from mlperf_grpo.weight_names import loaded_shapes
 
 ASSETS = Path(__file__).parent / "assets"
 BUILTIN_MODEL_DIR = ASSETS / "arithmetic-tiny"
@@ -184,36 +185,11 @@ def tied_groups(model: torch.nn.Module) -> list[set[str]]:
     return list(groups.values())
 
 
-def _as_loaded(model: PreTrainedModel, have: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...] | None]:
-    """The parameter names ``from_pretrained`` loads the weight files' tensors into: in
-    transformers 5 a model's checkpoint conversion mapping renames some saved names
-    (GPT-NeoX's ``embed_out`` is its ``lm_head``) and merges others (Qwen3-MoE's
-    per-expert ``experts.N.gate_proj`` into one ``experts.gate_up_proj``), and
-    ``save_pretrained`` writes the saved form. Name -> shape for a renamed or unchanged
-    tensor, ``None`` for one merged from several (its shape is the merge's). Without that
-    mapping (transformers 4) the names are the files'."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-        mapping = get_model_conversion_mapping(model)
-    except (ImportError, AttributeError, TypeError):
-        return dict(have)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    if not renamings and not converters:
-        return dict(have)
-    loaded: dict[str, tuple[int, ...] | None] = {}
-    for key, shape in have.items():
-        name, merged_by = rename_source_key(key, renamings, converters)
-        loaded[name] = None if merged_by is not None else shape
-    return loaded
-
-
 def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str, int]:
     """Check that the weight files of a model directory hold every parameter its
     ``config.json`` needs, each with its shape (a tied name may stand for its group),
     reading only ``config.json`` and the safetensors headers. A saved name counts as the
-    parameter ``from_pretrained`` loads it into (:func:`_as_loaded`).
+    parameter ``from_pretrained`` loads it into (:func:`~mlperf_grpo.weight_names.loaded_shapes`).
 
     Returns:
         ``(shapes_in_files, tied_groups, embedding_name, embedding_rows)``: tensor name ->
@@ -228,7 +204,7 @@ def _check_shapes(directory: Path, have: dict[str, tuple[int, ...]]) -> tuple[di
     """:func:`check_weights` on the tensor shapes ``have`` of the weight files."""
     skeleton = _skeleton(directory, torch.float32)
     want, groups, embedding_name, rows = _expected_shapes(skeleton)
-    loaded = _as_loaded(skeleton, have)
+    loaded = loaded_shapes(skeleton, have)
     for group in groups:
         present = sorted(n for n in group if n in loaded)
         if not present:

@@ -33,6 +33,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from mlperf_grpo.model import (
     model_skeleton,
     tied_groups,
 )
+from mlperf_grpo.weight_names import ExpertParts, UnsupportedConversionError, saved_sources
 
 
 class LayoutError(ConfigError):
@@ -251,7 +253,11 @@ def load_sharded_policy(
     4. ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader``: each rank
        reads only its rows of each tensor (safetensors slices, memory-mapped) and casts
        them into its fp32 shard. A name tied to a loaded one (``lm_head.weight`` to the
-       embeddings, which ``save_pretrained`` writes once) follows it.
+       embeddings, which ``save_pretrained`` writes once) follows it. Tensors saved under
+       other names are read as ``from_pretrained`` reads them
+       (:mod:`~mlperf_grpo.weight_names`): a renamed one into its parameter, MoE experts
+       saved one tensor each (Qwen3-MoE, Qwen3.5-MoE) straight into this rank's experts
+       of the merged parameter.
 
     Peak memory per rank: its shards (``4 P / N`` bytes for ``P`` parameters) plus one
     tensor's slice on the host; nothing of the size of the whole model anywhere.
@@ -260,8 +266,9 @@ def load_sharded_policy(
 
     Raises:
         ModelLoadError: the directory, its config or its weight files are unusable (a
-            file truncated or not safetensors, a tensor missing or of another shape), or
-            a rank fails to read them (every rank raises it).
+            file truncated or not safetensors, a tensor missing or of another shape), the
+            files need a merge other than of experts, or a rank fails to read them (every
+            rank raises it).
         ValueError: the model has no ``model.layers`` to shard.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -269,14 +276,26 @@ def load_sharded_policy(
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = check_model_path(path)
-    in_files = set(check_weights(directory)[0])  # every parameter there, with its shape (headers only)
-    policy = shard_policy(model_skeleton(path, "float32"), compute_dtype, activation_checkpointing, compile_layers,
-                          reshard_every_micro_batch)
+    have = check_weights(directory)[0]  # every parameter there, with its shape (headers only)
+    skeleton = model_skeleton(path, "float32")
+    try:
+        sources = saved_sources(skeleton, have)
+    except UnsupportedConversionError as err:
+        raise ModelLoadError(f"model {directory}: {err}; train it in one process (without torchrun), or save its "
+                             "weights under the model's parameter names") from None
+    policy = shard_policy(skeleton, compute_dtype, activation_checkpointing, compile_layers, reshard_every_micro_batch)
     materialize(policy, device)
-    state = {_plain_name(n): t for n, t in policy.state_dict().items()}
-    for group in tied_groups(policy):
-        for name in {_plain_name(n) for n in group} - in_files:  # tied to a loaded name: the same tensor
-            del state[name]
+    followers = {_plain_name(n) for group in tied_groups(policy) for n in group}  # may follow a loaded name
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in policy.state_dict().items():
+        name = _plain_name(name)
+        source = sources.get(name)
+        if isinstance(source, ExpertParts):
+            state.update(_expert_views(directory, name, tensor, source, have))
+        elif source is not None:
+            state[source] = tensor
+        elif name not in followers:  # check_weights passed: only a merge can lack a part
+            raise ModelLoadError(f"model {directory}: the weight files have no tensor for {name!r}")
     try:
         dcp_load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
     except CheckpointException as err:  # a BaseException: it would pass every `except Exception`
@@ -284,6 +303,41 @@ def load_sharded_policy(
         raise ModelLoadError(f"cannot load the weight files of {directory}: {reason}; copy the model's weight "
                              "files there again") from None
     return policy
+
+
+def _expert_views(directory: Path, name: str, tensor: torch.Tensor, parts: ExpertParts,
+                  have: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The experts of ``tensor`` (``[E, parts * R, ...]``, sharded on dim 0 or whole) that
+    this rank holds, as views keyed by the file tensor each one is (:class:`ExpertParts`),
+    so that ``torch.distributed.checkpoint.load`` reads each saved expert tensor straight
+    into its rows of this rank's shard.
+
+    Raises:
+        ModelLoadError: an expert's part is missing from the files or has another shape.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    experts, rows = tensor.shape[0], tensor.shape[1] // parts.parts
+    missing = [(e, p) for e in range(experts) for p in range(parts.parts) if (e, p) not in parts.keys]
+    if missing:
+        raise ModelLoadError(f"model {directory}: the weight files have no part {missing[0][1]} of expert "
+                             f"{missing[0][0]} of {name!r}; copy the model's weight files there again")
+    local, first = tensor, 0
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        first = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1][0]
+    views = {}
+    for e in range(first, first + local.shape[0]):
+        for p in range(parts.parts):
+            key = parts.keys[(e, p)]
+            view = local[e - first].narrow(0, p * rows, rows)
+            if tuple(view.shape) != have[key]:
+                raise ModelLoadError(f"model {directory}: tensor {key!r} has shape {list(have[key])} in the weight files "
+                                     f"but is {list(view.shape)} of {name!r} by config.json; the weights and config.json "
+                                     "do not match")
+            views[key] = view
+    return views
 
 
 def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
