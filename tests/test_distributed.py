@@ -467,3 +467,26 @@ def test_the_sharded_build_refuses_a_merge_it_does_not_perform(tmp_path, monkeyp
             distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("gpt_neox", {"hidden_size": 64, "intermediate_size": 128, "tie_word_embeddings": False}),  # gpt_neox.layers; embed_out saved for lm_head
+    ("gpt2", {"n_embd": 64}),  # transformer.h
+])
+def test_the_sharded_build_takes_other_layer_lists_and_saved_names(tmp_path, model_type, sizes):
+    """Models whose decoder layers are not ``model.layers``, and whose output head is saved
+    under another name than its parameter (GPT-NeoX's ``embed_out``), shard and load to
+    ``load_model``'s parameters (they used to be refused: "no model.layers")."""
+    from test_model_errors import _saved_model
+
+    directory = _saved_model(tmp_path, model_type, **sizes)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        policy = distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=True)
+        got = {distributed._plain_name(n): t.full_tensor() for n, t in policy.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    expected = load_model(str(directory), "float32").state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name

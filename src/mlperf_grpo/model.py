@@ -304,15 +304,18 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """A Hugging Face causal LM's decoder layers (``model.model.layers``).
+    """A Hugging Face causal LM's decoder layers: the one ``ModuleList`` of its base model
+    (``model.layers`` for Llama and Qwen, ``gpt_neox.layers``, GPT-2's ``transformer.h``).
 
     Raises:
-        ValueError: the model has no such list.
+        ValueError: the base model has no such list, or several.
     """
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no model.layers decoder layers")
-    return layers
+    base = getattr(model, "base_model", None)
+    lists = [m for m in base.children() if isinstance(m, torch.nn.ModuleList)] if isinstance(base, torch.nn.Module) else []
+    if len(lists) != 1:
+        raise ValueError(f"{type(model).__name__}: {len(lists)} lists of decoder layers in its base model, not one; "
+                         "FSDP sharding needs one")
+    return lists[0]
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
