@@ -80,7 +80,7 @@ def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_
     assert f"mlperf-grpo: {refusal}" in ours, proc.stderr[-3000:]  # rank 0's one line
     # rank 1 refuses too, unless torchrun's SIGTERM (sent when rank 0 exited) reaches it first
     others = [line for line in ours if line != f"mlperf-grpo: {refusal}"]
-    assert len(others) <= 1 and all(line in (f"mlperf-grpo: rank 1: {refusal}", "mlperf-grpo: stopped by SIGTERM")
+    assert len(others) <= 1 and all(line in (f"mlperf-grpo: rank 1: {refusal}", "mlperf-grpo: rank 1: stopped by SIGTERM")
                                     for line in others), proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr and proc.returncode != 0  # torchrun reports the ranks' exit 2 and fails
     assert not (tmp_path / "run").exists()  # nothing written

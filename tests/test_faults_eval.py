@@ -874,7 +874,7 @@ def test_torchrun_refuses_more_workers_than_ranks_with_one_line(trained, tmp_pat
     proc = torchrun_evaluate(run, ["--standalone", "--nproc-per-node", "2"], "--workers", "3", timeout_s=120)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("mlperf-grpo:")]
     assert ours[0] == f"mlperf-grpo: error: {refusal}", proc.stderr[-3000:]  # rank 0's line; rank 1 exits 0 ...
-    assert all(line == "mlperf-grpo: stopped by SIGTERM" for line in ours[1:]), ours  # ... unless torchrun stopped it first
+    assert all(line == "mlperf-grpo: rank 1: stopped by SIGTERM" for line in ours[1:]), ours  # ... unless torchrun stopped it first
     assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
     assert "mlperf_grpo/" not in proc.stderr  # no traceback of ours (torchrun prints its own)
     assert (run / "mlperf.log").read_bytes() == before and not (run / "eval").exists()

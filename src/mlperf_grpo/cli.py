@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (Terminated)
         terminated = isinstance(err, Terminated)
-        _say(f"mlperf-grpo: {_stop_message(args, str(err) or ('stopped by SIGTERM' if terminated else 'interrupted (Ctrl-C)'))}")
+        _say(f"mlperf-grpo: {_rank_tag()}{_stop_message(args, str(err) or ('stopped by SIGTERM' if terminated else 'interrupted (Ctrl-C)'))}")
         _note_unfinished_run(args)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
@@ -577,7 +577,9 @@ def _stop_message(args: argparse.Namespace, what: str) -> str:
 
 
 def _note_unfinished_run(args: argparse.Namespace) -> None:
-    """After training ended early with checkpoints published: how the run is finished."""
+    """After training ended early with checkpoints published: how the run is finished (one
+    write, tagged like the error lines: under torchrun every rank that stops says it, and
+    rank 0 may be the one that was killed)."""
     if getattr(args, "phase", None) != "train":
         return
     from mlperf_grpo.rundir import RunDir
@@ -585,9 +587,8 @@ def _note_unfinished_run(args: argparse.Namespace) -> None:
     run = RunDir(args.output)
     steps = run.published_steps()
     if steps and not run.summary_file.exists():
-        print(f"note: training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published and no "
-              f"run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop",
-              file=sys.stderr)
+        _say(f"note: {_rank_tag()}training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published "
+             f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop")
 
 
 if __name__ == "__main__":

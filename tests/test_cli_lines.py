@@ -1,0 +1,80 @@
+"""The CLI's stop and note lines under torchrun: one write each, tagged with the rank.
+
+torchrun's ranks share one stderr; a line written in two pieces (``print`` writes the
+newline separately when stderr is unbuffered) can run into another rank's line, as two
+ranks' "training ended early" notes did after a SIGTERM to torchrun.
+"""
+
+import argparse
+import contextlib
+import signal
+
+import pytest
+
+from mlperf_grpo import cli
+
+
+class _Writes:
+    """A stderr that records each ``write`` call separately."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rank_1(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "1")
+
+
+def _published_run(tmp_path):
+    run = tmp_path / "run"
+    for step in (2, 3):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (run / "checkpoints" / "tmp_step_4").mkdir()  # unfinished: not named
+    return run
+
+
+def test_the_unfinished_run_note_is_one_write_tagged_with_the_rank(tmp_path, monkeypatch, rank_1):
+    run = _published_run(tmp_path)
+    err = _Writes()
+    monkeypatch.setattr("sys.stderr", err)
+    cli._note_unfinished_run(argparse.Namespace(phase="train", output=run))
+    assert err.writes == [
+        f"note: rank 1: training ended early with checkpoints step_2..step_3 published and no run_stop: "
+        f"'mlperf-grpo evaluate {run}' evaluates them and writes the run's run_stop\n"
+    ]
+
+
+def test_rank_0_note_has_no_tag(tmp_path, monkeypatch):
+    run = _published_run(tmp_path)
+    err = _Writes()
+    monkeypatch.setattr("sys.stderr", err)
+    cli._note_unfinished_run(argparse.Namespace(phase="train", output=run))
+    assert len(err.writes) == 1 and err.writes[0].startswith("note: training ended early with checkpoints step_2..step_3")
+
+
+def test_a_stopped_rank_says_which_rank_it_is_in_one_write(tmp_path, monkeypatch, rank_1):
+    """SIGTERM to a torchrun rank other than 0 during ``train``: its stop line is tagged,
+    like its error lines, then its note; each in one write."""
+    run = _published_run(tmp_path)
+
+    def stopped(args):
+        args.phase = "train"
+        signal.raise_signal(signal.SIGTERM)  # the CLI's GracefulStop turns it into Terminated
+
+    args = argparse.Namespace(command="train", func=stopped, output=run)
+    monkeypatch.setattr(cli, "build_parser", lambda: argparse.Namespace(parse_args=lambda argv: args))
+    monkeypatch.setattr(cli, "_process_group", lambda args: contextlib.nullcontext())  # no process group joined
+    err = _Writes()
+    monkeypatch.setattr("sys.stderr", err)
+    assert cli.main([]) == cli.EXIT_TERMINATED
+    assert err.writes[0] == "mlperf-grpo: rank 1: stopped by SIGTERM\n"
+    assert len(err.writes) == 2 and err.writes[1].startswith("note: rank 1: training ended early") and err.writes[1].endswith("\n")
