@@ -172,7 +172,7 @@ SETUP_FAULTS = {
     "no-weights": (_no_weights, "has no weights (model.safetensors"),
     "no-tokenizer": (_no_tokenizer, "has no tokenizer files"),
     "vocab-size-not-the-weights": (_config_vocab_not_the_weights, "tensor 'model.embed_tokens.weight' has shape [15, 64] in the weight files but config.json needs [20, 64]"),
-    "tokenizer-ids-beyond-embedding": (_tokenizer_ids_beyond_the_embedding, "the largest vocabulary id is 16 but the embedding 'model.embed_tokens.weight' has 15 rows"),
+    "tokenizer-ids-beyond-embedding": (_tokenizer_ids_beyond_the_embedding, "the largest vocabulary id is 16 ('Y', tokenizer loaded as TokenizersBackend) but the embedding 'model.embed_tokens.weight' has 15 rows"),
     "eos-beyond-embedding": (_eos_beyond_the_embedding, "has 15 rows"),
     "unreadable-header": (_corrupt_header, "cannot read the safetensors header"),
 }

@@ -228,3 +228,17 @@ def test_a_model_saved_under_transformers_names_loads(tmp_path, model_type, size
     save_file(weights, directory / WEIGHTS)
     with pytest.raises(ModelLoadError, match="the weight files have no tensor"):
         check_model(str(directory), "12+34=")
+
+
+def test_a_tokenizer_that_transformers_extends_is_named_in_the_refusal(tmp_path):
+    """transformers loads a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer`` whatever
+    ``tokenizer_class`` says, and that class adds ``<|endoftext|>`` (id 15 here, past the
+    15 embedding rows): the refusal names the token and the class, not only an id."""
+    from mlperf_grpo.model import check_model
+
+    model = _saved_model(tmp_path, "qwen2", hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+                         tie_word_embeddings=False)
+    with pytest.raises(ModelLoadError) as err:
+        check_model(str(model), "1+2=")
+    assert "the largest vocabulary id is 15 ('<|endoftext|>', tokenizer loaded as Qwen2Tokenizer) but the embedding " \
+           "'model.embed_tokens.weight' has 15 rows" in str(err.value)

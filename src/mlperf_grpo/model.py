@@ -248,10 +248,12 @@ def check_model(path: str, sample_text: str) -> None:
     ids = {"the largest vocabulary id": max(tokenizer.get_vocab().values(), default=-1),
            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     for what, token_id in ids.items():
-        if token_id >= rows:
+        if token_id >= rows:  # name the token and the class transformers loaded (it may add tokens: Qwen2Tokenizer)
+            token = tokenizer.convert_ids_to_tokens(token_id)
             raise ModelLoadError(
-                f"tokenizer of {directory}: {what} is {token_id} but the embedding {embedding_name!r} has "
-                f"{rows} rows; the tokenizer does not belong to these weights"
+                f"tokenizer of {directory}: {what} is {token_id} ({token!r}, tokenizer loaded as "
+                f"{type(tokenizer).__name__}) but the embedding {embedding_name!r} has {rows} rows; the tokenizer "
+                "does not belong to these weights"
             )
 
 
