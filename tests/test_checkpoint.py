@@ -2,6 +2,7 @@
 verification while reading."""
 
 import errno
+import io
 import json
 import threading
 import time
@@ -345,6 +346,40 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
         assert allocations == [true_bytes]  # only the read of step_19 allocated, at its true size
     finally:
         prefetcher.close()
+
+
+def test_prefetcher_close_stops_a_read_in_progress_and_ends_its_thread(tmp_path, monkeypatch):
+    """close() during a read gives it up at the next chunk and returns with the thread
+    ended (before, the daemon thread was left reading: at interpreter exit a thread
+    inside a reader or torch aborts the process); a read stopped so raises ReadStopped."""
+    from mlperf_grpo.checkpoint import reader
+    from mlperf_grpo.checkpoint.reader import ReadBuffers, ReadStopped, read_verified
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    write_checkpoint(tmp_path, {"w": torch.arange(1 << 16, dtype=torch.float32)}, _info(18), BUILTIN_MODEL_DIR)
+    checkpoint = discover_checkpoints(tmp_path)[0][0]
+    monkeypatch.setattr(reader, "READ_CHUNK_BYTES", 1024)  # 256+ chunks
+    chunks = threading.Semaphore(0)
+    real_readinto = io.FileIO.readinto
+
+    class SlowFile(io.FileIO):
+        def readinto(self, view):
+            chunks.release()
+            time.sleep(0.05)  # 256 chunks: a 13 s read
+            return real_readinto(self, view)
+
+    monkeypatch.setattr(reader, "open", lambda path, mode, buffering: SlowFile(path, "r"), raising=False)
+    prefetcher = CheckpointPrefetcher(read_verified, pin=False)
+    prefetcher.submit(0, checkpoint)
+    assert chunks.acquire(timeout=10) and chunks.acquire(timeout=10)  # the read is under way
+    start = time.monotonic()
+    prefetcher.close()
+    assert time.monotonic() - start < 2.0
+    assert not prefetcher._thread.is_alive()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ReadStopped):
+        read_verified(checkpoint, ReadBuffers(pin=False), stop)
 
 
 def test_prefetcher_close_waits_for_a_buffer_allocation_in_progress(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,13 +291,20 @@ class ReadBuffers:
                 self.get(name, size)
 
 
-def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
+class ReadStopped(Exception):
+    """A read given up at a chunk boundary because its ``stop`` event was set (its reader
+    is closing); nothing it read may be used."""
+
+
+def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's weights (name -> tensor, views into ``buffers``), each shard read
     once into its buffer and hashed (:data:`HASH_ALGORITHM`) from the same memory while
     the next chunk is read; the tensors come from the safetensors header of the verified
-    bytes (no parse copy). Give the views to a device with ``copy_``/``to``.
+    bytes (no parse copy). Give the views to a device with ``copy_``/``to``. ``stop``:
+    checked before each chunk of :data:`READ_CHUNK_BYTES`.
 
     Raises:
+        ReadStopped: ``stop`` was set.
         CheckpointCorruptError: a shard's size or hash differs from ``training_info.json``,
             or its verified bytes are not valid safetensors; names the file.
         CheckpointError: a shard is missing.
@@ -313,21 +321,26 @@ def read_verified(checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, tor
             if size != expected.get("bytes"):
                 raise CheckpointCorruptError(f"{where}: {size} bytes, {INFO_FILE} recorded {expected.get('bytes')!r}; the checkpoint is corrupt")
             data = buffers.get(path.name, size)
-            if _read_hashed(path, data, hashing) != expected.get("hash"):
+            if _read_hashed(path, data, hashing, stop) != expected.get("hash"):
                 raise CheckpointCorruptError(f"{where}: {HASH_ALGORITHM} differs from {INFO_FILE}; the checkpoint is corrupt")
             tensors.update(_tensor_views(data, where))
     return tensors
 
 
-def _read_hashed(path: Path, data: torch.Tensor, hashing: ThreadPoolExecutor) -> str:
+def _read_hashed(path: Path, data: torch.Tensor, hashing: ThreadPoolExecutor, stop: threading.Event | None) -> str:
     """Read the file into ``data`` (its exact size) chunk by chunk, hashing each chunk in
-    ``hashing`` while the next is read (xxhash releases the interpreter lock)."""
+    ``hashing`` while the next is read (xxhash releases the interpreter lock); raise
+    :class:`ReadStopped` before a chunk once ``stop`` is set."""
     view = memoryview(data.numpy())
     digest = new_hasher()
     pending = None
     with open(path, "rb", buffering=0) as f:
         offset = 0
         while offset < len(view):
+            if stop is not None and stop.is_set():
+                if pending is not None:
+                    pending.result()
+                raise ReadStopped(f"{path}: read stopped")
             got = f.readinto(view[offset: offset + READ_CHUNK_BYTES])
             if not got:
                 raise CheckpointCorruptError(f"{path}: shorter than its size while read; was it changed during evaluation?")

@@ -121,8 +121,9 @@ class ForeignSeries:
             return f"{c.path}: tensor names, shapes or dtypes differ from the first checkpoint's (first difference: {differing[0]!r})"
         return None
 
-    def read(self, checkpoint: ForeignCheckpoint, buffers=None):
-        """The tensors (``buffers`` unused: these layouts are read by their own readers)."""
+    def read(self, checkpoint: ForeignCheckpoint, buffers=None, stop=None):
+        """The tensors (``buffers`` and ``stop`` unused: these layouts are read whole by
+        their own readers)."""
         try:
             return foreign.read_weights(checkpoint)
         except CheckpointCorruptError as err:

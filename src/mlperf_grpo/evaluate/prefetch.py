@@ -39,8 +39,10 @@ class CheckpointPrefetcher:
     """Reads submitted checkpoints in order in one background thread.
 
     Args:
-        read: ``read(checkpoint, buffers) -> tensors`` (our series: ``read_verified``,
-            hash-verified as read; raises on a corrupt or unreadable checkpoint).
+        read: ``read(checkpoint, buffers, stop) -> tensors`` (our series:
+            ``read_verified``, hash-verified as read, given up at the next chunk once the
+            ``threading.Event`` ``stop`` is set; raises on a corrupt or unreadable
+            checkpoint).
         pin: pin the host buffers (the engine is on a GPU).
         buffer_sets: host copies that may exist at once (2: one refit, one being read).
         reserve: allocate every set around the first read (:meth:`ReadBuffers.reserve`,
@@ -49,7 +51,7 @@ class CheckpointPrefetcher:
     buffers back with :meth:`release` once the engine holds the weights; :meth:`close`.
     """
 
-    def __init__(self, read: Callable[[Checkpoint, ReadBuffers], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2,
+    def __init__(self, read: Callable[[Checkpoint, ReadBuffers, threading.Event], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2,
                  reserve: bool = True) -> None:
         self._read = read
         self._todo: queue.Queue[tuple[int, Checkpoint] | None] = queue.Queue()
@@ -59,7 +61,7 @@ class CheckpointPrefetcher:
         for buffers in sets:
             self._free.put(buffers)
         self._unreserved = sets if reserve else []  # the sets not yet allocated ahead
-        self._reserving = threading.Lock()  # held while the thread allocates (page-locks) buffers
+        self._stop = threading.Event()  # set by close(): the thread gives up what it does
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
 
@@ -77,28 +79,27 @@ class CheckpointPrefetcher:
         self._free.put(item.buffers)
 
     def close(self) -> None:
-        """Let the thread end after the read in progress, without waiting for it (a read
-        of a checkpoint nobody will evaluate may take minutes at scale), but wait for a
-        buffer allocation in progress (page-locking: under a second per GB), so that no
-        thread is inside torch, with the GIL released, when the process exits (a daemon
-        thread that then takes the GIL back aborts the process: "terminate called
-        without an active exception"); idempotent."""
+        """Stop the thread and wait for it to end: a read in progress is given up at its
+        next chunk (our series; a foreign layout's read is waited for), a buffer
+        allocation in progress (page-locking: under a second per GB) is finished. No
+        thread may be left inside torch or a reader, with the GIL released, when the
+        process exits: a daemon thread that then takes the GIL back aborts the process
+        ("terminate called without an active exception"). Idempotent."""
+        self._stop.set()
         self._todo.put(None)
         self._free.put(None)
-        with self._reserving:
-            pass
+        self._thread.join()
 
     def _run(self) -> None:
-        while (job := self._todo.get()) is not None:
+        while not self._stop.is_set() and (job := self._todo.get()) is not None:
             buffers = self._free.get()
             if buffers is None:
                 return
             index, checkpoint = job
             try:
                 if self._unreserved:
-                    with self._reserving:
-                        buffers.reserve(checkpoint)
-                self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers), None, buffers))
+                    buffers.reserve(checkpoint)
+                self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers, self._stop), None, buffers))
             except Exception as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint)
                 self._done.put(Prefetched(index, checkpoint, None, err, buffers))
             self._reserve_the_others(checkpoint)
@@ -106,9 +107,10 @@ class CheckpointPrefetcher:
     def _reserve_the_others(self, checkpoint: Checkpoint) -> None:
         """After the first read: allocate the other sets at its sizes (once)."""
         others, self._unreserved = self._unreserved[1:], []
-        with self._reserving:
-            for buffers in others:
-                try:
-                    buffers.reserve(checkpoint)
-                except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
-                    return
+        for buffers in others:
+            if self._stop.is_set():
+                return
+            try:
+                buffers.reserve(checkpoint)
+            except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
+                return

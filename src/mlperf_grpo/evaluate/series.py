@@ -12,6 +12,7 @@ reach it (the run is scored by its checkpoints up to the first pass).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -192,9 +193,10 @@ class SeriesSource(Protocol):
     def check(self, checkpoints: list, config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
         """Cheap checks before anything is evaluated (see :func:`check_series`)."""
 
-    def read(self, checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
+    def read(self, checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (may be views into ``buffers``, reused after the
-        refit); raises EvaluationError or CheckpointError when it cannot be read."""
+        refit); raises EvaluationError or CheckpointError when it cannot be read, and
+        may give up with ReadStopped once ``stop`` is set."""
 
     def verify(self, engine: InferenceEngine, checkpoint, weights: dict[str, torch.Tensor]) -> str:
         """Prove the engine runs the checkpoint after a refit from ``weights``; returns
@@ -219,8 +221,8 @@ class RunSeries:
     def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
         return check_series(checkpoints, config, log, self.root)
 
-    def read(self, checkpoint: Checkpoint, buffers: ReadBuffers) -> dict[str, torch.Tensor]:
-        return read_verified(checkpoint, buffers)  # hash-verified as read
+    def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
+        return read_verified(checkpoint, buffers, stop)  # hash-verified as read, stoppable between chunks
 
     def verify(self, engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> str:
         return verify_refit(engine, checkpoint, list(weights))
