@@ -501,15 +501,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    from mlperf_grpo.checkpoint import CheckpointError
-    from mlperf_grpo.config import ConfigError
-    from mlperf_grpo.evaluate.series import EvaluationError
-    from mlperf_grpo.mllog import LogWriteError
-    from mlperf_grpo.model import ModelLoadError
-    from mlperf_grpo.rundir import RunDirError
+_BAD_INPUT_ERRORS = (
+    ("mlperf_grpo.checkpoint", "CheckpointError"),
+    ("mlperf_grpo.config", "ConfigError"),
+    ("mlperf_grpo.evaluate.series", "EvaluationError"),
+    ("mlperf_grpo.mllog", "LogWriteError"),
+    ("mlperf_grpo.model", "ModelLoadError"),
+    ("mlperf_grpo.rundir", "RunDirError"),
+)
+"""(module, exception) pairs of the library's bad-input errors: exit 2."""
 
-    return (BadInput, ConfigError, RunDirError, EvaluationError, CheckpointError, ModelLoadError, LogWriteError)
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    """:class:`BadInput` and those of :data:`_BAD_INPUT_ERRORS` whose module is already
+    imported: an error of a module never loaded cannot have been raised, and importing one
+    here would load torch (``checkpoint``, ``model``) on a log tool's error path."""
+    loaded = (getattr(sys.modules[module], name) for module, name in _BAD_INPUT_ERRORS if module in sys.modules)
+    return (BadInput, *loaded)
 
 
 def main(argv: list[str] | None = None) -> int:
