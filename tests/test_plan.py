@@ -84,6 +84,9 @@ def test_plan_with_open_config_names_the_differences(capsys):
     assert "optimizer.learning_rate: given 4e-06, required 1e-06" in out
     assert "grpo.max_trajectory_age_steps: given 0, required 1 (reference algorithm)" in out
     assert "grpo.ratio_clip_max: given 0.2, required 0.28 (reference algorithm)" in out
+    # each difference is printed once (the plan's config line names the file, not the differences again)
+    for field in ("optimizer.learning_rate", "grpo.max_trajectory_age_steps", "grpo.ratio_clip_max"):
+        assert out.count(f"{field}:") == 1, out
 
 
 def test_plan_with_closed_config(capsys):

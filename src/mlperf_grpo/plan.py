@@ -96,10 +96,8 @@ def format_plan(plan: dict[str, object]) -> str:
             continue
         if key == "later_eval_samples_count":
             value = ", ".join(str(v) for v in value) + ", ... (+GBS each)"
-        if key == "config":  # from --config: the file, its division, its departures from closed
+        if key == "config":  # from --config: the file and its division (its departures: format_differences)
             lines.append(f"  config: {value['file']} ({value['division']} division)")
-            lines += [f"    differs from closed: {d['field']}: given {d['given']!r}, closed {d['required']!r} ({d['formula']})"
-                      for d in value["differences_from_closed"]]
             continue
         line = f"  {key}: {value}"
         if key in formulas:
