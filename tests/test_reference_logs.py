@@ -57,7 +57,8 @@ def test_check_shows_the_official_verdict_in_one_actionable_line(tmp_path, capsy
     summary = report.official_summary()
     assert summary.startswith("FAILED: ") and "\n" not in summary
     assert "31 required key(s) missing (submission_platform, " in summary  # the 6.1 keys the reference predates
-    assert "eval_samples (line 4) fails v['value'] == 251" in summary and "-> log the missing keys" in summary
+    # file line 5, the 5th event (the checker's own message counts from 0: "line 4")
+    assert "eval_samples (line 5) fails v['value'] == 251" in summary and "-> log the missing keys" in summary
     code = main(["check", "--no-run-dir", str(path)])
     out = capsys.readouterr().out
     assert code == 1  # follows the official verdict: the lint has nothing

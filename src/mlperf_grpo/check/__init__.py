@@ -112,7 +112,9 @@ def official_summary(result: ComplianceResult, top: int = 3) -> str:
     """The official verdict and its top reasons in one line a person can act on.
 
     Missing required keys are counted and the first named; failed value checks name the
-    key, its line and the failing test; anything else contributes its first line.
+    key, its file line (the checker's own numbering counts ``:::MLLOG`` lines from 0:
+    :meth:`ComplianceResult.file_line`) and the failing test; anything else contributes
+    its first line.
     """
     if result.valid:
         return "SUCCESS"
@@ -122,7 +124,9 @@ def official_summary(result: ComplianceResult, top: int = 3) -> str:
         if found := _MISSING.search(message):
             missing.append(found.group(1))
         elif found := _FAILED_LINE.search(message):
-            reasons.append(f"{found.group(1)} (line {found.group(2)}) fails {' '.join(found.group(3).split())}")
+            line = result.file_line(int(found.group(2)))
+            where = f"line {line}" if line is not None else f"the checker's line index {found.group(2)}"
+            reasons.append(f"{found.group(1)} ({where}) fails {' '.join(found.group(3).split())}")
         elif found := _FAILED_KEY.search(message):
             reasons.append(f"{found.group(1)} fails {' '.join(found.group(2).split())}")
         elif message.strip():

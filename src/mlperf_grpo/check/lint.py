@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from mlperf_grpo import rules
 from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.shape import DEFERRED, EVAL_KEYS, INLINE, evaluation_mode, int_or_none, trained_samples
+from mlperf_grpo.check.shape import DEFERRED, EVAL_KEYS, INLINE, evaluation_mode, int_or_none, ms_text, trained_samples
 from mlperf_grpo.mllog import LogEvent, ParsedLog, loads_line
 
 MAX_LINE_CHARS = 4096
@@ -167,12 +167,25 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+_WRITER_METADATA = ("file", "lineno")
+"""Metadata ``mlperf_logging`` adds to every line (where it was written): not what a line says."""
+
+
+def _says(e: LogEvent) -> str:
+    """What a line carries, for a message: its value, or (an interval event such as
+    ``run_stop``, whose value is null) its time and metadata."""
+    if e.value is not None:
+        return f"value {_short(e.value)}"
+    metadata = {k: v for k, v in e.metadata.items() if k not in _WRITER_METADATA}
+    return f"time_ms {ms_text(e.time_ms) if _is_number(e.time_ms) else _short(e.time_ms)}, metadata {_short(metadata, 120)}"
+
+
 def _repeats(inp: LintInput, key: str, rule: str, impact: str) -> list[Finding]:
     """One finding for every ``key`` line after the first."""
     found = inp.log.find(key)
     return [
-        Finding(rule, e.line_no, key, f"{key} logged again (value {_short(e.value)}; the first, at line {found[0].line_no}, "
-                f"has {_short(found[0].value)})", impact)
+        Finding(rule, e.line_no, key, f"{key} logged again ({_says(e)}; the first, at line {found[0].line_no}, "
+                f"has {_says(found[0])})", impact)
         for e in found[1:]
     ]
 
@@ -234,7 +247,7 @@ def run_stop_order(inp: LintInput) -> list[Finding]:
                                "the compliance checker fails it and the summarizer pairs the wrong lines"))
         if _is_number(stop.time_ms) and _is_number(start.time_ms) and stop.time_ms < start.time_ms:
             out.append(Finding("run-stop-order", stop.line_no, "run_stop",
-                               f"run_stop time_ms {stop.time_ms} is before run_start time_ms {start.time_ms}",
+                               f"run_stop time_ms {ms_text(stop.time_ms)} is before run_start time_ms {ms_text(start.time_ms)}",
                                "time-to-train is negative"))
     return out
 
@@ -244,14 +257,20 @@ def evals_after_pass(inp: LintInput) -> list[Finding]:
     passing = first_passing_eval(inp.log, inp.target)
     if passing is None:
         return []
-    return [
-        Finding("eval-after-pass", e.line_no, "eval_accuracy",
-                f"evaluation at samples_count {_short(_sc(e))} after the first passing one "
-                f"(line {passing.line_no}, samples_count {_short(_sc(passing))})",
-                "the RCP checker takes the last eval_accuracy before run_stop as samples to converge, "
-                f"so it reads {_short(_sc(e))} instead of {_short(_sc(passing))}")
-        for e in inp.log.find("eval_accuracy") if e.line_no > passing.line_no
-    ]
+    out = []
+    for e in inp.log.find("eval_accuracy"):
+        if e.line_no <= passing.line_no:
+            continue
+        if _sc(e) == _sc(passing):
+            impact = (f"a second result for the passing checkpoint (samples_count {_short(_sc(e))}): the RCP checker's "
+                      "convergence point is the same, but the log no longer says which result counts")
+        else:
+            impact = ("the RCP checker takes the last eval_accuracy before run_stop as samples to converge, "
+                      f"so it reads {_short(_sc(e))} instead of {_short(_sc(passing))}")
+        out.append(Finding("eval-after-pass", e.line_no, "eval_accuracy",
+                           f"evaluation at samples_count {_short(_sc(e))} after the first passing one "
+                           f"(line {passing.line_no}, samples_count {_short(_sc(passing))})", impact))
+    return out
 
 
 def eval_series(inp: LintInput) -> list[Finding]:
@@ -423,7 +442,9 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     stop = stops[0]
     evals = [e for e in log.find("eval_accuracy") if e.line_no < stop.line_no]
     if not evals:
-        inp.notes.append("run_stop time not checked: no evaluation before it (training itself was aborted)")
+        aborted = stop.metadata.get("status") == "aborted" and not log.find("eval_accuracy")
+        inp.notes.append("run_stop time not checked: no evaluation is logged before it"
+                         + (" (training itself was aborted)" if aborted else ""))
         return out
     mode = evaluation_mode(log, inp.run_dir)
     if mode.mode == INLINE:
@@ -446,13 +467,14 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     block_start = blocks.get(("block_start", sc - gbs)) if gbs else None
     if block_stop is not None and _is_number(block_stop.time_ms) and stop.time_ms > block_stop.time_ms:
         out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                           f"time_ms {stop.time_ms} is {stop.time_ms - block_stop.time_ms:g} ms after the block_stop at "
+                           f"time_ms {ms_text(stop.time_ms)} is {ms_text(stop.time_ms - block_stop.time_ms)} ms after the block_stop at "
                            f"samples_count {sc} (line {block_stop.line_no})",
                            "the weight update ends inside the step's block; a later run_stop adds checkpoint or "
                            "evaluation time to time-to-train"))
     if block_start is not None and _is_number(block_start.time_ms) and stop.time_ms < block_start.time_ms:
         out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                           f"time_ms {stop.time_ms} is before that step's block_start (line {block_start.line_no}, {block_start.time_ms})",
+                           f"time_ms {ms_text(stop.time_ms)} is before that step's block_start (line {block_start.line_no}, "
+                           f"{ms_text(block_start.time_ms)})",
                            "time-to-train is understated: the checkpoint's weights did not exist yet"))
     if block_stop is None:
         inp.notes.append(f"run_stop time not compared with the log: no block_stop at samples_count {sc} (one block spans "
@@ -462,11 +484,14 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
         path, t_update = infos[sc]
         if stop.time_ms != t_update:
             out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                               f"time_ms {stop.time_ms} differs from the weight-update time {t_update} in {path}",
-                               f"time-to-train is off by {stop.time_ms - t_update:g} ms"))
+                               f"time_ms {ms_text(stop.time_ms)} differs from the weight-update time {t_update} in {path}",
+                               f"time-to-train is off by {ms_text(stop.time_ms - t_update)} ms"))
     elif inp.run_dir is not None:
         inp.notes.append(f"run_stop not compared with a weight-update time: no training_info.json at samples_count {sc} "
                          f"under {inp.run_dir / 'checkpoints'} (deleted at teardown?)")
+    else:
+        inp.notes.append("the backdated run_stop is not verified against the checkpoints' weight-update times: "
+                         "checked without its run directory (give it with --run-dir)")
     return out
 
 
@@ -475,7 +500,7 @@ def _inline_run_stop_time(stop: LogEvent, evals: list[LogEvent]) -> list[Finding
     last = evals[-1]
     if _is_number(last.time_ms) and stop.time_ms < last.time_ms:
         return [Finding("run-stop-time", stop.line_no, "run_stop",
-                        f"time_ms {stop.time_ms} is before the eval_accuracy at line {last.line_no} ({last.time_ms}) "
+                        f"time_ms {ms_text(stop.time_ms)} is before the eval_accuracy at line {last.line_no} ({ms_text(last.time_ms)}) "
                         "in an inline-evaluated run", "inline evaluation is on the clock; time-to-train is understated")]
     return []
 

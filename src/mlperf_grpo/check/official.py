@@ -28,6 +28,8 @@ from pathlib import Path
 USAGE = "training"
 RULESET = "6.1.0"
 _SEPARATOR = "\n" + "-" * 30 + "\n"
+TOKEN = ":::MLLOG "
+"""What the official parser looks for in a line (``mlp_parser.ruleset_610.TOKEN``)."""
 
 
 class _Capture(logging.Handler):
@@ -70,6 +72,13 @@ class ComplianceResult:
     not_run: str | None = None
     """Why the checker was not run, or did not finish: ``TIMEOUT`` or ``SKIPPED`` verdicts."""
     timed_out: bool = False
+    file_lines: list[int] = field(default_factory=list)
+    """The file line (1-based) of each line the checker numbers: its messages' "line N" is
+    the 0-based index among the lines holding ``:::MLLOG`` (:func:`official_file_lines`)."""
+
+    def file_line(self, official_line: int) -> int | None:
+        """The file line of the checker's "line ``official_line``", or None when unknown."""
+        return self.file_lines[official_line] if 0 <= official_line < len(self.file_lines) else None
 
     @property
     def verdict(self) -> str:
@@ -87,6 +96,21 @@ class ComplianceResult:
                 if name.startswith(f"{division}_") and name != f"{division}_common.yaml":
                     return division
         return None
+
+
+def official_file_lines(path: Path) -> list[int]:
+    """The file line (1-based) of each line the compliance checker numbers.
+
+    Its parser (``mlp_parser.ruleset_610.parse_generator``) reads the file as latin-1 with
+    universal newlines, keeps the lines containing ``':::MLLOG '`` (``strip_and_dedup``)
+    and numbers them from 0: "line 80" is the 81st such line, not file line 80. Empty when
+    the file cannot be read (then a message shows the checker's own index).
+    """
+    try:
+        with open(path, encoding="latin-1") as f:
+            return [n for n, line in enumerate(f, start=1) if TOKEN in line]
+    except OSError:
+        return []
 
 
 def run_compliance(path: Path, ruleset: str = RULESET) -> ComplianceResult:
@@ -111,7 +135,8 @@ def run_compliance(path: Path, ruleset: str = RULESET) -> ComplianceResult:
             configs.append(text.split(":", 1)[1].strip())
     if crashed:
         messages.append(f"the compliance checker crashed: {crashed}")
-    return ComplianceResult(valid=bool(valid), messages=messages, configs=configs, crashed=crashed)
+    return ComplianceResult(valid=bool(valid), messages=messages, configs=configs, crashed=crashed,
+                            file_lines=official_file_lines(path))
 
 
 @dataclass

@@ -26,7 +26,8 @@ def format_report(report: CheckReport) -> str:
     ref = f" (RCP reference at this GBS: {s.reference_samples})" if s.reference_samples else ""
     rows = [
         ("status", s.status or "-"),
-        ("time-to-train, log", _fmt_minutes(s.log_minutes) + "  (run_stop - run_start)"),
+        ("time-to-train, log", _fmt_minutes(s.log_minutes) + "  (run_stop - run_start)" if s.status == "success"
+         else f"none (run_stop status {s.status!r}: no score)" if s.status else "none (no run_stop)"),
         ("time-to-train, summarizer", _fmt_minutes(s.summarizer_minutes)),
         ("samples to converge, log", f"{s.log_samples if s.log_samples is not None else '-'}  (first passing eval)"),
         ("samples to converge, RCP", f"{s.rcp_samples if s.rcp_samples is not None else '-'}{ref}"),

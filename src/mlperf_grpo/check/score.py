@@ -21,7 +21,8 @@ from mlperf_grpo.mllog import ParsedLog, time_to_train_ms
 class Score:
     """Score of one log, three ways. Minutes are ``ms / 60000``.
 
-    ``log_*``: the log's meaning; ``summarizer_minutes``: ``result_summarizer``;
+    ``log_*``: the log's meaning (None unless ``run_stop`` says success: an aborted run has no
+    time-to-train); ``summarizer_minutes``: ``result_summarizer``;
     ``rcp_samples``: ``rcp_checker``; ``reference_samples``: the RCP mean at this GBS
     (None for a GBS without a reference); ``disagreements``: one sentence each.
     """
@@ -52,7 +53,7 @@ def compute_score(log: ParsedLog, summ: official.SummarizerResult, rcp: official
     converged = status == "success" and passing is not None
     log_samples = passing.metadata.get("samples_count") if converged else None
     try:
-        log_ms = time_to_train_ms(log)
+        log_ms = time_to_train_ms(log) if status == "success" else None  # only a converged run has a score
     except (TypeError, ValueError, OverflowError):
         log_ms = None
     gbs = log.first_value("global_batch_size")

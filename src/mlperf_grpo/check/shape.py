@@ -52,6 +52,14 @@ class EvalMode:
     evidence: str
 
 
+def ms_text(value: float) -> str:
+    """A time in ms for a message: whole ms as digits (``1795998424706``, never ``1.8e+12``,
+    which prints two different times alike); a fractional one with its fraction."""
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.0f}" if value.is_integer() else repr(value)
+
+
 def _number(value: Any) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -89,8 +97,8 @@ def evaluation_mode(log: ParsedLog, run_dir: Path | None = None) -> EvalMode:
     stop_ms = _number(stops[0].time_ms) if stops else None
     first_eval_ms = min((t for e in evals if (t := _number(e.time_ms)) is not None), default=None)
     if stop_ms is not None and first_eval_ms is not None and stop_ms < first_eval_ms:
-        return EvalMode(DEFERRED, f"run_stop (time_ms {stop_ms:g}) is timed before the first evaluation began "
-                                  f"({first_eval_ms:g}): backdated")
+        return EvalMode(DEFERRED, f"run_stop (time_ms {ms_text(stop_ms)}) is timed before the first evaluation began "
+                                  f"({ms_text(first_eval_ms)}): backdated")
     if not follows_own_step:
         return EvalMode(UNKNOWN, "the log alone cannot tell inline from deferred evaluation (an evaluation without "
                                  "an integer samples_count, or not right after training of its step)")
