@@ -144,3 +144,33 @@ def reference_style(accs=(0.72,), gbs=GBS, inline=True, max_steps=None) -> list[
     events.append(ev("run_stop", t=stats_ms[stop_step], md={"samples_count": stop_step * gbs, "status": "success" if passing else "aborted"},
                      et="INTERVAL_END"))
     return events
+
+
+def figure_texts(tl):
+    """``(texts, figure)``: the report's figure for ``tl`` (drawn by ``render_png``, kept from
+    being closed) and every text drawn in it (title, axis titles, labels, annotations; not hidden ones)."""
+    import matplotlib
+
+    from mlperf_grpo.report import render_png
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    captured = {}
+    original_close = plt.close
+
+    def keep(fig=None):
+        if fig is not None and not isinstance(fig, str):
+            captured["fig"] = fig
+        return original_close(fig)
+
+    plt.close = keep
+    try:
+        render_png(tl)
+    finally:
+        plt.close = original_close
+    fig = captured["fig"]
+    assert set(plt.get_fignums()) == before
+    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text() and t.get_visible()]
+    return texts, fig

@@ -4,13 +4,13 @@ our own helpers: no false lint finding, the official verdict in one actionable l
 report labels true to the run."""
 
 import pytest
-from logtools_helpers import GBS, find, reference_style, synth, to_text
+from logtools_helpers import GBS, figure_texts, find, reference_style, synth, to_text
 
 from mlperf_grpo.check import check_log, lint_text
 from mlperf_grpo.check.shape import evaluation_mode
 from mlperf_grpo.cli import main
 from mlperf_grpo.mllog import parse_log_text
-from mlperf_grpo.report import build_timeline, render_png
+from mlperf_grpo.report import build_timeline
 
 SHAPES = {
     "inline-pass": dict(accs=(0.72,)),
@@ -66,36 +66,9 @@ def test_check_shows_the_official_verdict_in_one_actionable_line(tmp_path, capsy
     assert "lint: no findings" in out and "evaluation: inline" in out
 
 
-def _figure_texts(tl):
-    """Every text element of the report's figure (title, axis titles, labels, annotations)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    before = set(plt.get_fignums())
-    captured = {}
-    original_close = plt.close
-
-    def keep(fig=None):
-        if fig is not None and not isinstance(fig, str):
-            captured["fig"] = fig
-        return original_close(fig)
-
-    plt.close = keep
-    try:
-        render_png(tl)
-    finally:
-        plt.close = original_close
-    fig = captured["fig"]
-    assert set(plt.get_fignums()) == before
-    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
-    return texts, fig
-
-
 def test_report_labels_an_inline_passing_run_as_inline():
     tl = build_timeline(parse_log_text(to_text(reference_style())))
-    texts, _ = _figure_texts(tl)
+    texts, _ = figure_texts(tl)
     joined = "\n".join(texts)
     assert "timeline: evaluation runs inline, on the clock (training waits for it)" in texts
     assert "evaluation (inline)" in texts and "evaluation (offline)" not in joined
@@ -109,7 +82,7 @@ def test_report_labels_an_inline_passing_run_as_inline():
 
 def test_report_labels_an_aborted_inline_run_without_a_score():
     tl = build_timeline(parse_log_text(to_text(reference_style(accs=(0.5, 0.6, 0.65)))))
-    texts, _ = _figure_texts(tl)
+    texts, _ = figure_texts(tl)
     joined = "\n".join(texts)
     assert " run_stop (aborted) = end of the last evaluation (step 20)" in texts
     assert not any(t.startswith("time-to-train ") for t in texts)
@@ -119,7 +92,7 @@ def test_report_labels_an_aborted_inline_run_without_a_score():
 
 def test_report_labels_a_deferred_run_as_deferred():
     tl = build_timeline(parse_log_text(to_text(synth())))
-    texts, _ = _figure_texts(tl)
+    texts, _ = figure_texts(tl)
     assert "timeline: evaluation runs after training and is taken off the clock" in texts
     assert "evaluation (offline)" in texts and " pass: backdated" in texts
     assert " run_stop (success) = weight update of step 20" in texts
@@ -128,14 +101,14 @@ def test_report_labels_a_deferred_run_as_deferred():
 
 def test_report_of_a_killed_run_has_no_empty_accuracy_panel():
     events = [e for e in synth(accs=()) if e["key"] != "run_stop"]
-    _, fig = _figure_texts(build_timeline(parse_log_text(to_text(events))))
+    _, fig = figure_texts(build_timeline(parse_log_text(to_text(events))))
     assert len(fig.axes) == 1  # old: a second, empty panel
 
 
 def test_first_pass_label_is_clear_of_the_target_line():
     """The samples_count label sits above the passing point, so the target line never crosses it."""
     tl = build_timeline(parse_log_text(to_text(synth(accs=(0.5, 0.6, 0.7)))))
-    _, fig = _figure_texts(tl)
+    _, fig = figure_texts(tl)
     ax2 = fig.axes[1]
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -155,7 +128,7 @@ def test_checkpoint_writes_are_visible_in_short_runs():
         if e["key"] == "block_start" and e["metadata"]["step"] in (19,):
             e["time_ms"] = events[find(events, "block_stop", 18)]["time_ms"] + 1
     tl = build_timeline(parse_log_text(to_text(events)))
-    _, fig = _figure_texts(tl)
+    _, fig = figure_texts(tl)
     ax = fig.axes[0]
     span = ax.get_xlim()[1] - ax.get_xlim()[0]
     ckpt_bars = [c for c in ax.collections if tuple(round(v, 3) for v in c.get_facecolor()[0][:3]) == (0.867, 0.518, 0.322)]

@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from logtools_helpers import DATA, synth, to_text
+from logtools_helpers import DATA, figure_texts, find, reference_style, synth, to_text
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.mllog import parse_log_text
@@ -110,3 +110,52 @@ def test_unwritable_output_is_bad_input_naming_the_file(capsys):
     assert main(["report", str(log), "-o", "/proc/no/such/dir/r.png"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mlperf-grpo: error: cannot write /proc/no/such/dir/r.png") and "\n" not in err
+
+
+def _stats_after_the_evaluation(events):
+    """As the reference logs a step: its ``tracked_stats`` after that step's evaluation (so
+    after the training block's ``block_stop``)."""
+    out = list(events)
+    for s in sorted({e["metadata"]["step"] for e in out if e["key"] == "eval_start"}):
+        stats = out.pop(find(out, "tracked_stats", s))
+        stop = next(i for i, e in enumerate(out) if e["key"] == "eval_stop" and e["metadata"]["samples_count"] == stats["metadata"]["samples_count"])
+        out.insert(stop + 1, {**stats, "time_ms": out[stop]["time_ms"] + 1})
+    return out
+
+
+@pytest.mark.parametrize("gbs, s0", [(256, 18), (1024, 7)])
+def test_a_long_block_is_labelled_with_all_its_steps(gbs, s0):
+    events = _stats_after_the_evaluation(reference_style(accs=(0.5, 0.72), gbs=gbs))
+    tl = build_timeline(parse_log_text(to_text(events)))
+    texts, _ = figure_texts(tl)
+    assert f"steps 1-{s0}" in texts and f"steps 1-{s0 - 1}" not in texts
+    assert str(s0 + 1) in texts  # the one-step block after it
+
+
+def test_no_checkpoint_writes_row_without_checkpoints():
+    _, fig = figure_texts(build_timeline(parse_log_text(to_text(reference_style()))))  # inline: none written
+    rows = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert rows == ["training steps", "evaluation (inline)"] and "checkpoint write" not in legend
+    _, fig = figure_texts(build_timeline(parse_log_text((DATA / "mlperf.log").read_text())))  # deferred: 13 written
+    assert "checkpoint writes" in [t.get_text() for t in fig.axes[0].get_yticklabels()]
+
+
+def test_step_labels_do_not_overlap():
+    """300 steps, 41 evaluations: S0's label and the passing evaluation's stay; no two drawn labels overlap."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    tl = build_timeline(parse_log_text(to_text(synth(accs=(0.5,) * 40 + (0.7,), steps=300))))
+    _, fig = figure_texts(tl)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    labels = [t for t in fig.axes[0].texts if t.get_visible() and t.get_text().isdigit()]
+    lanes = {}
+    for t in labels:
+        lanes.setdefault(t.get_position()[1], []).append(t)
+    assert len(lanes) == 2  # the training lane's labels and the evaluation lane's
+    for lane in lanes.values():
+        boxes = [t.get_window_extent(renderer) for t in lane]
+        assert len(boxes) > 1
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), [t.get_text() for t in lane]
+    texts = {t.get_text() for t in labels}
+    assert "18" in texts and "58" in texts  # S0, and the passing evaluation

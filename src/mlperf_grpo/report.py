@@ -229,36 +229,48 @@ def render_png(tl: Timeline) -> bytes:
         ax2 = None
     fig.suptitle(title_of(tl), fontsize=13, fontweight="bold")
     eval_lane, timeline_title = MODE_TEXT.get(tl.mode.mode, UNKNOWN_TEXT)
-    lanes = {"training steps": 2.0, "checkpoint writes": 1.0, eval_lane: 0.0}
+    # no checkpoint-writes lane for a log without deferred checkpoints (inline runs, killed before S0)
+    lanes = {"training steps": 2.0, "checkpoint writes": 1.0, eval_lane: 0.0} if tl.checkpoint_writes else {
+        "training steps": 1.0, eval_lane: 0.0}
+    top = lanes["training steps"]
     h = 0.6
     min_width = span / per * 0.004  # the narrowest bar drawn: visible at any run length
     label_every = max(1, math.ceil(len(tl.steps) / 16))
+    step_labels: list[tuple[bool, object]] = []  # (first in line, text): S0's and ranges' labels win overlaps
+    previous_last: int | None = None
     for i, (step, a, b) in enumerate(tl.steps):
-        ax.broken_barh([(x(a), x(b) - x(a))], (lanes["training steps"] - h / 2, h), color=TRAIN_COLORS[i % 2])
+        ax.broken_barh([(x(a), x(b) - x(a))], (top - h / 2, h), color=TRAIN_COLORS[i % 2])
         inside = [s for s, t in tl.step_ticks if a <= t <= b]
-        if len(inside) > 1:  # one long block: a tick per tracked_stats step, labelled with its range
-            ax.vlines([x(t) for s, t in tl.step_ticks if a <= t <= b], lanes["training steps"] - h / 2, lanes["training steps"] + h / 2,
-                      color="white", linewidth=0.6)
-            ax.text(x((a + b) / 2), lanes["training steps"] + h / 2 + 0.05, f"steps {min(inside)}-{max(inside)}",
-                    ha="center", va="bottom", fontsize=7, color="#333")
+        if len(inside) > 1:  # one long block: a tick per tracked_stats step logged inside it
+            ax.vlines([x(t) for s, t in tl.step_ticks if a <= t <= b], top - h / 2, top + h / 2, color="white", linewidth=0.6)
+        # the block's steps follow the previous block's; its own last step may log its tracked_stats after
+        # block_stop (the reference logs a step's stats after its evaluation), so the range is not the ticks'
+        first = previous_last + 1 if previous_last is not None else min(inside, default=step)
+        if step is not None and first is not None and first < step:
+            step_labels.append((True, ax.text(x((a + b) / 2), top + h / 2 + 0.05, f"steps {first}-{step}",
+                                              ha="center", va="bottom", fontsize=7, color="#333")))
         elif step is not None and (step % label_every == 0 or step == tl.first_eval_step):
-            ax.text(x((a + b) / 2), lanes["training steps"] + h / 2 + 0.05, str(step), ha="center", va="bottom", fontsize=7, color="#333")
+            step_labels.append((step == tl.first_eval_step, ax.text(x((a + b) / 2), top + h / 2 + 0.05, str(step),
+                                                                    ha="center", va="bottom", fontsize=7, color="#333")))
+        previous_last = step if step is not None else previous_last
     for step, a, b in tl.checkpoint_writes:
         ax.broken_barh([(x(a), max(x(b) - x(a), min_width))], (lanes["checkpoint writes"] - h / 2, h), color=CKPT_COLOR, zorder=3)
         ax.plot([x(a)], [lanes["checkpoint writes"]], marker="|", markersize=14, markeredgewidth=1.5, color=CKPT_COLOR, zorder=4)
+    eval_labels: list[tuple[bool, object]] = []  # the passing evaluation's label wins overlaps
     for e in tl.evals:
         a = e.start_ms if e.start_ms is not None else e.stop_ms
         color = PASS_COLOR if e.passed else FAIL_COLOR
         ax.broken_barh([(x(a), max(x(e.stop_ms) - x(a), min_width))], (lanes[eval_lane] - h / 2, h), color=color, edgecolor="white", linewidth=0.5)
         if e.step is not None:
-            ax.text(x((a + e.stop_ms) / 2), lanes[eval_lane] - h / 2 - 0.08, str(e.step), ha="center", va="top", fontsize=7, color="#333")
+            eval_labels.append((e is tl.passing, ax.text(x((a + e.stop_ms) / 2), lanes[eval_lane] - h / 2 - 0.08, str(e.step),
+                                                          ha="center", va="top", fontsize=7, color="#333")))
     if tl.first_eval_step is not None:
         # where step S0 began: the end of step S0-1 inside a long block, else the start of S0's block
         s0 = [t for step, t in tl.step_ticks if step == tl.first_eval_step - 1] or [
             a for step, a, _ in tl.steps if step == tl.first_eval_step]
         if s0:
             ax.axvline(x(s0[0]), color="#888", linestyle=":", linewidth=1)
-            ax.text(x(s0[0]), 2.72, f" first eval step S0={tl.first_eval_step}", fontsize=8, color="#555", va="bottom")
+            ax.text(x(s0[0]), top + 0.72, f" first eval step S0={tl.first_eval_step}", fontsize=8, color="#555", va="bottom")
     if tl.run_start_ms is not None:
         ax.axvline(x(tl.run_start_ms), color="#444", linestyle="--", linewidth=1)
         ax.text(x(tl.run_start_ms), -0.95, "run_start ", ha="right", fontsize=8, color="#444")
@@ -287,22 +299,39 @@ def render_png(tl: Timeline) -> bytes:
                 ax.text((x0 + xs) / 2, -0.65, f"{tl.status}: no time-to-train (no evaluation passed; the run has no score)",
                         ha="center", va="bottom", fontsize=9, color=FAIL_COLOR)
     ax.set_yticks(list(lanes.values()), list(lanes.keys()))
-    ax.set_ylim(-1.05, 2.95)
+    ax.set_ylim(-1.05, top + 0.95)
     ax.set_xlabel(f"wall-clock time since run_start ({unit})")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(timeline_title, fontsize=10, loc="left")
-    ax.legend(handles=[Patch(color=TRAIN_COLORS[0], label="training step (block)"), Patch(color=CKPT_COLOR, label="checkpoint write"),
-                       Patch(color=FAIL_COLOR, label="eval: below target"), Patch(color=PASS_COLOR, label="eval: passes")],
-              loc="upper left", fontsize=8, ncol=4, framealpha=0.9, bbox_to_anchor=(0.0, -0.13 if ax2 is not None else -0.2))
+    handles = [Patch(color=TRAIN_COLORS[0], label="training step (block)")]
+    handles += [Patch(color=CKPT_COLOR, label="checkpoint write")] if tl.checkpoint_writes else []
+    handles += [Patch(color=FAIL_COLOR, label="eval: below target"), Patch(color=PASS_COLOR, label="eval: passes")]
+    ax.legend(handles=handles, loc="upper left", fontsize=8, ncol=4, framealpha=0.9,
+              bbox_to_anchor=(0.0, -0.13 if ax2 is not None else -0.2))
 
     evals = draw_evals
     if ax2 is not None:
         _draw_accuracy(ax2, tl, evals, passing)
     fig.tight_layout()
+    for labels in (step_labels, eval_labels):
+        _hide_overlapping(fig, [text for _, text in sorted(labels, key=lambda p: not p[0])])
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _hide_overlapping(fig, texts: list) -> None:
+    """Hide each text of ``texts`` (matplotlib ``Text``, in order of priority) whose drawn
+    box, in pixels, overlaps one kept before it: step labels never print over each other."""
+    renderer = fig.canvas.get_renderer()
+    kept = []
+    for text in texts:
+        box = text.get_window_extent(renderer).expanded(1.15, 1.0)  # a little air between neighbours
+        if any(box.overlaps(other) for other in kept):
+            text.set_visible(False)
+        else:
+            kept.append(box)
 
 
 def _draw_accuracy(ax2, tl: Timeline, evals: list[EvalSpan], passing: EvalSpan | None) -> None:
