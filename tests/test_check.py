@@ -206,10 +206,13 @@ def test_real_log_is_clean_with_success_and_the_run_time_to_train(capsys):
     assert report.run_dir == run.resolve()
     assert report.official.verdict == "SUCCESS", report.official.messages
     assert report.findings == [] and report.score.disagreements == [] and report.clean
-    # every check made (run_stop against training_info.json, eval_samples against eval/); the
-    # stored run is open division, so the note says which series rule applied
+    # every check made (run_stop against training_info.json, eval_samples and step 23's accuracy
+    # against eval/); the stored run is open division, so the note says which series rule applied;
+    # it keeps one eval/step_N.jsonl, so the other accuracies could not be recomputed
     assert report.notes == ["eval series judged by the open-division rule (from the log's first evaluation, "
-                            "samples_count 4608); closed logs are judged from S0"]
+                            "samples_count 4608); closed logs are judged from S0",
+                            f"eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22: no eval/step_N.jsonl for "
+                            f"them under {report.run_dir}"]
     assert report.mode.mode == "deferred"
     assert report.score.log_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.summarizer_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlperf_grpo import rules
+from mlperf_grpo.check.evidence import stored_results
 from mlperf_grpo.check.findings import Finding
 from mlperf_grpo.check.shape import DEFERRED, EVAL_KEYS, INLINE, evaluation_mode, int_or_none, ms_text, trained_samples
 from mlperf_grpo.mllog import LogEvent, ParsedLog, loads_line
@@ -429,8 +430,9 @@ def _training_infos(run_dir: Path | None) -> dict[int, tuple[Path, int]]:
 def run_stop_time(inp: LintInput) -> list[Finding]:
     """``run_stop.time_ms`` is not the weight-update time of its checkpoint.
 
-    The checkpoint is the one at the run_stop's ``samples_count`` (else at the last
-    ``eval_accuracy`` before it). Compared with ``training_info.json``'s
+    The checkpoint is, for ``success``, the first passing evaluation's (a run_stop naming
+    another is also a ``run-stop-step`` finding); else the one at the run_stop's
+    ``samples_count`` (else at the last ``eval_accuracy`` before it). Compared with ``training_info.json``'s
     ``training_step_end_time_ms`` when the run's checkpoints are still on disk, and with
     the ``block_start``/``block_stop`` of that step in the log (the weight update happens
     inside the step's block).
@@ -454,7 +456,10 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     if mode.mode != DEFERRED:
         inp.notes.append(f"run_stop time not checked: {mode.evidence}")
         return out
-    sc = _sc_int(stop)
+    passing = first_passing_eval(log, inp.target)
+    sc = _sc_int(passing) if passing is not None and stop.metadata.get("status") == "success" else None
+    if sc is None:
+        sc = _sc_int(stop)
     if sc is None:
         before = [e for e in evals if _sc_int(e) is not None]
         sc = _sc_int(before[-1]) if before else None
@@ -603,6 +608,69 @@ def eval_samples(inp: LintInput) -> list[Finding]:
     return out
 
 
+def eval_results(inp: LintInput) -> list[Finding]:
+    """``eval_accuracy`` other than pass@k of the run directory's ``eval/step_N.jsonl``.
+
+    Each logged evaluation (step = ``samples_count`` / GBS) whose results file is in the
+    run directory must log exactly the accuracy those rewards give: the evaluator logs
+    :func:`mlperf_grpo.rules.pass_at_k` of them, the same division of two integers, kept
+    exactly by JSON. A results file that cannot give one is a finding too; a logged
+    evaluation without a file is a note (the check could not be made).
+    """
+    results, gbs = stored_results(inp.run_dir), _gbs(inp.log)
+    if inp.run_dir is None or gbs is None:
+        return []
+    out, unmatched = [], []
+    impact = ("the log's result is not what the stored evaluation gives: the convergence point and time-to-train "
+              "may come from an edited log or another run")
+    for e in inp.log.find("eval_accuracy"):
+        sc = _sc_int(e)
+        if sc is None or sc % gbs or not _is_number(e.value):
+            continue  # eval-series / metadata-type / eval-value findings
+        stored = results.get(sc // gbs)
+        if stored is None:
+            unmatched.append(sc // gbs)
+        elif stored.accuracy is None:
+            out.append(Finding("eval-results", e.line_no, "eval_accuracy",
+                               f"the accuracy of step {sc // gbs} cannot be recomputed: {stored.path}: {stored.problem}", impact))
+        elif e.value != stored.accuracy:
+            out.append(Finding("eval-results", e.line_no, "eval_accuracy",
+                               f"eval_accuracy {e.value!r} of step {sc // gbs} is not {stored.accuracy!r}, pass@k of the "
+                               f"{stored.tasks} tasks' rewards in {stored.path}", impact))
+    if unmatched:
+        inp.notes.append(f"eval_accuracy not recomputed for step(s) {', '.join(map(str, unmatched))}: no "
+                         f"eval/step_N.jsonl for them under {inp.run_dir}")
+    return out
+
+
+def block_pairing(inp: LintInput) -> list[Finding]:
+    """``block_start``/``block_stop`` unpaired: each ``block_start`` must be closed by one
+    ``block_stop`` before the next ``block_start``; a ``block_stop`` with no open block
+    (a duplicate) is a finding too. The last block may stay open: training stopped during
+    that step (a kill), and its published checkpoints were evaluated; that is a note."""
+    out: list[Finding] = []
+    impact = ("a step's block_stop bounds its weight-update time (run-stop-time) and says how far training went; "
+              "a missing or repeated one hides a step or claims one that was not trained")
+    open_block, last_stop = None, None
+    for e in inp.log.events:
+        if e.key == "block_start":
+            if open_block is not None:
+                out.append(Finding("block-pairing", open_block.line_no, "block_start",
+                                   f"block_start at samples_count {_short(_sc(open_block))} has no block_stop before the "
+                                   f"next block_start (line {e.line_no})", impact))
+            open_block = e
+        elif e.key == "block_stop":
+            if open_block is None:
+                again = f" (the previous block_stop is at line {last_stop.line_no})" if last_stop is not None else ""
+                out.append(Finding("block-pairing", e.line_no, "block_stop",
+                                   f"block_stop at samples_count {_short(_sc(e))} closes no block_start{again}", impact))
+            open_block, last_stop = None, e
+    if open_block is not None:
+        inp.notes.append(f"the last block_start (line {open_block.line_no}) has no block_stop: training stopped during "
+                         "that step")
+    return out
+
+
 RULES: list[Callable[[LintInput], list[Finding]]] = [
     invalid_lines,
     long_lines,
@@ -621,6 +689,8 @@ RULES: list[Callable[[LintInput], list[Finding]]] = [
     substring_keys,
     duplicate_global_batch_size,
     eval_samples,
+    eval_results,
+    block_pairing,
 ]
 
 

@@ -1,0 +1,125 @@
+"""`check` against the run directory at hand: every logged eval_accuracy is pass@k of the
+rewards in `eval/step_N.jsonl`, run_stop is the passing step's weight-update time, and
+block_start/block_stop pair up. Forged logs beside a real run are not clean."""
+
+import copy
+import json
+import shutil
+
+import pytest
+from logtools_helpers import find, live_run, real_run, synth, to_text
+
+from mlperf_grpo import rules
+from mlperf_grpo.check import check_log, lint_text
+
+PREFIX = ":::MLLOG "
+
+
+def events_of(path):
+    return [json.loads(ln[len(PREFIX):]) for ln in path.read_text().splitlines()]
+
+
+def rewritten(run, events):
+    (run / "mlperf.log").write_text(to_text(events))
+    return check_log(run / "mlperf.log")
+
+
+def rules_of(report):
+    return {f.rule for f in report.findings}
+
+
+def stored_pass_at_k(path):
+    """pass@k of a results file, computed here from its task lines (not by the checker's reader)."""
+    tasks = [json.loads(ln)["rewards"] for ln in path.read_text().splitlines()[1:] if ln.strip()]
+    return sum(any(r > 0 for r in rewards) for rewards in tasks) / len(tasks)
+
+
+def test_the_real_run_is_clean_and_its_stored_result_matches():
+    run = real_run()
+    report = check_log(run / "mlperf.log")
+    assert report.clean, report.findings
+    logged = events_of(run / "mlperf.log")[find(events_of(run / "mlperf.log"), "eval_accuracy", 23)]["value"]
+    assert logged == stored_pass_at_k(run / "eval" / "step_23.jsonl") == 175 / 251
+    assert any(n.startswith("eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22") for n in report.notes)
+
+
+def test_an_edited_accuracy_is_a_finding():
+    run = real_run()
+    events = events_of(run / "mlperf.log")
+    i = find(events, "eval_accuracy", 23)
+    events[i]["value"] = 0.72  # still a pass, but not what step 23's rewards give
+    report = rewritten(run, events)
+    assert not report.clean
+    [f] = [f for f in report.findings if f.rule == "eval-results"]
+    assert f.line == i + 1 and "0.72 of step 23 is not 0.6972111553784861" in f.problem and "251 tasks" in f.problem
+
+
+def test_results_that_cannot_give_an_accuracy_are_a_finding():
+    run = real_run()
+    path = run / "eval" / "step_23.jsonl"
+    lines = path.read_text().splitlines()
+    lines[5] = json.dumps({**json.loads(lines[5]), "rewards": [None, 1.0]})
+    path.write_text("\n".join(lines) + "\n")
+    report = check_log(run / "mlperf.log")
+    [f] = [f for f in report.findings if f.rule == "eval-results"]
+    assert "cannot be recomputed" in f.problem and "line 6" in f.problem
+
+
+def test_a_duplicated_block_stop_is_a_finding():
+    run = real_run()
+    events = events_of(run / "mlperf.log")
+    i = find(events, "block_stop", 20)
+    events.insert(i + 1, copy.deepcopy(events[i]))
+    report = rewritten(run, events)
+    [f] = [f for f in report.findings if f.rule == "block-pairing"]
+    assert f.line == i + 2 and f"closes no block_start (the previous block_stop is at line {i + 1})" in f.problem
+    assert not report.clean
+
+
+def test_a_missing_block_stop_is_a_finding():
+    run = real_run()
+    events = events_of(run / "mlperf.log")
+    i = find(events, "block_stop", 20)
+    del events[i]
+    report = rewritten(run, events)
+    [f] = [f for f in report.findings if f.rule == "block-pairing"]
+    assert f.line == i and "block_start at samples_count 4864 has no block_stop before the next block_start" in f.problem
+    assert not report.clean
+
+
+def test_a_training_stopped_during_its_last_step_is_a_note_not_a_finding():
+    events = synth()
+    events.insert(find(events, "eval_start"), {**events[find(events, "block_start", 22)], "time_ms": 3200,
+                                               "metadata": {"samples_count": 22 * 256, "step": 23}})
+    _, findings, notes = lint_text(to_text(events))
+    assert findings == [] and any("has no block_stop: training stopped during that step" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_forged_logs_beside_a_live_run_are_not_clean(tmp_path):
+    """The issue's two forgeries on a run made now (every eval/step_N.jsonl present): the pass
+    moved to an earlier step (its accuracy edited above the target, run_stop set to that
+    step's training_step_end_time_ms), and one accuracy edited to 0.72."""
+    live = live_run()
+    run = tmp_path / "run"
+    shutil.copytree(live, run, ignore=shutil.ignore_patterns("*.safetensors"))  # the records, not the weights
+    assert check_log(run / "mlperf.log").clean
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    passing, gbs = summary["passing_step"], 256
+    earlier = passing - 1
+    assert earlier >= rules.first_eval_step(gbs), "the live run passed at its first evaluation: nothing to move"
+    original = events_of(run / "mlperf.log")
+
+    moved = [copy.deepcopy(e) for e in original if not (e["key"] in ("eval_start", "eval_accuracy", "eval_stop") and e["metadata"]["step"] > earlier)]
+    moved[find(moved, "eval_accuracy", earlier)]["value"] = 0.70
+    info = json.loads((run / "checkpoints" / f"step_{earlier}" / "training_info.json").read_text())
+    moved[-1]["time_ms"] = info["training_step_end_time_ms"]
+    moved[-1]["metadata"].update(samples_count=earlier * gbs, step=earlier)
+    report = rewritten(run, moved)
+    assert not report.clean and "eval-results" in rules_of(report)
+    assert [f.line for f in report.findings if f.rule == "eval-results"] == [find(moved, "eval_accuracy", earlier) + 1]
+
+    edited = copy.deepcopy(original)
+    edited[find(edited, "eval_accuracy", passing)]["value"] = 0.72  # the issue's "step 21's accuracy to 0.72"
+    report = rewritten(run, edited)
+    assert not report.clean and rules_of(report) == {"eval-results"}
