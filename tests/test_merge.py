@@ -4,7 +4,7 @@ idempotent, atomic, and refusing two run_stops or a gap."""
 import random
 
 import pytest
-from logtools_helpers import DATA
+from logtools_helpers import DATA, real_run
 
 from mlperf_grpo.check import check_log
 from mlperf_grpo.cli import main
@@ -197,3 +197,79 @@ def test_merging_the_merged_log_again_is_still_accepted(tmp_path):
     write(merged, train + [ln for t in triples for ln in t] + stop)
     result = merge_logs(write(tmp_path / "train.log", train), merged, tmp_path / "out.log")
     assert (tmp_path / "out.log").read_text() == merged.read_text() and result.appended == len(triples) * 3 + 1
+
+
+# --- issue 26 item 8: an evaluation log of another run ------------------------------------
+
+
+def _eval_lines():
+    _, triples, stop = split()
+    return [ln for t in triples for ln in t] + stop
+
+
+def _edit(lines, key, step, **changes):
+    """``lines`` with the ``key`` line of ``step`` (run_stop: the only one) changed."""
+    import json
+
+    out = []
+    for ln in lines:
+        event = json.loads(ln.partition(":::MLLOG ")[2])
+        if event["key"] == key and (key == "run_stop" or event["metadata"].get("step") == step):
+            event.update({k: v for k, v in changes.items() if k != "metadata"})
+            event["metadata"].update(changes.get("metadata", {}))
+        out.append(":::MLLOG " + json.dumps(event))
+    return out
+
+
+def test_another_runs_evaluation_of_the_same_batch_size_is_refused(tmp_path, capsys):
+    """The issue's case: another run of GBS 256, started later (its times 40 min after this
+    one's), evaluated to a pass at the same step: its run_stop is no weight-update time here."""
+    train, _, _ = split()
+    t = write(tmp_path / "train.log", train)
+    e = write(tmp_path / "other-eval.log", _shifted(_eval_lines(), -40 * 60_000))
+    assert main(["merge", "--train", str(t), "--eval", str(e), "-o", str(tmp_path / "out.log")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{e} line" in err
+    assert ("run_stop at 1796000824706 ms is not a weight-update time of step 23 in the training log "
+            "(after 1795998424620 ms (line 85) and no later than 1795998424706 ms, its block_stop at line 87)") in err
+    assert not (tmp_path / "out.log").exists()
+
+
+def test_the_run_directory_ties_run_stop_to_the_checkpoint_exactly(tmp_path, capsys):
+    """Beside the run's checkpoints the tie is training_info.json's time, to the ms: a run_stop
+    1 ms early (inside step 23's block, so the log alone would accept it) is refused."""
+    run = real_run()
+    train, _, _ = split()
+    t = write(run / "train.log", train)
+    early = write(tmp_path / "early.log", _edit(_eval_lines(), "run_stop", None, time_ms=1795998424705))
+    with pytest.raises(MergeError) as err:
+        merge_logs(t, early, tmp_path / "out.log")
+    assert "run_stop at 1795998424705 ms is not step 23's weight-update time 1795998424706 ms" in str(err.value)
+    assert main(["merge", "--train", str(t), "--eval", str(write(tmp_path / "e.log", _eval_lines())), "-o", str(tmp_path / "o.log")]) == 0
+    out = capsys.readouterr().out
+    assert f"tied to the training: run_stop equals step 23's weight-update time in {run / 'checkpoints/step_23/training_info.json'}" in out
+
+
+def test_a_run_stop_after_the_passing_steps_block_stop_is_refused(tmp_path, capsys):
+    train, _, _ = split()
+    t = write(tmp_path / "train.log", train)
+    late = write(tmp_path / "late.log", _edit(_eval_lines(), "run_stop", None, time_ms=1795998424707))
+    with pytest.raises(MergeError, match="no later than 1795998424706 ms, its block_stop at line 87"):
+        merge_logs(t, late, tmp_path / "out.log")
+    ok = write(tmp_path / "ok.log", _eval_lines())
+    assert main(["merge", "--train", str(t), "--eval", str(ok), "-o", str(tmp_path / "o.log")]) == 0
+    assert "tied to the training: run_stop lies within step 23's training in the training log (lines 85-87" in capsys.readouterr().out
+
+
+def test_evaluations_of_steps_this_training_never_reached_are_refused(tmp_path):
+    train, _, _ = split()
+    short = train[: next(i for i, ln in enumerate(train) if '"block_start"' in ln and '"step": 21}' in ln)]  # trained to step 20
+    with pytest.raises(MergeError, match="an evaluation of step 21, but the training log trained to step 20"):
+        merge_logs(write(tmp_path / "train.log", short), write(tmp_path / "e.log", _eval_lines()), tmp_path / "out.log")
+
+
+def test_an_evaluation_begun_before_its_step_was_trained_is_refused(tmp_path):
+    train, _, _ = split()
+    ev = _edit(_eval_lines(), "eval_start", 20, time_ms=1795998424300)  # step 19 still training then
+    with pytest.raises(MergeError, match="the evaluation of step 20 began at 1795998424300 ms, before that step was trained"):
+        merge_logs(write(tmp_path / "train.log", train), write(tmp_path / "e.log", ev), tmp_path / "out.log")

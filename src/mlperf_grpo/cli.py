@@ -340,6 +340,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     state = "written" if result.changed else "unchanged (already merged)"
     print(f"{result.output}: {state}; {result.appended} eval line(s) after the training log, "
           f"{result.already_present} already present")
+    if result.tie:
+        print(f"tied to the training: {result.tie}")
     if result.dropped_steps:
         print(f"dropped evaluations after the first pass: steps {result.dropped_steps}")
     if result.ignored_keys:

@@ -14,7 +14,10 @@ training log's own ``run_stop``; evaluations at a ``samples_count`` that is not 
 step at the training log's global batch size; a gap or overlap in the evaluation series
 (closed: from S0; open: from the first evaluation); two different evaluations of one
 checkpoint; a successful ``run_stop`` that does not name the first passing checkpoint;
-invalid JSON in the evaluator's log. Evaluations after the first passing one are dropped (the RCP checker
+invalid JSON in the evaluator's log; and an evaluation log that cannot be this training's
+(:func:`tie_to_training`): an evaluation of a step the training log never trained or
+begun before that step was trained, or a ``run_stop`` that is not a weight-update time of
+its step (the first passing one; aborted: the step it names) in this training log. Evaluations after the first passing one are dropped (the RCP checker
 would take the last one as the convergence point) and reported.
 
 Idempotent: merging again, or merging the output with the same evaluator log, gives the
@@ -32,7 +35,9 @@ from pathlib import Path
 
 from mlperf_grpo import rules
 from mlperf_grpo.check import UnreadableLog, load_log_text
-from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number
+from mlperf_grpo.check import find_run_dir
+from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number, _training_infos
+from mlperf_grpo.check.shape import ms_text, samples_count_of
 from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 
 MERGED_KEYS = (*EVAL_KEYS, "run_stop")
@@ -50,7 +55,8 @@ class MergeResult:
     ``appended``: lines added after the training log; ``already_present``: evaluator
     events found in the training log already; ``ignored_keys``: evaluator lines with
     other keys (not copied); ``dropped_steps``: evaluations after the first pass, not
-    copied; ``changed``: False when the output already had exactly these bytes.
+    copied; ``changed``: False when the output already had exactly these bytes;
+    ``tie``: how the evaluation log was tied to the training (:func:`tie_to_training`).
     """
 
     output: Path
@@ -59,6 +65,7 @@ class MergeResult:
     ignored_keys: list[str] = field(default_factory=list)
     dropped_steps: list[int] = field(default_factory=list)
     changed: bool = True
+    tie: str = ""
 
 
 def _read(path: Path, role: str) -> tuple[str, ParsedLog, list[str]]:
@@ -105,6 +112,79 @@ def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> Non
                 and e.time_ms < run_start_ms:
             raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {e.key} at {e.time_ms} ms is before the "
                              f"training log's run_start ({run_start_ms} ms); the logs are of different runs")
+
+
+def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None, LogEvent | None]:
+    """The training log's bounds on the weight-update time of ``step``: the ``block_stop``
+    that ends step - 1 (at ``(step - 1) * GBS``; ``run_start`` for step 1) and the first
+    event that ends ``step`` (``block_stop`` or ``tracked_stats`` at ``step * GBS``). The
+    update happens after the first and no later than the second (right after the optimizer
+    step, inside the step's block; a step's stats are logged after it). None where the log
+    has no such event (one block spanning many steps has no ``block_stop`` between them:
+    no lower bound)."""
+    def ends(sc: int, keys: tuple[str, ...]) -> list[LogEvent]:
+        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and _is_number(e.time_ms)]
+    before = ends((step - 1) * gbs, ("block_stop",)) if step > 1 else train.find("run_start")
+    after = ends(step * gbs, ("block_stop", "tracked_stats")) if step > 0 else train.find("run_start")
+    return (max(before, key=lambda e: e.time_ms) if before else None,
+            min(after, key=lambda e: e.time_ms) if after else None)
+
+
+def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: dict[int, list[LogEvent]],
+                    stops: list[LogEvent], first_pass: int | None, gbs: int) -> str:
+    """Refuse an evaluation log that cannot be of this training; say how it is tied.
+
+    Every evaluation must be of a step the training log trained, begun after that step
+    ended (its checkpoint existed). ``run_stop`` carries a checkpoint's weight-update time
+    (DESIGN.md, "The rule"): of the first passing step (success) or of the step it names
+    (aborted). The strongest tie available is used: that step's
+    ``training_step_end_time_ms`` in ``<run>/checkpoints/step_N/training_info.json`` next to
+    the training log (equal, to the ms); else the training log's own window for the
+    step (:func:`_step_window`: after the previous step ended, no later than its own
+    ``block_stop``).
+
+    Returns:
+        One sentence naming the tie used ("" when there is no new ``run_stop``).
+    Raises:
+        MergeError: one line naming the evaluation log's line and the training's values.
+    """
+    trained = {sc for e in train.events if e.key in ("block_stop", "tracked_stats") and (sc := samples_count_of(e)) is not None}
+    last = max(trained, default=0)
+    for sc, events in sorted(groups.items()):
+        if sc > last:
+            raise MergeError(f"evaluation log {eval_log} line {events[0].line_no}: an evaluation of step {sc // gbs}, but "
+                             f"the training log trained to step {last // gbs}; the logs are of different runs")
+        start, _ = _step_window(train, sc // gbs, gbs)
+        begun = min((e for e in events if _is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
+        if start is not None and begun is not None and begun.time_ms < start.time_ms:
+            raise MergeError(f"evaluation log {eval_log} line {begun.line_no}: the evaluation of step {sc // gbs} began at "
+                             f"{ms_text(begun.time_ms)} ms, before that step was trained (after {ms_text(start.time_ms)} ms, "
+                             f"training log line {start.line_no}); the logs are of different runs")
+    if not stops:
+        return ""
+    stop = stops[0]
+    sc = first_pass if stop.metadata.get("status") == "success" else samples_count_of(stop)
+    if sc is None or not _is_number(stop.time_ms):
+        return "none: the run_stop names no step"
+    step = sc // gbs
+    infos = _training_infos(find_run_dir(train_log))
+    if sc in infos:
+        path, t_update = infos[sc]
+        if stop.time_ms != t_update:
+            raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at {ms_text(stop.time_ms)} ms is not "
+                             f"step {step}'s weight-update time {t_update} ms ({path}); the evaluation is of another run")
+        return f"run_stop equals step {step}'s weight-update time in {path}"
+    lo, hi = _step_window(train, step, gbs)
+    if hi is None:
+        raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop names step {step}, which the training log "
+                         "never trained; the logs are of different runs")
+    if (lo is not None and stop.time_ms < lo.time_ms) or stop.time_ms > hi.time_ms:
+        after = f"after {ms_text(lo.time_ms)} ms (line {lo.line_no}) and " if lo is not None else ""
+        raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at {ms_text(stop.time_ms)} ms is not a "
+                         f"weight-update time of step {step} in the training log ({after}no later than {ms_text(hi.time_ms)} "
+                         f"ms, its {hi.key} at line {hi.line_no}); the evaluation is of another run")
+    lines = f"lines {lo.line_no}-{hi.line_no}" if lo is not None else f"line {hi.line_no}"
+    return f"run_stop lies within step {step}'s training in the training log ({lines}; no checkpoint records beside it)"
 
 
 def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
@@ -200,6 +280,8 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         if stop.metadata.get("status") == "success" and _is_int(sc) and sc != first_pass:
             raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at samples_count {sc}, but the first "
                              f"passing evaluation is at {first_pass}")
+    result.tie = tie_to_training(Path(train_log), train, Path(eval_log), {g[0].metadata["samples_count"]: g for g in kept},
+                                 new_stops, first_pass, gbs)
 
     new_lines = [_mllog_part(ev_lines, e) for group in kept for e in group] + [_mllog_part(ev_lines, e) for e in new_stops]
     result.appended = len(new_lines)
