@@ -123,3 +123,17 @@ def test_forged_logs_beside_a_live_run_are_not_clean(tmp_path):
     edited[find(edited, "eval_accuracy", passing)]["value"] = 0.72  # the issue's "step 21's accuracy to 0.72"
     report = rewritten(run, edited)
     assert not report.clean and rules_of(report) == {"eval-results"}
+
+
+def test_a_successful_run_stop_is_timed_against_the_first_passing_step():
+    """run_stop naming step 22 with step 22's own weight-update time: the time is still not the
+    passing step 23's (old: compared with the step the run_stop names, and matched)."""
+    run = real_run()
+    events = events_of(run / "mlperf.log")
+    info = json.loads((run / "checkpoints" / "step_22" / "training_info.json").read_text())
+    events[-1]["time_ms"] = info["training_step_end_time_ms"]
+    events[-1]["metadata"].update(samples_count=22 * 256, step=22)
+    report = rewritten(run, events)
+    [f] = [f for f in report.findings if f.rule == "run-stop-time" and "training_info.json" in f.problem]
+    assert f"differs from the weight-update time 1795998424706 in {run / 'checkpoints/step_23/training_info.json'}" in f.problem
+    assert "run-stop-step" in rules_of(report)
