@@ -7,7 +7,7 @@ import pytest
 
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.tasks.base import Task
-from mlperf_grpo.tasks.verify import answers_match, final_answer, math_reward, verify_answer
+from mlperf_grpo.tasks.verify import _decimal_places, _parse, answers_match, final_answer, math_reward, verify_answer
 
 TASK_12_34 = Task("add-12-34", "12+34=", "46")
 
@@ -96,3 +96,13 @@ def test_verifier_credits_only_the_whole_answer_exactly(completion, gold, want):
 def test_fbox_is_a_final_answer():
     assert final_answer("first \\fbox{\\frac{1}{2}} then") == "\\frac{1}{2}"
     assert final_answer("\\fbox{a{b}c}") == "a{b}c" and final_answer("\\fbox{") is None
+
+
+@pytest.mark.parametrize("answer, gold, places", [
+    ("x^2+1", "1+x^{2}", 15), ("10^{30}", "10^{30}+1", 15),     # math-verify's default for magnitudes >= 1
+    ("10^{-30}", "2\\cdot 10^{-30}", 45),                        # 15 significant digits of 1e-30
+    ("[0, 0.0000001]", "[0, 0.0000002]", 22), ("x = 3\\cdot 10^{-9}", "x", 24),
+    ("10^{-10^{6}}", "2\\cdot 10^{-10^{6}}", 10_015),            # bounded: a million places took 42 s
+])
+def test_comparison_places_follow_the_smallest_constant(answer, gold, places):
+    assert _decimal_places(*_parse(answer), *_parse(gold)) == places
