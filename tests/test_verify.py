@@ -98,6 +98,11 @@ def test_fbox_is_a_final_answer():
     assert final_answer("\\fbox{a{b}c}") == "a{b}c" and final_answer("\\fbox{") is None
 
 
+@pytest.mark.parametrize("text", ["\\boxed{4^{", "12 then \\boxed{13", "\\boxed{4} or \\fbox{4\\sqrt{2", "#### 4\n\\boxed{4+"])
+def test_a_box_never_closed_is_no_answer(text):
+    assert final_answer(text) is None and verify_answer(text, "4") is False
+
+
 @pytest.mark.parametrize("answer, gold, places", [
     ("x^2+1", "1+x^{2}", 15), ("10^{30}", "10^{30}+1", 15),     # math-verify's default for magnitudes >= 1
     ("10^{-30}", "2\\cdot 10^{-30}", 45),                        # 15 significant digits of 1e-30

@@ -8,7 +8,8 @@ its own final answer and may reuse :func:`answers_match`.
 
 Final answer of free text, :func:`final_answer`, the first that applies:
 
-1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced);
+1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; one never
+   closed, ``\\boxed{4^{``, gives no answer: rule 4 read 4 in it);
 2. the text after the last ``####`` up to the end of its line (GSM8K);
 3. the whole text, when it is one number (``-12``, ``1,000``, ``2.50``, ``3/4``,
    ``\\frac{3}{4}``; ``$...$`` around it allowed);
@@ -95,7 +96,8 @@ def as_number(text: str) -> Fraction | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}``; None without one or when unbalanced."""
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}``; None without one, ``""``
+    when it is not closed (a completion cut inside its box has no answer)."""
     starts = list(_BOXED.finditer(text))
     if not starts:
         return None
@@ -104,7 +106,7 @@ def _last_boxed(text: str) -> str | None:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j].strip()
-    return None  # unbalanced: no answer
+    return ""
 
 
 def final_answer(text: str) -> str | None:
