@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+import numeric_rewards
 import reward_fixtures
+from mlperf_grpo.config import ConfigError
 from mlperf_grpo.tasks import arithmetic, scoring
 from mlperf_grpo.tasks.base import Task
-from mlperf_grpo.tasks.scoring import VerifierError, score
+from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError, score
 from mlperf_grpo.tasks.verify import math_reward
 
 TESTS = Path(__file__).parent
@@ -60,7 +62,7 @@ def test_reward_must_be_importable_by_name():
 
 def test_reward_errors_and_dead_workers_are_verifier_errors():
     tasks = arithmetic.validation_tasks(8)
-    with pytest.raises(VerifierError, match=r"failed on 8 of 8 completions \(0 timeouts\); first: ValueError: could not convert string to float: 'many' on task add-"):
+    with pytest.raises(RewardValueError, match=f"returned 'many' on task {tasks[0].task_id} \\(8 of 8 completions\\)"):
         score(reward_fixtures.bad_value_reward, [(t.answer, t) for t in tasks])
     items = [("die" if i == 3 else t.answer, t) for i, t in enumerate(tasks)]
     with pytest.raises(VerifierError, match=f"failed on 1 of 8 .*first: reward worker died \\(exit code 7\\) on task {tasks[3].task_id}"):
@@ -70,6 +72,27 @@ def test_reward_errors_and_dead_workers_are_verifier_errors():
     with pytest.raises(VerifierError, match=r"failed on 40 of 40 completions \(0 timeouts, (\d+) not scored: every worker was stuck\)") as info:
         score(reward_fixtures.dying_reward, [("die", t) for t in tasks * 5])
     assert int(re.search(r"(\d+) not scored", str(info.value)).group(1)) >= 30
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("nan", "nan"), ("inf", "inf"), ("-inf", "-inf"), ("numpy-nan", "np.float64(nan)"), ("torch-inf", "tensor(inf)"),
+    ("10**400", "1" + "0" * 56 + "..."), ("str", "'1.0'"), ("none", "None"), ("list", "[1.0]"), ("complex", "1j"),
+])
+def test_a_reward_that_is_not_a_finite_number_fails_the_call_naming_task_and_value(name, shown):
+    tasks = arithmetic.validation_tasks(6)
+    items = [(name if i in (2, 4) else "one", t) for i, t in enumerate(tasks)]
+    with pytest.raises(RewardValueError) as info:
+        score(numeric_rewards.value_reward, items)
+    assert str(info.value) == (f"reward function numeric_rewards:value_reward returned {shown} on task {tasks[2].task_id} "
+                               "(2 of 6 completions); a reward must be a finite number: fix the reward function")
+    assert isinstance(info.value, VerifierError) and isinstance(info.value, ConfigError)  # bad input: exit 2
+
+
+def test_finite_real_rewards_of_any_numeric_type_are_floats():
+    names = ["one", "true", "half", "numpy", "torch", "-2.5"]
+    items = [(name, Task(f"t{i}", "p", "1")) for i, name in enumerate(names)]
+    rewards = score(numeric_rewards.value_reward, items)
+    assert rewards == [1.0, 1.0, 0.5, 0.25, 0.75, -2.5] and all(type(r) is float for r in rewards)
 
 
 def test_reward_timeout_uses_the_module_setting_and_counts_as_timeout(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.tasks.base import Task
-from mlperf_grpo.tasks.verify import answers_match, final_answer, math_reward, verify_answer
+from mlperf_grpo.tasks.verify import _decimal_places, _parse, answers_match, final_answer, math_reward, verify_answer
 
 TASK_12_34 = Task("add-12-34", "12+34=", "46")
 
@@ -69,3 +69,45 @@ def test_verify_answer_from_threads_and_spawned_processes():
         assert list(pool.map(verify_answer, completions * 4, golds * 4)) == list(want) * 4
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert list(pool.map(verify_answer, completions, golds)) == list(want)
+
+
+@pytest.mark.parametrize("completion, gold, want", [
+    # a parse that drops part of the answer is not credited (math-verify read 4\sqrt(2) as 4,
+    # huggingface/Math-Verify#41; 1 - \frac{1}{\mathrm{e}} as 1; 4 \\ 5 as 5)
+    ("\\boxed{4\\sqrt(2)}", "4", False), ("\\boxed{4\\sqrt(2)+1}", "4", False),
+    ("\\boxed{1 - \\frac{1}{\\mathrm{e}}}", "1", False), ("\\boxed{4 \\\\ 5}", "5", False),
+    ("\\boxed{4\\sqrt{2}}", "4\\sqrt{2}", True), ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", True),
+    # small values compare relatively: math-verify's 15-digit chop made these equal
+    ("\\boxed{10^{-30}}", "2\\cdot 10^{-30}", False), ("\\boxed{e^{-101}}", "e^{-100}", False),
+    ("\\boxed{x = 10^{-30}}", "x = 2\\cdot 10^{-30}", False),        # inside an equation
+    ("\\boxed{[0, 10^{-30}]}", "[0, 2\\cdot 10^{-30}]", False),      # an interval's end
+    ("\\boxed{[0, 0.0000001]}", "[0, 0.0000002]", False),            # floats rounded to 6 places
+    ("\\boxed{\\frac{2}{10^{30}}}", "2\\cdot 10^{-30}", True), ("\\boxed{[0, 0.1]}", "[0, \\frac{1}{10}]", True),
+    ("\\boxed{e^{-100}\\sqrt{3+2\\sqrt{2}}}", "e^{-100}(1+\\sqrt{2})", True),  # equal at any precision
+    ("\\boxed{\\frac{\\pi}{3}}", "1.0471975511966", False),          # as \sqrt{2} != 1.41421356
+    # \fbox is a box (the final-answer rule read "last number" 2, OpenRLHF#1285)
+    ("\\fbox{\\frac{1}{2}}", "\\frac{1}{2}", True), ("so \\boxed{3} no, \\fbox{x^2}", "x^{2}", True),
+    ("\\fbox{3} no, \\boxed{4}", "4", True),
+])
+def test_verifier_credits_only_the_whole_answer_exactly(completion, gold, want):
+    assert verify_answer(completion, gold) is want
+
+
+def test_fbox_is_a_final_answer():
+    assert final_answer("first \\fbox{\\frac{1}{2}} then") == "\\frac{1}{2}"
+    assert final_answer("\\fbox{a{b}c}") == "a{b}c" and final_answer("\\fbox{") is None
+
+
+@pytest.mark.parametrize("text", ["\\boxed{4^{", "12 then \\boxed{13", "\\boxed{4} or \\fbox{4\\sqrt{2", "#### 4\n\\boxed{4+"])
+def test_a_box_never_closed_is_no_answer(text):
+    assert final_answer(text) is None and verify_answer(text, "4") is False
+
+
+@pytest.mark.parametrize("answer, gold, places", [
+    ("x^2+1", "1+x^{2}", 15), ("10^{30}", "10^{30}+1", 15),     # math-verify's default for magnitudes >= 1
+    ("10^{-30}", "2\\cdot 10^{-30}", 45),                        # 15 significant digits of 1e-30
+    ("[0, 0.0000001]", "[0, 0.0000002]", 22), ("x = 3\\cdot 10^{-9}", "x", 24),
+    ("10^{-10^{6}}", "2\\cdot 10^{-10^{6}}", 10_015),            # bounded: a million places took 42 s
+])
+def test_comparison_places_follow_the_smallest_constant(answer, gold, places):
+    assert _decimal_places(*_parse(answer), *_parse(gold)) == places

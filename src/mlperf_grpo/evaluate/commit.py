@@ -29,11 +29,11 @@ from mlperf_grpo.evaluate.workers import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.tasks.scoring import VerifierError
+from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError
 
 
 WORKER_ERRORS: dict[str, type[Exception]] = {"EvaluationError": EvaluationError, "RefitError": RefitError, "VerifierError": VerifierError,
-                                       "RankFailedError": RankFailedError}
+                                       "RewardValueError": RewardValueError, "RankFailedError": RankFailedError}
 """The errors a worker reports as a result (raised again, in step order, by the committer)."""
 
 

@@ -23,6 +23,12 @@ reward calls in a persistent pool of :data:`REWARD_WORKERS` worker processes and
   calls have timed out (or lost their worker) as there are workers, the verifier is taken
   to hang: calls not yet started are not scored and the error comes at once (seconds, not
   ``len(items) x timeout``).
+- **Values** (:class:`RewardValueError`): a reward must be a finite real number (``int``,
+  ``float``, ``bool``, a numpy or 0-d torch scalar). NaN, an infinity or anything else (a
+  string, ``None``, a list) fails the whole ``score`` call, naming the task and the value:
+  in training a NaN reward makes every advantage of its group NaN, then the loss, the
+  gradients and every weight (huggingface/trl#5773), and in validation a NaN is not
+  ``> 0``, so it would count as a wrong answer.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import json
+import math
 import os
 import signal
 import socket
@@ -42,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from mlperf_grpo.tasks.base import Task
+from mlperf_grpo.tasks.base import Task, TaskError
 
 REWARD_TIMEOUT_S = 30.0
 """Seconds one reward call may take before it counts as a verifier error."""
@@ -59,6 +66,27 @@ RewardFn = Callable[[str, Task], float]
 class VerifierError(RuntimeError):
     """The reward function raised or timed out; the checkpoint's accuracy is unknown
     (an error is never counted as a wrong answer)."""
+
+
+class RewardValueError(VerifierError, TaskError):
+    """The reward function returned something that is not a finite real number (NaN, an
+    infinity, a string, ...): the task's code is wrong, so it is bad input (exit 2)."""
+
+
+def finite_reward(value: object) -> float | None:
+    """``value`` as a float when it is a finite real number, else None.
+
+    Real numbers are those with ``__float__`` (``int``, ``float``, ``bool``, ``Fraction``,
+    numpy and 0-d torch scalars); a ``str`` (``"1.0"`` included), ``None``, a list or a
+    number whose float is NaN or infinite (``10**400`` too) is not a reward.
+    """
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def reward_ref(reward_fn: RewardFn | str) -> str:
@@ -129,7 +157,8 @@ def _die_with_parent(parent_pid: int) -> None:
 def _worker_main(fd: int, parent_pid: int) -> None:
     """Worker loop: receive ``(index, ref, text, task, sys_path or None)``, reply
     ``("loaded", index)`` after a first import of ``ref`` (with the caller's ``sys.path``),
-    then ``("done", index, reward)`` or ``("error", index, text)``."""
+    then ``("done", index, reward)``, ``("bad_value", index, repr of the value)`` (see
+    :func:`finite_reward`) or ``("error", index, text)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent(parent_pid)
     conn = Connection(fd)
@@ -147,9 +176,17 @@ def _worker_main(fd: int, parent_pid: int) -> None:
             if ref not in functions:
                 functions[ref] = resolve_reward(ref)
                 conn.send(("loaded", index))
-            conn.send(("done", index, float(functions[ref](text, task))))
+            value = functions[ref](text, task)
+            reward = finite_reward(value)
+            conn.send(("done", index, reward) if reward is not None else ("bad_value", index, _shown(value)))
         except Exception as err:  # noqa: BLE001  (any verifier failure is reported, not scored)
             conn.send(("error", index, f"{type(err).__name__}: {err}"))
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a reward's value in an error line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass
@@ -215,7 +252,7 @@ class RewardPool:
                 if not clean:  # interrupted: calls in progress would answer the next score()
                     for worker in [w for w in self._workers if w.call is not None]:
                         self._replace(worker)
-        return _rewards_or_error(items, timeout_s, *outcome)
+        return _rewards_or_error(ref, items, timeout_s, *outcome)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
@@ -228,6 +265,7 @@ class RewardPool:
         pending = deque(range(len(items)))
         rewards: dict[int, float] = {}
         errors: dict[int, str] = {}
+        bad_values: dict[int, str] = {}
         timed_out: list[int] = []
         while True:
             now = time.monotonic()
@@ -270,6 +308,8 @@ class RewardPool:
                 else:
                     if kind == "done":
                         rewards[i] = message[2]
+                    elif kind == "bad_value":
+                        bad_values[i] = message[2]
                     else:
                         errors[i] = f"{message[2]} on task {items[i][1].task_id}"
                     worker.call = None
@@ -285,7 +325,7 @@ class RewardPool:
                     self._replace(worker)
                 elif overdue and not worker.ready:
                     raise VerifierError(f"reward worker did not start within {LOAD_TIMEOUT_S:g} s")
-        return rewards, errors, timed_out, list(pending)
+        return rewards, bad_values, errors, timed_out, list(pending)
 
     def _worker_died(self, worker: _Worker, items: list, errors: dict[int, str]) -> None:
         code = worker.process.wait()
@@ -297,7 +337,13 @@ class RewardPool:
             raise VerifierError(f"reward worker exited with code {code} before it was ready")
 
 
-def _rewards_or_error(items, timeout_s, rewards, errors, timed_out, not_scored) -> list[float]:
+def _rewards_or_error(ref, items, timeout_s, rewards, bad_values, errors, timed_out, not_scored) -> list[float]:
+    if bad_values:  # the reward's own defect: reported before errors and timeouts
+        first = min(bad_values)
+        raise RewardValueError(
+            f"reward function {ref} returned {bad_values[first]} on task {items[first][1].task_id} "
+            f"({len(bad_values)} of {len(items)} completions); a reward must be a finite number: fix the reward function"
+        )
     if not errors and not timed_out and not not_scored:
         return [rewards[i] for i in range(len(items))]
     first_error = min(errors) if errors else None
@@ -340,6 +386,9 @@ def score(reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: f
         One float per item, in order.
     Raises:
         ValueError: ``reward_fn`` cannot be imported by name in a worker.
+        RewardValueError: a call returned a value that is not a finite real number (see
+            :func:`finite_reward`); the message names the first such task (in item order)
+            and the value. A :class:`VerifierError` and a ``ConfigError`` (exit 2).
         VerifierError: any call raised, took longer than ``timeout_s`` seconds or lost its
             worker; the message counts errors, timeouts and calls not scored, and quotes
             the first (in item order).

@@ -8,7 +8,8 @@ its own final answer and may reuse :func:`answers_match`.
 
 Final answer of free text, :func:`final_answer`, the first that applies:
 
-1. the content of the last ``\\boxed{...}`` (braces balanced);
+1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; one never
+   closed, ``\\boxed{4^{``, gives no answer: rule 4 read 4 in it);
 2. the text after the last ``####`` up to the end of its line (GSM8K);
 3. the whole text, when it is one number (``-12``, ``1,000``, ``2.50``, ``3/4``,
    ``\\frac{3}{4}``; ``$...$`` around it allowed);
@@ -21,6 +22,20 @@ in 3), they are compared **exactly** as rationals (``0.5 == 1/2 == \\frac{1}{2}`
 ``\\sqrt{2} != 1.41421356``. Two symbolic answers (``x^2+1``) are parsed and compared by
 ``math_verify``. Symbolic answers
 must be boxed (or follow ``####``); rule 4 reads only numbers.
+
+Two ways ``math-verify``'s defaults credit a wrong answer, closed here:
+
+- **A parse that drops part of the answer.** ``parse``'s default extractors include a
+  plain-expression one that, where the LaTeX parse fails, picks a number out of the
+  formula: ``4\\sqrt(2)`` (not valid LaTeX) parsed as 4 (huggingface/Math-Verify#41).
+  The answer is already isolated, so it is parsed as LaTeX only, with no fallback to the
+  raw string: an answer the LaTeX parser cannot read whole is wrong.
+- **An absolute tolerance.** ``verify`` rounds floats to ``float_rounding`` decimal places
+  (6) and counts a difference whose ``evalf(numeric_precision)`` (15 digits) chops to 0
+  as equal, so ``10^{-30}`` equalled ``2\\cdot 10^{-30}``, in an interval's end or an
+  equation's side too. Both are set from the smallest nonzero constant in either answer
+  (:func:`_decimal_places`): 15 significant digits of it, a relative tolerance of about
+  ``1e-15`` down to magnitudes of ``1e-10000``.
 
 ``math-verify``'s own timeouts use ``signal.alarm``, which only works in the main
 thread, so they are turned off here; bound the time of a call from outside
@@ -35,7 +50,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 import sympy
-from math_verify import parse, verify
+from math_verify import LatexExtractionConfig, parse, verify
 
 from mlperf_grpo.tasks.base import Task
 
@@ -49,6 +64,15 @@ _NUMBER = re.compile(rf"^(?:(?P<num>{_INTEGER})\s*/\s*(?P<den>{_INTEGER})|(?P<de
                      rf"|\\[dt]?frac\{{\s*(?P<fnum>{_INTEGER})\s*\}}\{{\s*(?P<fden>{_INTEGER})\s*\}})$")
 _NUMBER_IN_TEXT = re.compile(rf"(?<![\w.])(?:{_INTEGER}(?:\.\d+)?)(?![\w])")
 _GSM8K_MARK = "####"
+_BOXED = re.compile(r"\\(?:boxed|fbox)\{")
+_LATEX_ONLY = (LatexExtractionConfig(),)
+_SIGNIFICANT_DIGITS = 15
+"""Digits of the smallest constant that must agree (``math-verify``'s default 15, made relative)."""
+_MAX_DECIMAL_PLACES = 10_015
+"""Bound on the places (and the cost): constants below ``1e-10000`` compare to ``1e-10015``
+absolutely. Measured on a loaded 2-core machine: ``10^{-10000}`` against
+``2\\cdot 10^{-10000}`` 0.05-1 s; ``10^{-10^{6}}`` unbounded (a million places) 42 s, past
+the reward timeout, and 0.3 s bounded."""
 
 
 def as_number(text: str) -> Fraction | None:
@@ -72,15 +96,17 @@ def as_number(text: str) -> Fraction | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}``; None without one, ``""``
+    when it is not closed (a completion cut inside its box has no answer)."""
+    starts = list(_BOXED.finditer(text))
+    if not starts:
         return None
-    depth, i = 0, start + len("\\boxed")
+    depth, i = 0, starts[-1].end() - 1
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j].strip()
-    return None  # unbalanced: no answer
+    return ""
 
 
 def final_answer(text: str) -> str | None:
@@ -103,7 +129,29 @@ def final_answer(text: str) -> str | None:
 
 @lru_cache(maxsize=65536)
 def _parse(text: str) -> tuple:
-    return tuple(parse(f"${text}$", parsing_timeout=None))
+    return tuple(parse(f"${text}$", extraction_config=_LATEX_ONLY, fallback_mode="no_fallback", parsing_timeout=None))
+
+
+def _decimal_places(*parsed: object) -> int:
+    """Decimal places for ``math_verify.verify``'s ``float_rounding`` and ``numeric_precision``:
+    :data:`_SIGNIFICANT_DIGITS` significant digits of the smallest nonzero finite constant
+    (a sub-expression without free symbols) in ``parsed``; at least 15, at most
+    :data:`_MAX_DECIMAL_PLACES`.
+
+    ``10^{-30}`` against ``2\\cdot 10^{-30}``: 45 places, so their difference (1e-30) is no
+    longer rounded to 0 (with the default 15 it was).
+    """
+    smallest_exponent = 0
+    for expression in parsed:
+        if not isinstance(expression, sympy.Basic):
+            continue
+        for node in sympy.preorder_traversal(expression):
+            if not (isinstance(node, sympy.Expr) and node.is_number):
+                continue
+            magnitude = abs(node.evalf(_SIGNIFICANT_DIGITS))
+            if magnitude.is_Float and magnitude.is_finite and not magnitude.is_zero:
+                smallest_exponent = min(smallest_exponent, int(sympy.floor(sympy.log(magnitude, 10))))
+    return min(_SIGNIFICANT_DIGITS - smallest_exponent, _MAX_DECIMAL_PLACES)
 
 
 def answers_match(answer: str, gold: str) -> bool:
@@ -111,7 +159,8 @@ def answers_match(answer: str, gold: str) -> bool:
 
     Two numbers (see :func:`as_number`) compare as exact rationals. Otherwise both are
     parsed as LaTeX by ``math_verify.parse`` and compared by ``math_verify.verify``
-    (symbolic equality); an answer it cannot parse is wrong. This call may take long on
+    (symbolic equality, numbers to 15 significant digits: :func:`_decimal_places`); an
+    answer the LaTeX parser cannot read whole is wrong. This call may take long on
     adversarial input (``9^{9^{9}}``): bound it from outside.
     """
     answer_value, gold_value = as_number(answer), as_number(gold)
@@ -124,7 +173,10 @@ def answers_match(answer: str, gold: str) -> bool:
         value = answer_value if answer_value is not None else gold_value
         expression = (_parse(gold) if answer_value is not None else parsed)[:1]
         return bool(expression) and _equals_exactly(expression[0], value)
-    return bool(verify(list(_parse(gold)), list(parsed), timeout_seconds=None))
+    gold_parsed = _parse(gold)
+    places = _decimal_places(*gold_parsed, *parsed)
+    return bool(verify(list(gold_parsed), list(parsed), float_rounding=places, numeric_precision=places,
+                       timeout_seconds=None))
 
 
 def _equals_exactly(expression: object, value: Fraction) -> bool:
