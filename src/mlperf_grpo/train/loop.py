@@ -58,7 +58,7 @@ from mlperf_grpo.train.grpo import (
 )
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.stop import GracefulStop
-from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch
+from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch, truncated_completions
 
 
 @dataclass
@@ -101,7 +101,10 @@ class OptimizeResult:
     grad_norm: float
     """Pre-clip gradient norm."""
     num_valid_tokens: int
-    """Completion tokens of the sequences kept by the log-prob error filter (the normalizer)."""
+    """Completion tokens of the sequences kept by the batch's ``sample_mask`` (overlong
+    filter) and the log-prob error filter (the normalizer)."""
+    num_valid_sequences: int
+    """Sequences kept by both (NeMo-RL's ``global_valid_seqs``: the sum of its final ``sample_mask``)."""
     num_sequences_masked_by_is: int
     num_sequences_masked_by_logprob_error: int
     importance_weight_mean: float
@@ -176,16 +179,16 @@ def optimize_step(
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     batch = batch.padded_to_multiple(width_multiple)
-    mask = batch.completion_mask  # [B, L-1]
+    mask = batch.loss_mask  # [B, L-1]: completion tokens of the rows sample_mask keeps (overlong filter)
     # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
     num_valid_tokens = 0 if filtered else int(distributed.all_reduce_sum([mask.sum().item()])[0])
     loss_divisor = max(num_valid_tokens, 1)
     # float64 on the device: the same sums as Python floats of each micro-batch's values
-    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens = (
-        torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens, kept_sequences = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(6))
     # to the device once a step (a copy from pageable host memory waits for the device)
-    input_ids, attention_mask, token_mask, rollout_logprobs, advantages = (
-        t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
+    input_ids, attention_mask, token_mask, rollout_logprobs, advantages, sample_mask = (t.to(device) for t in (
+        batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
     spans = batch.micro_batch_spans(micro_batch_size, width_multiple)  # each micro-batch cut to its longest row
     for index, (rows, width) in enumerate(spans):
         if not reshard_every_micro_batch and index in (0, len(spans) - 1):  # the flags persist in between
@@ -202,11 +205,14 @@ def optimize_step(
         generation = rollout_logprobs[rows, cols]
         rows_mask = token_mask[rows, cols]
         prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
+        rows_kept = sample_mask[rows]  # [mb]
         if filtered:
             keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, seq_logprob_error_threshold)
             masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
             rows_mask = rows_mask * keep.unsqueeze(1)
+            rows_kept = rows_kept * keep
             kept_tokens += rows_mask.sum()
+        kept_sequences += rows_kept.sum()
         part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
         loss = part.loss / loss_divisor
         loss.backward()
@@ -222,12 +228,13 @@ def optimize_step(
     optimizer.step()
     policy.eval()
     grad_norm = distributed.full_value(grad_norm)  # over all shards
-    local = torch.stack([loss_total, weight_sum, masked_by_is, masked_by_error]).tolist()  # one read-back
-    loss_total, weight_sum, masked_by_is, masked_by_error = distributed.all_reduce_sum(local)
+    local = torch.stack([loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences]).tolist()  # one read-back
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences = distributed.all_reduce_sum(local)
     return OptimizeResult(
         loss=loss_total,
         grad_norm=grad_norm,
         num_valid_tokens=num_valid_tokens,
+        num_valid_sequences=int(kept_sequences),
         num_sequences_masked_by_is=int(masked_by_is),
         num_sequences_masked_by_logprob_error=int(masked_by_error),
         importance_weight_mean=weight_sum / loss_divisor,
@@ -373,7 +380,7 @@ def _train(
     log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
 
     policy, engine, optimizer, sampler = setup.policy, setup.engine, setup.optimizer, setup.sampler
-    pad_id = engine.tokenizer.pad_token_id
+    pad_id, eos_id = engine.tokenizer.pad_token_id, engine.tokenizer.eos_token_id
     g = config.grpo
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
@@ -412,8 +419,11 @@ def _train(
             prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
-            advantages = group_advantages(rewards)  # [P/N, G]: a group never spans ranks
-            batch = build_batch(completions, rewards, advantages, pad_id)
+            advantages = group_advantages(  # [P/N, G]: a group never spans ranks
+                rewards, leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards)
+            # the overlong filter after the advantages: a truncated completion still counts in its group's baseline
+            sample_mask = (~truncated_completions(completions, eos_id)).float() if g.overlong_filtering else None
+            batch = build_batch(completions, rewards, advantages, pad_id, sample_mask)
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
@@ -433,7 +443,7 @@ def _train(
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
             log_tracked_stats(log, step, gbs, {  # commits the block_stop too
                 "reduced_train_loss": optimized.loss, "reward": float(rewards.mean()), "grad_norm": optimized.grad_norm,
-                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": rewards.numel() - optimized.num_sequences_masked_by_logprob_error,
+                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": optimized.num_valid_sequences,
                 "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
                 "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
                 "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
