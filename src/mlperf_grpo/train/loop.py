@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
-from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
 from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, compile_decoder_layers, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
@@ -109,6 +109,26 @@ class OptimizeResult:
     num_sequences_masked_by_logprob_error: int
     importance_weight_mean: float
     """Mean IS weight over valid tokens (1 without the correction)."""
+
+
+def training_batch(
+    completions: list[list[Completion]], rewards: torch.Tensor, grpo: GRPOConfig, pad_token_id: int,
+    eos_token_id: int | None,
+) -> RolloutBatch:
+    """The step's batch: ``[P][G]`` completions, their ``[P, G]`` rewards, the advantages
+    the config's baseline gives (:func:`~mlperf_grpo.train.grpo.group_advantages`) and,
+    with ``overlong_filtering``, sample mask 0 for the truncated completions
+    (:func:`~mlperf_grpo.train.rollout.truncated_completions`).
+
+    As NeMo-RL's ``async_grpo_train``: the baseline takes every sample as valid (its
+    ``GRPOAdvantageEstimator`` passes ``valid_mask = ones``), so a truncated completion
+    still counts in its group's baseline and std; the filter only takes it out of the loss
+    and the valid-token and valid-sequence counts.
+    """
+    advantages = group_advantages(rewards, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                                  normalize_rewards=grpo.normalize_rewards)  # [P, G]
+    sample_mask = (~truncated_completions(completions, eos_token_id)).float() if grpo.overlong_filtering else None
+    return build_batch(completions, rewards, advantages, pad_token_id, sample_mask)
 
 
 COMPILED_WIDTH_MULTIPLE = 8
@@ -419,11 +439,7 @@ def _train(
             prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
-            advantages = group_advantages(  # [P/N, G]: a group never spans ranks
-                rewards, leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards)
-            # the overlong filter after the advantages: a truncated completion still counts in its group's baseline
-            sample_mask = (~truncated_completions(completions, eos_id)).float() if g.overlong_filtering else None
-            batch = build_batch(completions, rewards, advantages, pad_id, sample_mask)
+            batch = training_batch(completions, rewards, g, pad_id, eos_id)  # a group never spans ranks
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
