@@ -291,3 +291,16 @@ def test_one_closed_step_matches_the_recipe_by_hand():
     after = dict(policy.named_parameters())
     for name, p in reference.named_parameters():  # float32 sums in another order: 1e-5 relative
         torch.testing.assert_close(before[name] - after[name].detach(), p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_completions_are_those_without_eos():
+    from mlperf_grpo.inference.base import Completion
+    from mlperf_grpo.train.rollout import truncated_completions
+
+    groups = [[Completion([1], ids, [0.0] * len(ids), "") for ids in row] for row in ([[4, 2], [4, 4, 4]], [[2], [2, 4]])]
+    assert truncated_completions(groups, eos_token_id=2).tolist() == [[False, True], [False, True]]
+    assert truncated_completions(groups, eos_token_id=None).tolist() == [[True, True], [True, True]]  # no EOS: all
+    batch = build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, sample_mask=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
+    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0).num_tokens == 2 + 3 + 1 + 2
