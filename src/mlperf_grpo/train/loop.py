@@ -168,7 +168,10 @@ def optimize_step(
     numerics). ``seq_logprob_error_threshold`` then drops sequences from the mask
     (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`, per row, so per micro-batch).
     Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
-    ``force_on_policy_ratio`` and else the rollout's generation log-probs.
+    ``force_on_policy_ratio`` and else the rollout's generation log-probs. The batch's
+    ``sample_mask`` (the overlong filter) multiplies the completion mask first
+    (``RolloutBatch.loss_mask``): a row it leaves out still goes through the forward pass
+    but adds nothing to the loss, the token count or ``num_valid_sequences``.
 
     The gradient is that of the token-level mean over the whole batch: without the filter
     each micro-batch's loss sum is divided by the global valid-token count before its
