@@ -38,6 +38,9 @@ OFF_BY_ONE = [
     ("grpo", "truncated_importance_sampling_ratio_min", 0.99, "0.999", "reference algorithm"),
     ("grpo", "seq_logprob_error_threshold", 3.0, "2.0", "reference algorithm"),
     ("grpo", "max_trajectory_age_steps", 0, "1", "reference algorithm"),
+    ("grpo", "use_leave_one_out_baseline", False, "True", "reference algorithm"),
+    ("grpo", "normalize_rewards", False, "True", "reference algorithm"),
+    ("grpo", "overlong_filtering", False, "True", "reference algorithm"),
 ]
 
 
@@ -98,7 +101,8 @@ def test_open_division_allows_departures_and_names_them():
     assert c.first_eval_step == 20
     algorithm = [f"grpo.{k}" for k in ("ratio_clip_max", "force_on_policy_ratio", "use_importance_sampling_correction",
                  "truncated_importance_sampling_type", "truncated_importance_sampling_ratio",
-                 "truncated_importance_sampling_ratio_min", "seq_logprob_error_threshold", "max_trajectory_age_steps")]
+                 "truncated_importance_sampling_ratio_min", "seq_logprob_error_threshold", "max_trajectory_age_steps",
+                 "use_leave_one_out_baseline", "overlong_filtering")]  # normalize_rewards: open default = closed
     assert [v.field for v in c.closed_violations()] == [*algorithm, "grpo.first_eval_step", "optimizer.learning_rate"]
     reference = parse_config({"division": "closed"}).grpo.model_dump()
     assert RunConfig(division="open", optimizer={"learning_rate": 1e-6}, grpo=reference).closed_violations() == []
@@ -142,6 +146,7 @@ def test_closed_omitted_algorithm_keys_are_the_reference():
     assert (g.use_importance_sampling_correction, g.truncated_importance_sampling_type) == (True, "seq-mask-tis")
     assert (g.truncated_importance_sampling_ratio_min, g.truncated_importance_sampling_ratio) == (0.999, 1.002)
     assert (g.seq_logprob_error_threshold, g.max_trajectory_age_steps) == (2.0, 1)
+    assert (g.use_leave_one_out_baseline, g.normalize_rewards, g.overlong_filtering) == (True, True, True)
     assert g.needs_prev_logprobs  # the reference computes prev log-probs for the error filter
     assert RunConfig(division="closed").grpo.max_trajectory_age_steps == 1
     assert RunConfig().grpo.max_trajectory_age_steps == 0  # open default: synchronous

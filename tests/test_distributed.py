@@ -111,7 +111,7 @@ def _joined(rank: int, world: int, init_file: str):
 def _rows(batch, rows: slice, prompts: slice):
     return replace(batch, input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
                    completion_mask=batch.completion_mask[rows], rollout_logprobs=batch.rollout_logprobs[rows],
-                   advantages=batch.advantages[rows], rewards=batch.rewards[prompts])
+                   advantages=batch.advantages[rows], rewards=batch.rewards[prompts], sample_mask=batch.sample_mask[rows])
 
 
 def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str, reshard: bool = True) -> None:

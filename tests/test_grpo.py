@@ -1,6 +1,7 @@
 """GRPO advantages and loss against values worked out by hand."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -189,3 +190,86 @@ def test_seq_logprob_error_filter_by_hand():
     # mean of exp|d|: (3 + 1)/2 = 2 (kept, <=), (4 + 1)/2 = 2.5 (dropped); no tokens: 0 (kept)
     assert error.tolist() == pytest.approx([2.0, 2.5, 0.0], rel=1e-6)
     assert keep.tolist() == [1.0, 0.0, 1.0]
+
+
+# --------------------------------------------------------------------------- the reference's advantages (issue 30)
+
+def _loo(rewards, i):
+    """Mean and unbiased std of the rewards other than the i-th (statistics module, exact for these inputs)."""
+    others = rewards[:i] + rewards[i + 1:]
+    return statistics.fmean(others), statistics.stdev(others)
+
+
+def test_leave_one_out_with_16_samples_by_hand():
+    # Group 1: four 1s, twelve 0s. A 1's others: three 1s of 15, mean 0.2, unbiased variance
+    # 15 * 0.2 * 0.8 / 14; a 0's others: four 1s of 15, mean 4/15, variance 15 * (4/15) * (11/15) / 14.
+    # Group 2: one 1: its others are all 0 (std 0: advantage left unnormalised, 1 - 0);
+    # a 0's others: one 1 of 15, mean 1/15, variance 1/15.
+    ones_4 = [1.0] * 4 + [0.0] * 12
+    ones_1 = [1.0] + [0.0] * 15
+    adv = group_advantages(torch.tensor([ones_4, ones_1]), leave_one_out_baseline=True)
+    a1 = 0.8 / (math.sqrt(15 * 0.2 * 0.8 / 14) + 1e-6)
+    a0 = -(4 / 15) / (math.sqrt(15 * (4 / 15) * (11 / 15) / 14) + 1e-6)
+    b0 = -(1 / 15) / (math.sqrt(1 / 15) + 1e-6)
+    # float32 output: relative rounding 2^-24 ~ 6e-8; 1e-6 leaves room for the float64 sums
+    assert adv[0].tolist() == pytest.approx([a1] * 4 + [a0] * 12, rel=1e-6)
+    assert adv[1].tolist() == pytest.approx([1.0] + [b0] * 15, rel=1e-6)
+    # the same numbers from the statistics module, sample by sample
+    for row, rewards in enumerate((ones_4, ones_1)):
+        for i, r in enumerate(rewards):
+            mean, std = _loo(rewards, i)
+            expected = (r - mean) / (std + 1e-6) if std > 0 else r - mean
+            assert adv[row, i].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_leave_one_out_with_2_samples_is_the_other_reward_unnormalised():
+    # G = 2: each sample's baseline is the one other reward (the reference's num_valid = 1,
+    # whose Bessel-corrected std is 0 * inf = nan -> 0), so the advantage is r_i - r_j,
+    # not divided. (A group of one valid sample, the reference's baseline = reward rule,
+    # would need G = 1: refused, see test_group_advantages_rejects_single_generation.)
+    rewards = torch.tensor([[1.0, 0.0], [0.25, 0.75], [1.0, 1.0]], dtype=torch.float64)
+    adv = group_advantages(rewards, leave_one_out_baseline=True)
+    assert adv.tolist() == [[1.0, -1.0], [-0.5, 0.5], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("value", [0.35, 1000.1, -7.3, 0.1 + 0.2, 1.0])
+@pytest.mark.parametrize("generations", [2, 3, 16])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_equal_rewards_give_exactly_zero_advantage_with_leave_one_out(value, generations, normalize):
+    adv = group_advantages(torch.full((2, generations), value), leave_one_out_baseline=True, normalize_rewards=normalize)
+    assert adv.tolist() == [[0.0] * generations] * 2
+
+
+def test_leave_one_out_flat_others_are_not_sharpened():
+    # 15 x 0.35 and one 1.0: the odd one's others are all equal, std 0: advantage 1.0 - 0.35,
+    # unnormalised (the reference: "don't sharpen the ones with no variation"). A 0.35's
+    # others hold the 1.0.
+    rewards = [0.35] * 15 + [1.0]
+    adv = group_advantages(torch.tensor([rewards], dtype=torch.float64), leave_one_out_baseline=True)
+    assert adv[0, 15].item() == pytest.approx(0.65, rel=1e-6)
+    mean, std = _loo(rewards, 0)
+    assert adv[0, :15].tolist() == pytest.approx([(0.35 - mean) / (std + 1e-6)] * 15, rel=1e-6)
+    # Others whose spread is rounding noise (relative 1e-13) count as flat too: the 0.0's
+    # advantage is 0 - 1000.1, not -1000.1 / (2.6e-11 + 1e-6) = -1e9.
+    noisy = torch.tensor([[1000.1] * 14 + [1000.1 + 1e-10, 0.0]], dtype=torch.float64)
+    assert group_advantages(noisy, leave_one_out_baseline=True)[0, 15].item() == pytest.approx(-1000.1, rel=1e-6)
+
+
+def test_normalize_rewards_off_is_reward_minus_baseline():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    # group mean 0.5; leave-one-out: a 1's others mean 1/3, a 0's others mean 2/3
+    assert group_advantages(rewards, normalize_rewards=False).tolist() == [[0.5, -0.5, -0.5, 0.5]]
+    got = group_advantages(rewards, leave_one_out_baseline=True, normalize_rewards=False)
+    assert got[0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3], rel=1e-7)  # float32 output
+
+
+def test_default_advantages_are_bit_identical_to_the_group_mean_and_std():
+    # The open default (no leave-one-out, normalised): (r - mean) / (std + 1e-6), torch's
+    # float64 mean and unbiased std, flat groups 0, as before issue 30.
+    torch.manual_seed(0)
+    rewards = torch.cat([torch.randint(0, 2, (32, 16)).float(), torch.rand(32, 16)])
+    r = rewards.double()
+    expected = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).float()
+    flat = (rewards == rewards[:, :1]).all(dim=1)
+    expected[flat] = 0.0
+    assert torch.equal(group_advantages(rewards), expected)

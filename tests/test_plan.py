@@ -80,7 +80,8 @@ def test_plan_with_open_config_names_the_differences(capsys):
     assert main(["plan", "--config", str(CONFIGS / "open-default.yaml")]) == 0
     out = capsys.readouterr().out
     # the learning rate, and the open default's synchronous loss against the reference algorithm
-    assert "open division: 9 value(s) differ from closed:" in out
+    assert "open division: 11 value(s) differ from closed:" in out
+    assert "grpo.use_leave_one_out_baseline: given False, required True (reference algorithm)" in out
     assert "optimizer.learning_rate: given 4e-06, required 1e-06" in out
     assert "grpo.max_trajectory_age_steps: given 0, required 1 (reference algorithm)" in out
     assert "grpo.ratio_clip_max: given 0.2, required 0.28 (reference algorithm)" in out
@@ -94,3 +95,31 @@ def test_plan_with_closed_config(capsys):
     out = capsys.readouterr().out
     assert "first_eval_step: 10" in out and "every value matches the closed rules" in out
     assert "truncated_importance_sampling_type: seq-mask-tis" in out and "ratio_clip_max: 0.28" in out
+
+
+def test_plan_lists_every_recipe_key_with_its_place_in_the_recipe(capsys):
+    # Issue 30: each algorithm key of the reference recipe, its value and where the recipe
+    # file sets it (NVIDIA-NeMo/RL mlperf-training-qwen35-main, read there).
+    assert main(["plan", "--global-batch-size", "256"]) == 0
+    out = capsys.readouterr().out
+    for line in [
+        "reference_algorithm_source: NVIDIA-NeMo/RL mlperf-training-qwen35-main "
+        "qwen_35/configs/grpo_qwen35_397b_swe_openhands_async.yaml",
+        "ratio_clip_min: 0.2   (recipe: loss_fn.ratio_clip_min)",
+        "ratio_clip_max: 0.28   (recipe: loss_fn.ratio_clip_max)",
+        "force_on_policy_ratio: True   (recipe: loss_fn.force_on_policy_ratio)",
+        "use_importance_sampling_correction: True   (recipe: loss_fn.use_importance_sampling_correction)",
+        "truncated_importance_sampling_type: seq-mask-tis   (recipe: loss_fn.truncated_importance_sampling_type)",
+        "truncated_importance_sampling_ratio: 1.002   (recipe: loss_fn.truncated_importance_sampling_ratio)",
+        "truncated_importance_sampling_ratio_min: 0.999   (recipe: loss_fn.truncated_importance_sampling_ratio_min)",
+        "seq_logprob_error_threshold: 2.0   (recipe: grpo.seq_logprob_error_threshold)",
+        "max_trajectory_age_steps: 1   (recipe: grpo.async_grpo.max_trajectory_age_steps)",
+        "use_leave_one_out_baseline: True   (recipe: grpo.use_leave_one_out_baseline)",
+        "normalize_rewards: True   (recipe: grpo.normalize_rewards)",
+        "overlong_filtering: True   (recipe: grpo.overlong_filtering)",
+    ]:
+        assert f"  {line}\n" in out, line
+    assert main(["plan", "--global-batch-size", "256", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["reference_algorithm_keys"]["overlong_filtering"] == "grpo.overlong_filtering"
+    assert (plan["use_leave_one_out_baseline"], plan["normalize_rewards"], plan["overlong_filtering"]) == (True, True, True)

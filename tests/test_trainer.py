@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from mlperf_grpo.inference.base import SamplingParams
@@ -198,3 +199,108 @@ def test_bf16_compute_update_is_invariant_to_gradient_accumulation():
     # bfloat16 rounding differs with each micro-batch's width: equal to bfloat16 accuracy
     assert (updates[0] - updates[1]).norm() < 0.02 * updates[0].norm()
     assert torch.nn.functional.cosine_similarity(updates[0], updates[1], dim=0) > 0.999
+
+
+def test_one_closed_step_matches_the_recipe_by_hand():
+    """Issue 30: one step of the closed recipe (leave-one-out baseline, normalised rewards,
+    overlong filter, forced ratio, token IS weights, seq-mask-tis, log-prob error filter)
+    on a batch with a mixed group, an all-equal group and truncated completions, through
+    the trainer's own path (``training_batch`` + ``optimize_step``), against the formulas
+    written out here: NeMo-RL ``calculate_baseline_and_std_per_prompt`` /
+    ``GRPOAdvantageEstimator`` for the advantages, ``ClippedPGLossFn`` (token-level) for
+    the loss with ``mask = token_mask * sample_mask``."""
+    import math
+    import statistics
+
+    from mlperf_grpo import rules
+    from mlperf_grpo.config import GRPOConfig
+    from mlperf_grpo.inference.base import Completion
+    from mlperf_grpo.train.grpo import token_logprobs
+    from mlperf_grpo.train.loop import training_batch
+
+    eos, pad = 2, 0
+    g = GRPOConfig(**rules.REFERENCE_ALGORITHM)
+    prompt = [5, 7, 9, 4]
+    tokens = [  # [P=3][G=4] completions; no EOS at the end = truncated
+        [[4, 6, eos], [6, 6, 4, eos], [5, eos], [4, 4, 4, 4]],   # mixed rewards; the last one truncated
+        [[4, eos], [5, 5, eos], [6, eos], [4, 5, 6, eos]],       # all rewards equal
+        [[6, 4, 5, eos], [5, 5, 5, 5], [6, 6, 6, 6], [4, eos]],  # two truncated, one with reward 1
+    ]
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
+    truncated = [[False, False, False, True], [False] * 4, [False, True, True, False]]
+    groups = [[Completion(prompt, t, [0.0] * len(t), "") for t in row] for row in tokens]
+    batch = training_batch(groups, rewards, g, pad, eos)
+
+    policy = load_model(MODEL, "float32")
+    with torch.no_grad():  # the policy's own log-probs of the completion tokens, one full-batch pass
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        curr = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], 1.0)  # [12, L-1]
+    # generation log-probs: in the seq-mask-tis band (IS ratio e^0.001 a token), outside it
+    # (e^0.01: weights 0, tokens still counted) and far off (|gen - prev| = 5: the error filter)
+    shift = torch.full((12,), -0.001)
+    shift[1], shift[11] = -0.01, -5.0
+    batch.rollout_logprobs = (curr + shift.unsqueeze(1)) * batch.completion_mask
+
+    # advantages by hand: baseline and Bessel std of the other 3 rewards; std 0 -> unnormalised
+    r = rewards.tolist()
+    expected_adv = []
+    for row in r:
+        for i, ri in enumerate(row):
+            others = row[:i] + row[i + 1:]
+            mean, std = statistics.fmean(others), statistics.stdev(others)
+            expected_adv.append(0.0 if len(set(row)) == 1 else (ri - mean) / (std + 1e-6) if std > 0 else ri - mean)
+    assert batch.advantages.tolist() == pytest.approx(expected_adv, rel=1e-6, abs=1e-12)  # float32 advantages
+    assert batch.sample_mask.tolist() == [0.0 if t else 1.0 for row in truncated for t in row]
+
+    # the loss by hand: loss_t = -A_i * w_it (ratio 1), w_it = exp(prev - gen) * [geomean in band],
+    # over the tokens of the rows neither truncated nor over the error threshold, / their count
+    total, count, valid_sequences = 0.0, 0, 0
+    for i in range(12):
+        positions = batch.completion_mask[i].nonzero().flatten().tolist()
+        diffs = [float(curr[i, t] - batch.rollout_logprobs[i, t]) for t in positions]
+        error = statistics.fmean(math.exp(abs(d)) for d in diffs)
+        if truncated[i // 4][i % 4] or error > 2:
+            continue
+        geomean = math.exp(statistics.fmean(diffs))
+        in_band = 0.999 <= geomean <= 1.002
+        total += sum(-expected_adv[i] * math.exp(d) * in_band for d in diffs)
+        count += len(positions)
+        valid_sequences += 1
+    expected_loss = total / count
+
+    # the same loss as a function of the weights (the policy-gradient form, weights detached)
+    # gives the expected gradient: SGD at lr 1 moves the weights by minus it
+    reference = copy.deepcopy(policy)
+    logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], 1.0)
+    keep = torch.tensor([0.0 if truncated[i // 4][i % 4] or i == 11 else 1.0 for i in range(12)])
+    band = torch.ones(12)
+    band[1] = 0.0
+    w = torch.exp(lp.detach() - batch.rollout_logprobs) * band.unsqueeze(1)
+    mask = batch.completion_mask * keep.unsqueeze(1)
+    (-(torch.tensor(expected_adv).unsqueeze(1) * w * lp * mask).sum() / mask.sum()).backward()
+
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    result = optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, 4, 1.0, PGLossOptions.of(g),
+                           1e9, g.seq_logprob_error_threshold, g.needs_prev_logprobs)
+    assert result.num_valid_tokens == count == int(mask.sum())
+    assert result.num_valid_sequences == valid_sequences == 8  # 12 - 3 truncated - 1 over the error threshold
+    assert result.num_sequences_masked_by_logprob_error == 1 and result.num_sequences_masked_by_is == 1
+    # float32 log-probs over ~30 tokens of |loss_t| <= ~2: rounding ~1e-7, well inside 1e-6
+    assert abs(result.loss - expected_loss) < 1e-6
+    after = dict(policy.named_parameters())
+    for name, p in reference.named_parameters():  # float32 sums in another order: 1e-5 relative
+        torch.testing.assert_close(before[name] - after[name].detach(), p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_completions_are_those_without_eos():
+    from mlperf_grpo.inference.base import Completion
+    from mlperf_grpo.train.rollout import truncated_completions
+
+    groups = [[Completion([1], ids, [0.0] * len(ids), "") for ids in row] for row in ([[4, 2], [4, 4, 4]], [[2], [2, 4]])]
+    assert truncated_completions(groups, eos_token_id=2).tolist() == [[False, True], [False, True]]
+    assert truncated_completions(groups, eos_token_id=None).tolist() == [[True, True], [True, True]]  # no EOS: all
+    batch = build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, sample_mask=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
+    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0).num_tokens == 2 + 3 + 1 + 2

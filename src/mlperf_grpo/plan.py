@@ -84,7 +84,8 @@ def build_plan(global_batch_size: int) -> dict[str, object]:
 
 def format_plan(plan: dict[str, object]) -> str:
     """The plan as ``name: value`` lines (what ``mlperf-grpo plan`` prints)."""
-    skip = {"first_eval_step_formula", "opt_base_learning_rate_formula", "opt_gradient_clip_norm_formula", "rcp"}
+    skip = {"first_eval_step_formula", "opt_base_learning_rate_formula", "opt_gradient_clip_norm_formula", "rcp",
+            "reference_algorithm_keys"}
     formulas = {
         "first_eval_step": plan["first_eval_step_formula"],
         "opt_base_learning_rate": plan["opt_base_learning_rate_formula"],
@@ -102,6 +103,8 @@ def format_plan(plan: dict[str, object]) -> str:
         line = f"  {key}: {value}"
         if key in formulas:
             line += f"   = {formulas[key]}"
+        if key in plan["reference_algorithm_keys"]:  # where the recipe file sets it
+            line += f"   (recipe: {plan['reference_algorithm_keys'][key]})"
         lines.append(line)
     rcp = plan["rcp"]
     figure = "none" if rcp["samples_count"] is None else f"{rcp['samples_count']:g} samples"

@@ -39,9 +39,27 @@ ADAMW_WEIGHT_DECAY = 0.0
 LEARNING_RATE_WARMUP_STEPS = 0
 LEARNING_RATE_DECAY_SCHEDULE = "constant"
 
-REFERENCE_RECIPE = "NeMo-RL mlperf-training-qwen35-main grpo_qwen35_397b_swe_openhands_async.yaml"
+REFERENCE_RECIPE_FILE = "qwen_35/configs/grpo_qwen35_397b_swe_openhands_async.yaml"
 """Where the reference algorithm's values come from (its ``loss_fn``, ``grpo`` and
-``grpo.async_grpo`` sections)."""
+``grpo.async_grpo`` sections): the recipe file in NVIDIA-NeMo/RL branch
+``mlperf-training-qwen35-main`` (the same text as ``docker/mlperf/conf/``'s copy; its ``_gbs256/_gbs512/_gbs1024`` children set only
+batch-dependent values)."""
+
+REFERENCE_ALGORITHM_KEYS: dict[str, str] = {
+    "ratio_clip_min": "loss_fn.ratio_clip_min",
+    "ratio_clip_max": "loss_fn.ratio_clip_max",
+    "force_on_policy_ratio": "loss_fn.force_on_policy_ratio",
+    "use_importance_sampling_correction": "loss_fn.use_importance_sampling_correction",
+    "truncated_importance_sampling_type": "loss_fn.truncated_importance_sampling_type",
+    "truncated_importance_sampling_ratio": "loss_fn.truncated_importance_sampling_ratio",
+    "truncated_importance_sampling_ratio_min": "loss_fn.truncated_importance_sampling_ratio_min",
+    "seq_logprob_error_threshold": "grpo.seq_logprob_error_threshold",
+    "max_trajectory_age_steps": "grpo.async_grpo.max_trajectory_age_steps",
+    "use_leave_one_out_baseline": "grpo.use_leave_one_out_baseline",
+    "normalize_rewards": "grpo.normalize_rewards",
+    "overlong_filtering": "grpo.overlong_filtering",
+}
+"""Where each :data:`REFERENCE_ALGORITHM` key sits in :data:`REFERENCE_RECIPE_FILE`."""
 
 REFERENCE_ALGORITHM: dict[str, object] = {
     "ratio_clip_min": 0.2,
@@ -53,10 +71,15 @@ REFERENCE_ALGORITHM: dict[str, object] = {
     "truncated_importance_sampling_ratio_min": 0.999,
     "seq_logprob_error_threshold": 2.0,
     "max_trajectory_age_steps": 1,
+    "use_leave_one_out_baseline": True,
+    "normalize_rewards": True,
+    "overlong_filtering": True,
 }
 """Closed division: the reference's GRPO algorithm, as ``grpo.<key>`` values of our config
-(same names as the recipe's keys). Also fixed there and in our trainer: token-level loss,
-no KL penalty, no dual clip, token-level (not sequence-level) importance ratios."""
+(same names as the recipe's keys; their places in the recipe: :data:`REFERENCE_ALGORITHM_KEYS`).
+Also fixed there and in our trainer: token-level loss, no KL penalty, no dual clip,
+token-level (not sequence-level) importance ratios, dynamic sampling off, no advantage
+clipping, reward shaping and scaling off."""
 
 REFERENCE_SAMPLES_TO_CONVERGE = {256: 4608, 512: 5120, 1024: 7168}
 """Reference convergence (samples) of the RCPs of ruleset 6.1.0, from DESIGN.md."""
@@ -244,7 +267,7 @@ def closed_violations(config) -> list[Violation]:
         counting when it differs from the formula by more than 1e-9.
     Source: ``mlperf_logging/compliance_checker/training_6.1.0/closed_qwen35_397b_grpo.yaml``
     (and the GBS rule: ``num_generations_per_prompt`` 16, ``GBS = prompts x 16``); the
-    algorithm's values from :data:`REFERENCE_RECIPE` (:data:`REFERENCE_ALGORITHM`).
+    algorithm's values from :data:`REFERENCE_RECIPE_FILE` (:data:`REFERENCE_ALGORITHM`).
     """
     closed = config.division == "closed"
     found = [Violation(f, given, req, src) for f, given, req, src in _fixed_rules(config) if given != req]
@@ -307,6 +330,7 @@ def closed_plan(global_batch_size: int, num_later_evals: int = 5) -> dict[str, o
         "init_checkpoint_step": INIT_CHECKPOINT_STEP,
         "target": f"eval_accuracy > {TARGET_ACCURACY}",
         **REFERENCE_ALGORITHM,
-        "reference_algorithm_source": REFERENCE_RECIPE,
+        "reference_algorithm_source": f"NVIDIA-NeMo/RL mlperf-training-qwen35-main {REFERENCE_RECIPE_FILE}",
+        "reference_algorithm_keys": dict(REFERENCE_ALGORITHM_KEYS),
         "runs_per_submission": 3,
     }

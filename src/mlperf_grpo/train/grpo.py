@@ -43,36 +43,88 @@ absolute reward counts as flat: its spread is rounding noise (float32 keeps abou
 significant digits), not signal, and every member gets advantage 0."""
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch.Tensor:
-    """Group-normalized advantages ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps)``.
+def group_advantages(
+    rewards: torch.Tensor,
+    eps: float = ADVANTAGE_EPS,
+    leave_one_out_baseline: bool = False,
+    normalize_rewards: bool = True,
+) -> torch.Tensor:
+    """GRPO advantages ``A_ij = (r_ij - b_ij) / (s_ij + eps)`` of each prompt's group.
+
+    ``b_ij``/``s_ij``: the group's mean and unbiased standard deviation, or with
+    ``leave_one_out_baseline`` (RLOO, Ahmadian et al. 2024, arXiv:2402.14740) the mean and
+    unbiased standard deviation of the *other* ``G - 1`` rewards of the group. Without
+    ``normalize_rewards``, ``A_ij = r_ij - b_ij``. Where ``s_ij`` is 0 (with leave-one-out:
+    the others are all equal, or ``G = 2``, one other, whose Bessel-corrected std is 0/0)
+    the advantage is left unnormalised, ``r_ij - b_ij``, as the reference's "don't sharpen
+    the ones with no variation".
 
     Computed in float64. A *flat* group gets advantage 0 for every member, exactly: one
     whose rewards are all equal, or whose standard deviation is at most
     :data:`FLAT_GROUP_RELATIVE_STD` times its largest absolute reward (rounding noise:
     the mean of 16 equal float32 rewards of 0.35 is not exactly 0.35, and without this
     rule the tiny std it leaves would pass the ``eps`` guard and give every member
-    +0.029; 16 x 1000.1 gave -0.953).
+    +0.029; 16 x 1000.1 gave -0.953). With leave-one-out the same rule makes ``s_ij`` 0
+    for a set of others that is flat.
 
     Args:
         rewards: ``[P, G]`` float, one row per prompt, one column per generation.
         eps: added to the standard deviation (guards tiny but real spreads).
+        leave_one_out_baseline: the recipe's ``grpo.use_leave_one_out_baseline``.
+        normalize_rewards: the recipe's ``grpo.normalize_rewards``.
     Returns:
         ``[P, G]`` float32 advantages.
     Raises:
         ValueError: ``rewards`` is not 2-D or has fewer than 2 generations per prompt.
-    Source: DeepSeekMath eq. for outcome supervision; std is the unbiased sample
-    standard deviation (``torch.std``, as TRL's ``GRPOTrainer``).
+    Source: DeepSeekMath eq. for outcome supervision (std as ``torch.std``, as TRL's
+    ``GRPOTrainer``); NeMo-RL ``GRPOAdvantageEstimator.compute_advantage`` and
+    ``calculate_baseline_and_std_per_prompt`` (``nemo_rl/algorithms/{advantage_estimator,
+    utils}.py``), which the trainer calls with every sample valid. That code takes
+    ``sqrt((E[r^2] - E[r]^2) * n / (n - 1))`` over the ``n`` samples (``n = G - 1`` with
+    leave-one-out); we take the two-pass form of the same estimator, equal in exact arithmetic.
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [prompts, generations>=2], got shape {tuple(rewards.shape)}")
     rewards = rewards.double()  # [P, G]
-    mean = rewards.mean(dim=1, keepdim=True)  # [P, 1]
-    std = rewards.std(dim=1, keepdim=True)  # [P, 1]
-    scale = rewards.abs().amax(dim=1, keepdim=True)  # [P, 1]
-    all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # [P, 1]
-    flat = all_equal | (std <= FLAT_GROUP_RELATIVE_STD * scale)  # [P, 1]
-    advantages = (rewards - mean) / (std + eps)
+    if leave_one_out_baseline:
+        baseline, std = _leave_one_out_baseline_and_std(rewards)  # [P, G] each
+    else:
+        baseline = rewards.mean(dim=1, keepdim=True)  # [P, 1]
+        std = rewards.std(dim=1, keepdim=True)  # [P, 1]
+    flat = _is_flat(rewards, rewards.std(dim=1, keepdim=True), dim=1)  # [P, 1]
+    advantages = rewards - baseline  # [P, G]
+    if normalize_rewards:
+        advantages = torch.where(std > 0, advantages / (std + eps), advantages)
     return torch.where(flat, torch.zeros_like(advantages), advantages).float()
+
+
+def _is_flat(values: torch.Tensor, std: torch.Tensor, dim: int) -> torch.Tensor:
+    """Whether the values along ``dim`` are all equal or their ``std`` is rounding noise
+    (at most :data:`FLAT_GROUP_RELATIVE_STD` of their largest magnitude); keeps ``dim``."""
+    first = values.narrow(dim, 0, 1)
+    all_equal = (values == first).all(dim=dim, keepdim=True)
+    scale = values.abs().amax(dim=dim, keepdim=True)
+    return all_equal | (std <= FLAT_GROUP_RELATIVE_STD * scale)
+
+
+def _leave_one_out_baseline_and_std(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the mean and unbiased std of the other ``G - 1`` rewards of its group.
+
+    Args:
+        rewards: ``[P, G]`` float64, ``G >= 2``.
+    Returns:
+        ``(baseline, std)``, ``[P, G]`` each; ``std`` is 0 where the others are flat
+        (:func:`_is_flat`) or are one sample (``G = 2``).
+    """
+    p, g = rewards.shape
+    others = ~torch.eye(g, dtype=torch.bool, device=rewards.device)  # [G, G]: row i marks j != i
+    values = rewards.unsqueeze(1).expand(p, g, g)[:, others].view(p, g, g - 1)  # [P, G, G-1]
+    baseline = values.mean(dim=2)  # [P, G]
+    if g == 2:
+        return baseline, torch.zeros_like(baseline)
+    std = values.std(dim=2)  # [P, G], Bessel-corrected over the G - 1 others
+    flat = _is_flat(values, std.unsqueeze(2), dim=2).squeeze(2)  # [P, G]
+    return baseline, torch.where(flat, torch.zeros_like(std), std)
 
 
 @dataclass(frozen=True)

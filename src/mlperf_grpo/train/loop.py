@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
-from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
 from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, compile_decoder_layers, load_model
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
@@ -58,7 +58,7 @@ from mlperf_grpo.train.grpo import (
 )
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.stop import GracefulStop
-from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch
+from mlperf_grpo.train.rollout import PromptSampler, RolloutBatch, build_batch, truncated_completions
 
 
 @dataclass
@@ -101,11 +101,34 @@ class OptimizeResult:
     grad_norm: float
     """Pre-clip gradient norm."""
     num_valid_tokens: int
-    """Completion tokens of the sequences kept by the log-prob error filter (the normalizer)."""
+    """Completion tokens of the sequences kept by the batch's ``sample_mask`` (overlong
+    filter) and the log-prob error filter (the normalizer)."""
+    num_valid_sequences: int
+    """Sequences kept by both (NeMo-RL's ``global_valid_seqs``: the sum of its final ``sample_mask``)."""
     num_sequences_masked_by_is: int
     num_sequences_masked_by_logprob_error: int
     importance_weight_mean: float
     """Mean IS weight over valid tokens (1 without the correction)."""
+
+
+def training_batch(
+    completions: list[list[Completion]], rewards: torch.Tensor, grpo: GRPOConfig, pad_token_id: int,
+    eos_token_id: int | None,
+) -> RolloutBatch:
+    """The step's batch: ``[P][G]`` completions, their ``[P, G]`` rewards, the advantages
+    the config's baseline gives (:func:`~mlperf_grpo.train.grpo.group_advantages`) and,
+    with ``overlong_filtering``, sample mask 0 for the truncated completions
+    (:func:`~mlperf_grpo.train.rollout.truncated_completions`).
+
+    As NeMo-RL's ``async_grpo_train``: the baseline takes every sample as valid (its
+    ``GRPOAdvantageEstimator`` passes ``valid_mask = ones``), so a truncated completion
+    still counts in its group's baseline and std; the filter only takes it out of the loss
+    and the valid-token and valid-sequence counts.
+    """
+    advantages = group_advantages(rewards, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                                  normalize_rewards=grpo.normalize_rewards)  # [P, G]
+    sample_mask = (~truncated_completions(completions, eos_token_id)).float() if grpo.overlong_filtering else None
+    return build_batch(completions, rewards, advantages, pad_token_id, sample_mask)
 
 
 COMPILED_WIDTH_MULTIPLE = 8
@@ -145,7 +168,10 @@ def optimize_step(
     numerics). ``seq_logprob_error_threshold`` then drops sequences from the mask
     (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`, per row, so per micro-batch).
     Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
-    ``force_on_policy_ratio`` and else the rollout's generation log-probs.
+    ``force_on_policy_ratio`` and else the rollout's generation log-probs. The batch's
+    ``sample_mask`` (the overlong filter) multiplies the completion mask first
+    (``RolloutBatch.loss_mask``): a row it leaves out still goes through the forward pass
+    but adds nothing to the loss, the token count or ``num_valid_sequences``.
 
     The gradient is that of the token-level mean over the whole batch: without the filter
     each micro-batch's loss sum is divided by the global valid-token count before its
@@ -176,16 +202,16 @@ def optimize_step(
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device  # the batch is built on the CPU
     batch = batch.padded_to_multiple(width_multiple)
-    mask = batch.completion_mask  # [B, L-1]
+    mask = batch.loss_mask  # [B, L-1]: completion tokens of the rows sample_mask keeps (overlong filter)
     # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
     num_valid_tokens = 0 if filtered else int(distributed.all_reduce_sum([mask.sum().item()])[0])
     loss_divisor = max(num_valid_tokens, 1)
     # float64 on the device: the same sums as Python floats of each micro-batch's values
-    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens = (
-        torch.zeros((), dtype=torch.float64, device=device) for _ in range(5))
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_tokens, kept_sequences = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(6))
     # to the device once a step (a copy from pageable host memory waits for the device)
-    input_ids, attention_mask, token_mask, rollout_logprobs, advantages = (
-        t.to(device) for t in (batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages))
+    input_ids, attention_mask, token_mask, rollout_logprobs, advantages, sample_mask = (t.to(device) for t in (
+        batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
     spans = batch.micro_batch_spans(micro_batch_size, width_multiple)  # each micro-batch cut to its longest row
     for index, (rows, width) in enumerate(spans):
         if not reshard_every_micro_batch and index in (0, len(spans) - 1):  # the flags persist in between
@@ -202,11 +228,14 @@ def optimize_step(
         generation = rollout_logprobs[rows, cols]
         rows_mask = token_mask[rows, cols]
         prev = curr.detach() if needs_prev_logprobs else None if options.force_on_policy_ratio else generation
+        rows_kept = sample_mask[rows]  # [mb]
         if filtered:
             keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, seq_logprob_error_threshold)
             masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
             rows_mask = rows_mask * keep.unsqueeze(1)
+            rows_kept = rows_kept * keep
             kept_tokens += rows_mask.sum()
+        kept_sequences += rows_kept.sum()
         part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
         loss = part.loss / loss_divisor
         loss.backward()
@@ -222,12 +251,13 @@ def optimize_step(
     optimizer.step()
     policy.eval()
     grad_norm = distributed.full_value(grad_norm)  # over all shards
-    local = torch.stack([loss_total, weight_sum, masked_by_is, masked_by_error]).tolist()  # one read-back
-    loss_total, weight_sum, masked_by_is, masked_by_error = distributed.all_reduce_sum(local)
+    local = torch.stack([loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences]).tolist()  # one read-back
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences = distributed.all_reduce_sum(local)
     return OptimizeResult(
         loss=loss_total,
         grad_norm=grad_norm,
         num_valid_tokens=num_valid_tokens,
+        num_valid_sequences=int(kept_sequences),
         num_sequences_masked_by_is=int(masked_by_is),
         num_sequences_masked_by_logprob_error=int(masked_by_error),
         importance_weight_mean=weight_sum / loss_divisor,
@@ -373,7 +403,7 @@ def _train(
     log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
 
     policy, engine, optimizer, sampler = setup.policy, setup.engine, setup.optimizer, setup.sampler
-    pad_id = engine.tokenizer.pad_token_id
+    pad_id, eos_id = engine.tokenizer.pad_token_id, engine.tokenizer.eos_token_id
     g = config.grpo
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
@@ -412,8 +442,7 @@ def _train(
             prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
-            advantages = group_advantages(rewards)  # [P/N, G]: a group never spans ranks
-            batch = build_batch(completions, rewards, advantages, pad_id)
+            batch = training_batch(completions, rewards, g, pad_id, eos_id)  # a group never spans ranks
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
@@ -433,7 +462,7 @@ def _train(
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
             log_tracked_stats(log, step, gbs, {  # commits the block_stop too
                 "reduced_train_loss": optimized.loss, "reward": float(rewards.mean()), "grad_norm": optimized.grad_norm,
-                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": rewards.numel() - optimized.num_sequences_masked_by_logprob_error,
+                "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": optimized.num_valid_sequences,
                 "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
                 "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
                 "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,

@@ -40,6 +40,9 @@ class RolloutBatch:
     ``completion_mask``: ``[B, L-1]`` 1 where ``input_ids[:, 1:]`` is a completion token.
     ``rollout_logprobs``: ``[B, L-1]`` rollout-policy log-probs at those positions.
     ``advantages``: ``[B]``. ``rewards``: ``[P, G]``.
+    ``sample_mask``: ``[B]`` float, 1 for a completion the loss trains on, 0 for one it
+    leaves out (the overlong filter): NeMo-RL's ``loss_multiplier``/``sample_mask``, which
+    multiplies ``completion_mask`` in the loss and in the valid-token count.
     """
 
     input_ids: torch.Tensor
@@ -48,11 +51,18 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
     rewards: torch.Tensor
+    sample_mask: torch.Tensor
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[B, L-1]`` float: ``completion_mask`` of the completions ``sample_mask`` keeps."""
+        return self.completion_mask * self.sample_mask.unsqueeze(1)
 
     @property
     def num_tokens(self) -> int:
-        """Valid completion tokens in the global batch (the loss normalizer)."""
-        return int(self.completion_mask.sum().item())
+        """Valid completion tokens in the global batch (the loss normalizer): those of
+        :attr:`loss_mask`."""
+        return int(self.loss_mask.sum().item())
 
     def micro_batch_spans(self, micro_batch_size: int, width_multiple: int = 1) -> list[tuple[slice, int]]:
         """``(rows, width)`` per micro-batch, in row order: ``rows`` is the slice of
@@ -80,7 +90,7 @@ class RolloutBatch:
         return RolloutBatch(
             input_ids=pad(self.input_ids, (0, extra)), attention_mask=pad(self.attention_mask, (0, extra)),
             completion_mask=pad(self.completion_mask, (0, extra)), rollout_logprobs=pad(self.rollout_logprobs, (0, extra)),
-            advantages=self.advantages, rewards=self.rewards,
+            advantages=self.advantages, rewards=self.rewards, sample_mask=self.sample_mask,
         )
 
 
@@ -109,10 +119,23 @@ def generate_rollouts(
     return [flat[i * g:(i + 1) * g] for i in range(len(tasks))]
 
 
+def truncated_completions(completions: list[list[Completion]], eos_token_id: int | None) -> torch.Tensor:
+    """``[P, G]`` bool: True where a completion is truncated, i.e. does not end with EOS.
+
+    The engines keep EOS as the last token of a completion that stopped by itself, so one
+    without it hit the length limit (``max_new_tokens``, or vLLM's ``max_model_len``): the
+    reference's ``truncated`` ("hit max_tokens without a stop token", NeMo-RL
+    ``experience/rollout_manager.py``). ``eos_token_id`` None: every completion is truncated.
+    """
+    return torch.tensor([[not c.token_ids or c.token_ids[-1] != eos_token_id for c in group] for group in completions])
+
+
 def build_batch(
-    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int
+    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int,
+    sample_mask: torch.Tensor | None = None,
 ) -> RolloutBatch:
-    """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages."""
+    """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages, and the
+    ``[P, G]`` ``sample_mask`` (1 = trained on; default all 1; see :class:`RolloutBatch`)."""
     flat = [c for group in completions for c in group]
     width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in flat)
     b = len(flat)
@@ -134,4 +157,5 @@ def build_batch(
         rollout_logprobs=rollout_logprobs,
         advantages=advantages.reshape(-1).float(),
         rewards=rewards,
+        sample_mask=torch.ones(b) if sample_mask is None else sample_mask.reshape(-1).float(),
     )
