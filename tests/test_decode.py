@@ -88,3 +88,20 @@ def test_hybrid_linear_attention_models_keep_generate():
     assert supports_slot_decoding(tiny_qwen3(vocab_size=24, eos_token_id=EOS))
     with pytest.raises(ValueError, match="decode='generate'"):
         HFEngine.from_model(model, batch_size=2, decode="slots")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_give_the_eager_steps():
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
+    prompts, seeds = _prompts(40, seed=11)
+    runs = {}
+    for graphs in (False, True):
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8)
+        for _ in range(2):  # the second call replays the graphs the first captured
+            runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
+                                            PARAMS.max_new_tokens, [EOS])
+    assert runs[True] == runs[False]  # the same kernels, replayed: bit for bit
+    cpu_model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)  # the same weights (seed 0), on the CPU
+    for (tokens, _), prompt, seed in zip(runs[True], prompts, seeds):
+        assert tokens == reference_sample(cpu_model, prompt, seed, PARAMS)[0]
+    assert HFEngine.from_model(model, batch_size=8).describe()["cuda_graphs"] is True

@@ -31,14 +31,62 @@ delta-net) and sliding-window layers keep ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 from collections import deque
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
+"""The attention implementation a decode step runs (registered with ``transformers``'
+``AttentionInterface``; the model's own is restored after each step)."""
+
+DECODE_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Kernels a decode step may use: a slot's visible columns need a mask, which flash
+attention does not take; cuDNN's took about 200 us a layer at 256 rows x 256 keys on one
+H200 (torch 2.11, profiled), several times the time its keys and values take to read."""
+
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, *DECODE_SDPA_BACKENDS]
+"""Kernels a prefill may use: not cuDNN's, which plans every new shape (prefill widths
+vary; see ``hf.GENERATION_SDPA_BACKENDS``)."""
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """Scaled dot-product attention of one new token per row: ``[b, Hq, 1, D]`` queries
+    grouped per KV head as ``[b, Hkv, Hq / Hkv, D]``, so grouped-query attention reads
+    the ``[b, Hkv, K, D]`` cache as it is (``transformers`` 5.17 copies it to ``Hq`` heads
+    every layer and step, ``repeat_kv``; 5.24's ``pack_gqa`` groups as here).
+    ``attention_mask``: ``[b, 1, 1, K]`` bool, True where a row may attend.
+
+    Returns:
+        ``([b, 1, Hq, D] output, None)``, as ``transformers``' attention functions.
+    """
+    b, heads, q_len, dim = query.shape
+    grouped = query.reshape(b, key.shape[1], heads // key.shape[1] * q_len, dim)  # q_len is 1: heads in a group are queries
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+
+
+@contextlib.contextmanager
+def _decode_attention(model: PreTrainedModel):
+    """The model runs :func:`slot_attention` (and only the listed SDPA kernels) inside."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = SLOT_ATTENTION
+    try:
+        with sdpa_kernel(DECODE_SDPA_BACKENDS):
+            yield
+    finally:
+        model.config._attn_implementation = before
 
 
 def sample_tokens(
@@ -240,8 +288,9 @@ class SlotDecoder:
         attention_mask = torch.tensor([[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], device=device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # [n, W], as generate numbers a left-padded row
         prefill_cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True, **{self._cache_arg: prefill_cache}).logits[:, -1]  # [n, V]
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, **{self._cache_arg: prefill_cache}).logits[:, -1]  # [n, V]
         layers = [(layer.keys, layer.values) for layer in prefill_cache.layers]
         self._ensure([(k.shape[1], k.shape[3]) for k, _ in layers], slots, length, call.max_new_tokens,
                      layers[0][0].dtype)
@@ -262,6 +311,7 @@ class SlotDecoder:
                 and self.state.fits(slots, max_new_tokens, length)):
             return
         self._graphs.clear()
+        self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
         self.cache = self.state = None
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -313,10 +363,11 @@ class SlotDecoder:
         columns = cache.write_columns[:rows]  # [r]
         ar = state.arange[:key_length]
         visible = (ar >= state.starts[:rows, None]) & (ar <= columns[:, None])  # [r, K]
-        logits = self.model(
-            input_ids=state.last[:rows, None], position_ids=state.positions[:rows, None],
-            attention_mask=visible[:, None, None, :], use_cache=True, **{self._cache_arg: cache},
-        ).logits[:, -1]  # [r, V]
+        with _decode_attention(self.model):
+            logits = self.model(
+                input_ids=state.last[:rows, None], position_ids=state.positions[:rows, None],
+                attention_mask=visible[:, None, None, :], use_cache=True, **{self._cache_arg: cache},
+            ).logits[:, -1]  # [r, V]
         counts = state.counts[:rows]
         at = counts.clamp(max=call.max_new_tokens - 1)[:, None]  # [r, 1]
         chosen, logprob = sample_tokens(logits, state.uniforms[:rows].gather(1, at), call.temperature, call.top_p)
