@@ -349,9 +349,16 @@ def graph_breaking_layers(path: str) -> str | None:
     kinds = []
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         kinds.append("mixture-of-experts")
-    if "linear_attention" in (getattr(config, "layer_types", None) or []):
+    if linear_attention_layers(path):
         kinds.append("linear-attention")
     return f"{' and '.join(kinds)} layers break the compiled graph" if kinds else None
+
+
+def linear_attention_layers(path: str) -> bool:
+    """Whether the model at ``path`` has linear-attention layers (``config.layer_types``
+    naming ``linear_attention``: Qwen3.5's gated delta-net). Raises ModelLoadError."""
+    config = _config(check_model_path(path)).get_text_config()
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
 
 
 def compile_policy_layers(setting: str, wanted: bool, path: str) -> tuple[bool, str | None]:

@@ -44,6 +44,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
+from mlperf_grpo.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.model import (DTYPES, check_device, check_model, check_model_path, compile_decoder_layers,
                                compile_policy_layers, load_model)
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
@@ -312,6 +313,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
     check_device(config.model.device)
+    check_linear_attention_kernels(config.model.path, config.model.device)
     check_engine_available(config)
     if check_output:
         run.check_unused()
