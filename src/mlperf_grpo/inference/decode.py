@@ -350,7 +350,9 @@ class SlotDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the one-step-async rollouts capture on their own thread while the
+        # training thread allocates and synchronizes (global mode would fail those calls)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step_body(call, rows, key_length)
         self.state.restore(saved, self.cache)
         return graph
