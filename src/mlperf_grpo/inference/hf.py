@@ -128,6 +128,9 @@ class HFEngine:
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
     for ids and log-probabilities, and full-vocabulary logits of one step at a time.
+    With slot decoding the static KV cache (``2 x layers x batch_size x kv_heads x
+    columns x head_dim`` elements, columns = longest prompt + ``max_new_tokens`` rounded
+    up to 256) and the captured graphs stay allocated between calls until :meth:`close`.
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
@@ -264,7 +267,8 @@ class HFEngine:
         return weights_fingerprint({n: own[n] for n in names})
 
     def close(self) -> None:
-        """Nothing to release: the model is freed with the engine."""
+        """Drop the slot decoder's KV cache and CUDA graphs; the model is freed with the engine."""
+        self._decoder = None
 
     canary_is_log_softmax = False
     """:meth:`canary_logits` returns raw logits."""
