@@ -52,3 +52,51 @@ def _checkpoint_names(run_dir) -> set[str]:
         with safe_open(str(path), "pt") as f:
             names |= set(f.keys())
     return names
+
+
+def _qwen3_5_moe_dir(tmp_path):
+    """A tiny qwen3_5_moe model directory (hybrid gated delta-net + full attention, MoE
+    experts) with the built-in model's tokenizer files (loaded as Qwen3.5's tokenizer class, which
+    adds one token: vocabulary 16)."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from mlperf_grpo.model import BUILTIN_MODEL_DIR
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path / "qwen3_5_moe"
+    Qwen3_5MoeForCausalLM(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
+    return directory
+
+
+def test_compile_auto_leaves_moe_and_linear_attention_models_eager(tmp_path):
+    from mlperf_grpo.model import compile_policy_layers
+
+    directory = str(_qwen3_5_moe_dir(tmp_path))
+    compiled, note = compile_policy_layers("auto", True, directory)
+    assert not compiled
+    assert note == ("model.compile auto: off for this model (mixture-of-experts and linear-attention layers break "
+                    "the compiled graph); model.compile: on compiles it anyway")
+    assert compile_policy_layers("on", True, directory) == (True, None)
+    assert compile_policy_layers("auto", True, "builtin:arithmetic-tiny") == (True, None)
+    assert compile_policy_layers("auto", False, directory) == (False, None)
+
+
+def test_a_qwen3_5_moe_model_trains_with_the_default_config(tmp_path):
+    directory = _qwen3_5_moe_dir(tmp_path)
+    config = parse_config({"model": {"path": str(directory)},
+                           "grpo": {"max_steps": 1, "first_eval_step": 1, "num_prompts_per_step": 2,
+                                    "micro_batch_size": 8}}, "test")
+    result = loop.train(config, RunDir(tmp_path / "run"), config_filename="test", show_progress=False)
+    (step,) = result.steps  # a random model earns no reward here: advantages, loss and gradient are 0
+    assert step.loss == 0.0 and step.grad_norm == 0.0
+    assert "model.layers.0.linear_attn.A_log" in _checkpoint_names(tmp_path / "run")  # the step's checkpoint

@@ -334,6 +334,52 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
+def graph_breaking_layers(path: str) -> str | None:
+    """Why ``model.compile: auto`` leaves the model at ``path`` eager, or None: its
+    decoder layers hold mixture-of-experts routing or linear attention, whose
+    data-dependent control flow breaks the compiled graph (on one H200, a
+    ``qwen3_5_moe`` model's first compiled step had not ended after 216 s: inductor
+    graph breaks at the experts' grouped matmul, ``aten._local_scalar_dense``, issue 29).
+    Reads ``config.json`` only.
+
+    Raises:
+        ModelLoadError: no model directory, or a ``config.json`` that does not load.
+    """
+    config = _config(check_model_path(path)).get_text_config()
+    kinds = []
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        kinds.append("mixture-of-experts")
+    if linear_attention_layers(path):
+        kinds.append("linear-attention")
+    return f"{' and '.join(kinds)} layers break the compiled graph" if kinds else None
+
+
+def linear_attention_layers(path: str) -> bool:
+    """Whether the model at ``path`` has linear-attention layers (``config.layer_types``
+    naming ``linear_attention``: Qwen3.5's gated delta-net). Raises ModelLoadError."""
+    config = _config(check_model_path(path)).get_text_config()
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
+def compile_policy_layers(setting: str, wanted: bool, path: str) -> tuple[bool, str | None]:
+    """``model.compile`` resolved for the model at ``path``: ``(compile, note)``.
+
+    ``wanted`` is ``ModelConfig.compile_policy`` (``auto`` resolved by device and
+    dtype). Under ``auto`` a model whose layers break the graph
+    (:func:`graph_breaking_layers`) stays eager, and ``note`` says so in one line;
+    ``on`` compiles it anyway.
+
+    Raises:
+        ModelLoadError: as :func:`graph_breaking_layers`.
+    """
+    if not wanted or setting != "auto":
+        return wanted, None
+    reason = graph_breaking_layers(path)
+    if reason is None:
+        return True, None
+    return False, f"model.compile auto: off for this model ({reason}); model.compile: on compiles it anyway"
+
+
 def model_skeleton(path: str, dtype: str) -> PreTrainedModel:
     """The model at ``path`` as an architecture without weights: its parameters and
     buffers on the meta device (no memory) in ``dtype``, its generation config read from

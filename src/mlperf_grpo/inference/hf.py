@@ -6,6 +6,12 @@ weights, not on which other prompts share its batch. ``generate`` runs greedily 
 logits that :class:`RowSeededSampler` has reduced to the one sampled token; the sampler
 takes that token's log-probability at the same step, so no step's full-vocabulary
 logits outlive it (memory grows with tokens, not tokens x vocabulary).
+
+On CUDA, models whose layers are all full attention decode instead through
+:class:`~mlperf_grpo.inference.decode.SlotDecoder` (a static per-slot KV cache, refilled
+slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
+(:func:`~mlperf_grpo.inference.decode.sample_tokens`); ``decode="generate"`` or a CPU
+device keeps ``generate`` (the CPU calibration's path).
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
+from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_slot_decoding
 from mlperf_grpo.model import build_model_for_refit, load_model, load_tokenizer
 
 
@@ -60,8 +66,7 @@ class RowSeededSampler(LogitsProcessor):
         self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int, draw_chunk: int = 64
     ) -> None:
         self._rngs = [random.Random(s) for s in seeds]
-        self._temperature = TemperatureLogitsWarper(temperature)
-        self._top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self._temperature, self._top_p = temperature, top_p
         self._max_new_tokens = max_new_tokens
         self._draw_chunk = max(1, draw_chunk)
         self._uniforms: torch.Tensor | None = None  # [B, chunk], the current chunk of draws
@@ -81,23 +86,16 @@ class RowSeededSampler(LogitsProcessor):
         return self._logprobs[:, : self.steps]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = self._temperature(input_ids, scores.float())  # [B, V]
-        logprobs = torch.log_softmax(scores, dim=-1)  # [B, V], the rollout policy (before top-p)
-        if self._top_p is not None:
-            scores = self._top_p(input_ids, scores)
-        cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)  # [B, V]
-        u = self._next_uniforms(cdf.dtype, cdf.device) * cdf[:, -1:]  # [B, 1]; the CDF may end a hair below 1
-        chosen = torch.searchsorted(cdf, u).clamp_(max=scores.shape[-1] - 1)  # [B, 1]
-        del cdf
+        u = self._next_uniforms(torch.float32, scores.device)  # [B, 1]
+        chosen, logprob = sample_tokens(scores, u, self._temperature, self._top_p)  # [B, 1] each
         if self._logprobs is None:
             # Written in place: per-step small tensors kept alive would fragment the CPU
             # heap between the [B, V] temporaries and grow RSS by about B x V per step.
             # One spare column: a generate that checks for the end one step late calls once more.
-            self._logprobs = logprobs.new_zeros((logprobs.shape[0], self._max_new_tokens + 1))
-        self._logprobs[:, self.steps : self.steps + 1] = logprobs.gather(1, chosen)
+            self._logprobs = logprob.new_zeros((logprob.shape[0], self._max_new_tokens + 1))
+        self._logprobs[:, self.steps : self.steps + 1] = logprob
         self.steps += 1
-        del logprobs
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+        return torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, chosen, 0.0)
 
     def _next_uniforms(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``[B, 1]``: each row's next uniform in [0, 1)."""
@@ -117,34 +115,45 @@ class HFEngine:
     Args:
         model_path: local Hugging Face directory or ``builtin:...``.
         dtype: "float32" or "bfloat16" (the rollout dtype).
-        batch_size: prompts per ``generate`` call (bounds memory).
+        batch_size: prompts per ``generate`` call (bounds memory); with slot decoding,
+            the most rows in flight (finished rows' slots take waiting prompts).
         device: "cpu" or "cuda".
+        decode: ``"auto"``: slot decoding with CUDA graphs (:mod:`~mlperf_grpo.inference.decode`)
+            on CUDA for a model whose layers are all full attention, else ``generate``;
+            ``"generate"``: always ``generate``; ``"slots"``: slot decoding (CUDA graphs on
+            CUDA only; raises ValueError for a model it does not support).
     Raises:
         ModelLoadError: the model cannot be loaded.
 
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
     for ids and log-probabilities, and full-vocabulary logits of one step at a time.
+    With slot decoding the static KV cache (``2 x layers x batch_size x kv_heads x
+    columns x head_dim`` elements, columns = longest prompt + ``max_new_tokens`` rounded
+    up to 256) and the captured graphs stay allocated between calls until :meth:`close`.
     """
 
-    def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> None:
-        self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path)
+    def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
+                 decode: str = "auto") -> None:
+        self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode)
 
     @classmethod
-    def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu") -> HFEngine:
+    def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
+                  decode: str = "auto") -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
         nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`). For
         evaluators, which refit before every use; generating before the first refit gives
         meaningless text. Args and errors as the constructor's."""
         engine = cls.__new__(cls)
-        engine._init(build_model_for_refit(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path)
+        engine._init(build_model_for_refit(model_path, dtype, device), load_tokenizer(model_path), batch_size,
+                     model_path, decode)
         return engine
 
     @classmethod
     def from_model(
         cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 256,
-        model_path: str = "in-memory",
+        model_path: str = "in-memory", decode: str = "auto",
     ) -> HFEngine:
         """An engine around ``model`` as it is (its dtype and device; put in eval mode).
 
@@ -153,11 +162,12 @@ class HFEngine:
         back to 0; no EOS means every row runs to ``max_new_tokens``).
         """
         engine = cls.__new__(cls)
-        engine._init(model.eval(), tokenizer, batch_size, model_path)
+        engine._init(model.eval(), tokenizer, batch_size, model_path, decode)
         return engine
 
     def _init(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str,
+        decode: str,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -167,6 +177,23 @@ class HFEngine:
         self.eos_token_id: int | None = _single_id(source.eos_token_id)
         pad = _single_id(source.pad_token_id)
         self.pad_token_id: int = pad if pad is not None else (self.eos_token_id if tokenizer is not None else 0)
+        self._decoder = self._slot_decoder(decode)
+
+    def _slot_decoder(self, decode: str) -> SlotDecoder | None:
+        """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``.
+
+        Raises:
+            ValueError: ``decode`` is unknown, or ``"slots"`` for a model that needs ``generate``.
+        """
+        if decode not in ("auto", "generate", "slots"):
+            raise ValueError(f"decode is {decode!r}; use auto, generate or slots")
+        supported = supports_slot_decoding(self.model)
+        if decode == "slots" and not supported:
+            raise ValueError(f"{type(self.model).__name__} has layers other than full attention: use decode='generate'")
+        on_cuda = self.model.device.type == "cuda"
+        if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
+            return None
+        return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Refit in place: each given tensor is copied into the engine's own (any source
@@ -222,7 +249,8 @@ class HFEngine:
         import transformers
 
         return {
-            "engine": "transformers.generate",
+            "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
+            "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
             "model": self.model_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.model.device),
@@ -239,7 +267,8 @@ class HFEngine:
         return weights_fingerprint({n: own[n] for n in names})
 
     def close(self) -> None:
-        """Nothing to release: the model is freed with the engine."""
+        """Drop the slot decoder's KV cache and CUDA graphs; the model is freed with the engine."""
+        self._decoder = None
 
     canary_is_log_softmax = False
     """:meth:`canary_logits` returns raw logits."""
@@ -278,6 +307,11 @@ class HFEngine:
         """
         if len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(seeds)} seeds")
+        if self._decoder is not None:
+            eos_token_ids = [self.eos_token_id] if self.eos_token_id is not None else []
+            rows = self._decoder.generate(prompt_token_ids, seeds, params.temperature, params.top_p,
+                                          params.max_new_tokens, eos_token_ids)
+            return [self._completion(p, ids, logprobs) for p, (ids, logprobs) in zip(prompt_token_ids, rows)]
         out: list[Completion] = []
         for start in range(0, len(prompt_token_ids), self.batch_size):
             end = start + self.batch_size
@@ -305,11 +339,12 @@ class HFEngine:
         for prompt, ids, logprobs in zip(prompts, generated.tolist(), token_logprobs.tolist()):
             if self.eos_token_id in ids:
                 ids = ids[: ids.index(self.eos_token_id) + 1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-            completions.append(
-                Completion(prompt_token_ids=list(prompt), token_ids=ids, logprobs=logprobs[: len(ids)], text=text)
-            )
+            completions.append(self._completion(prompt, ids, logprobs[: len(ids)]))
         return completions
+
+    def _completion(self, prompt: list[int], ids: list[int], logprobs: list[float]) -> Completion:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Completion(prompt_token_ids=list(prompt), token_ids=ids, logprobs=logprobs, text=text)
 
 
 def _single_id(token_id: int | list[int] | None) -> int | None:

@@ -28,6 +28,7 @@ checkpoints in flight are published first):
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
-from mlperf_grpo.model import DTYPES, check_device, check_model, check_model_path, compile_decoder_layers, load_model
+from mlperf_grpo.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.model import (DTYPES, check_device, check_model, check_model_path, compile_decoder_layers,
+                               compile_policy_layers, load_model)
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
 from mlperf_grpo.tasks.scoring import score
@@ -340,6 +343,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
     check_device(config.model.device)
+    check_linear_attention_kernels(config.model.path, config.model.device)
     check_engine_available(config)
     if check_output:
         run.check_unused()
@@ -355,22 +359,26 @@ class _Setup:
     engine: InferenceEngine
     optimizer: torch.optim.Optimizer
     sampler: PromptSampler
+    compiled: bool  # the policy's decoder layers are compiled (model.compile resolved for this model)
 
 
 def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
     init_start_ms = now_ms()  # init_start is logged with this time once the run exists
     torch.manual_seed(config.seed)
+    compiled, note = compile_policy_layers(config.model.compile, config.model.compile_policy, config.model.path)
+    if note is not None and distributed.layout().rank == 0:
+        print(f"mlperf-grpo: {note}", file=sys.stderr)
     if distributed.layout().distributed:  # built sharded (fp32 master weights); compute in the rollout dtype on CUDA
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
         policy = distributed.load_sharded_policy(config.model.path, config.model.device, compute_dtype,
                                                  config.distributed.activation_checkpointing,
-                                                 compile_layers=config.model.compile_policy,
+                                                 compile_layers=compiled,
                                                  reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
         engine = distributed.engine_from_policy(config, policy)
     else:
         policy = load_model(config.model.path, "float32", config.model.device)
         policy.config.use_cache = False  # the policy only scores (the engine generates)
-        if config.model.compile_policy:
+        if compiled:
             compile_decoder_layers(policy)
         engine = build_engine(config)
     optimizer = torch.optim.AdamW(
@@ -384,7 +392,7 @@ def _setup(config: RunConfig, train_pool: list[tasks.Task]) -> _Setup:
         fused=config.model.device == "cuda" and config.model.train_compute_dtype != "float32",
     )
     sampler = PromptSampler(train_pool, config.seed)
-    return _Setup(init_start_ms, policy, engine, optimizer, sampler)
+    return _Setup(init_start_ms, policy, engine, optimizer, sampler, compiled)
 
 
 def _train(
@@ -447,7 +455,7 @@ def _train(
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
                 config.gradient_clip_norm, g.seq_logprob_error_threshold, g.needs_prev_logprobs,
-                DTYPES[config.model.train_compute_dtype], width_multiple=COMPILED_WIDTH_MULTIPLE if config.model.compile_policy else 1,
+                DTYPES[config.model.train_compute_dtype], width_multiple=COMPILED_WIDTH_MULTIPLE if setup.compiled else 1,
                 reshard_every_micro_batch=config.distributed.reshard_every_micro_batch,
             )
             distributed.barrier()  # every rank's optimizer.step() has returned

@@ -1,0 +1,107 @@
+"""The slot decoder (inference/decode.py): a static per-slot KV cache with refilled slots.
+On CPU it runs without CUDA graphs; the bookkeeping (refill, compaction, key-length
+buckets) is the same code the graphs capture."""
+
+import heapq
+import random
+
+import pytest
+import torch
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
+from mlperf_grpo.inference.hf import HFEngine
+from test_generation import EOS, reference_sample, tiny_qwen3
+
+PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
+
+
+def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    gen = random.Random(seed)
+    prompts = [[gen.randrange(3, 24) for _ in range(gen.randint(1, 9))] for _ in range(n)]
+    return prompts, [gen.getrandbits(63) for _ in prompts]
+
+
+def _makespan(lengths: list[int], slots: int) -> int:
+    """Decode steps of list scheduling: each prompt, in order, goes to the slot free
+    first; a completion of L tokens holds its slot for L - 1 decode steps (its first
+    token comes from the prefill)."""
+    free_at = [0] * slots
+    for length in lengths:
+        heapq.heappush(free_at, heapq.heappop(free_at) + length - 1)
+    return max(free_at)
+
+
+def test_completions_do_not_depend_on_slot_count_order_or_neighbours():
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(14, seed=3)
+    expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
+    lengths = [len(tokens) for tokens, _ in expected]
+    assert min(lengths) < PARAMS.max_new_tokens == max(lengths), "rows must end at EOS and at the limit"
+    order = list(range(len(prompts)))
+    random.Random(5).shuffle(order)
+    for slots in (1, 3, 8):
+        for perm in (list(range(len(prompts))), order):
+            decoder = SlotDecoder(model, slots, pad_token_id=0, cuda_graphs=False, key_block=4)
+            out = decoder.generate([prompts[i] for i in perm], [seeds[i] for i in perm], PARAMS.temperature,
+                                   PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+            for i, (tokens, logprobs) in zip(perm, out):
+                assert tokens == expected[i][0]
+                # float32 sums over a few layers in another order: about 1e-6 apart
+                torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected[i][1]), rtol=1e-5, atol=1e-5)
+            # refilled slots: the loop runs as long as list scheduling says, not to each batch's longest row
+            assert decoder.decode_steps == _makespan([lengths[i] for i in perm], slots)
+
+
+def test_slot_decoding_equals_generate_on_the_builtin_model():
+    generate = HFEngine("builtin:arithmetic-tiny", "float32", batch_size=16, decode="generate")
+    slots = HFEngine.from_model(generate.model, generate.tokenizer, batch_size=16, decode="slots")
+    prompts = [f"{a}+{b}=" for a in range(10, 99, 17) for b in range(15, 99, 19)]
+    seeds = list(range(100, 100 + len(prompts)))
+    for params in (SamplingParams(1.0, 1.0, 8), SamplingParams(0.1, 0.95, 8)):
+        old = generate.generate(prompts, params, seeds)
+        new = slots.generate(prompts, params, seeds)
+        assert [c.token_ids for c in new] == [c.token_ids for c in old]
+        assert [c.text for c in new] == [c.text for c in old]
+        for a, b in zip(new, old):  # float32, 2 layers: the kernels' summation order only
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_keeps_generate_by_default():
+    """The CPU calibration's completions come from generate, as before."""
+    engine = HFEngine("builtin:arithmetic-tiny", "float32", batch_size=4)
+    assert engine.describe()["engine"] == "transformers.generate"
+    assert engine.describe()["cuda_graphs"] is False
+
+
+def test_hybrid_linear_attention_models_keep_generate():
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+    )
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    assert not supports_slot_decoding(model)
+    assert supports_slot_decoding(tiny_qwen3(vocab_size=24, eos_token_id=EOS))
+    with pytest.raises(ValueError, match="decode='generate'"):
+        HFEngine.from_model(model, batch_size=2, decode="slots")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_give_the_eager_steps():
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
+    prompts, seeds = _prompts(40, seed=11)
+    runs = {}
+    for graphs in (False, True):
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8)
+        for _ in range(2):  # the second call replays the graphs the first captured
+            runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
+                                            PARAMS.max_new_tokens, [EOS])
+    assert runs[True] == runs[False]  # the same kernels, replayed: bit for bit
+    cpu_model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)  # the same weights (seed 0), on the CPU
+    for (tokens, _), prompt, seed in zip(runs[True], prompts, seeds):
+        assert tokens == reference_sample(cpu_model, prompt, seed, PARAMS)[0]
+    assert HFEngine.from_model(model, batch_size=8).describe()["cuda_graphs"] is True
