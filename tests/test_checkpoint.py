@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import xxhash
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from mlperf_grpo.checkpoint import (
     AsyncCheckpointer,
@@ -73,6 +73,34 @@ def test_published_checkpoint_is_a_hugging_face_model_with_the_policys_logits(tm
     found, _ = discover_checkpoints(tmp_path)
     weights = read_weights(found[0])
     assert torch.equal(weights["model.embed_tokens.weight"], policy.model.embed_tokens.weight)
+
+
+class _WithEmptyTensors(LlamaForCausalLM):
+    """The built-in model's class plus three zero-size parameters (a layer with no
+    experts, a disabled bias, ...): every empty storage has address 0."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.empty_a = torch.nn.Parameter(torch.empty(0, 4))
+        self.empty_b = torch.nn.Parameter(torch.empty(0))
+        self.empty_c = torch.nn.Parameter(torch.empty(3, 0))
+
+
+def test_zero_size_tensors_are_all_published_and_from_pretrained_loads_them(tmp_path):
+    """safetensors/safetensors#280: a dedup by storage address kept one of three."""
+    policy = _WithEmptyTensors.from_pretrained(BUILTIN_MODEL_DIR, local_files_only=True)
+    state = policy.state_dict()
+    assert {n: tuple(state[n].shape) for n in ("empty_a", "empty_b", "empty_c")} == {
+        "empty_a": (0, 4), "empty_b": (0,), "empty_c": (3, 0)}
+    path = write_checkpoint(tmp_path, state, _info(18), BUILTIN_MODEL_DIR)
+    found = discover_checkpoints(tmp_path)[0][0]
+    specs = tensor_specs(found)
+    assert all(torch.equal(t, state[n]) for n, t in read_weights(found).items())  # the verified read
+    assert {n: specs[n][1] for n in ("empty_a", "empty_b", "empty_c")} == {"empty_a": [0, 4], "empty_b": [0], "empty_c": [3, 0]}
+    assert "lm_head.weight" not in specs  # still tied: stored once
+    loaded, info = _WithEmptyTensors.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    assert info["missing_keys"] == set() and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert loaded.empty_c.shape == (3, 0) and loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
 def test_staging_copies_the_weights_before_save_returns(tmp_path, monkeypatch):
