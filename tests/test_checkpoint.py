@@ -376,6 +376,29 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
         prefetcher.close()
 
 
+def test_prefetcher_hands_over_a_read_failure_that_is_not_an_exception():
+    """DCP's ``CheckpointException`` derives from ``BaseException``: it killed the thread
+    and ``take()`` waited forever (``evaluate --format nemo-rl`` on a truncated file)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    def read(checkpoint, buffers, stop):
+        raise CheckpointException("read", {0: RuntimeError("failed finding central directory")})
+
+    prefetcher = CheckpointPrefetcher(read, pin=False, reserve=False)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(prefetcher.take()), daemon=True)
+    try:
+        prefetcher.submit(7, "a checkpoint")
+        taker.start()
+        taker.join(timeout=30)  # a bound on failure, not a synchronisation: the item is handed over at once
+        assert not taker.is_alive(), "take() still waits: the read's failure never reached it"
+        assert taken[0].index == 7 and isinstance(taken[0].error, CheckpointException) and taken[0].weights is None
+    finally:
+        prefetcher.close()
+
+
 def test_prefetcher_close_stops_a_read_in_progress_and_ends_its_thread(tmp_path, monkeypatch):
     """close() during a read gives it up at the next chunk and returns with the thread
     ended (before, the daemon thread was left reading: at interpreter exit a thread
