@@ -97,10 +97,8 @@ def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
         tensors = read_weights(c)
         if weights in ("sharded", "consolidated"):
             write_per_rank(tensors, weights_dir / "model", RANKS)
-        if weights == "consolidated":
-            write_consolidated(tensors, c.path, weights_dir / "model" / "consolidated")
-        elif weights == "sharded":
-            pass
+            if weights == "consolidated":
+                write_consolidated(tensors, c.path, weights_dir / "model" / "consolidated")
         elif weights == "safetensors":
             (weights_dir / "model").mkdir()
             save_file(tensors, str(weights_dir / "model" / "shard-00001-model-00001-of-00001.safetensors"))
