@@ -5,7 +5,14 @@
   weights as safetensors (``policy/weights/model/``, automodel's ``model_save_format:
   safetensors``), as a DTensor v1 torch distributed checkpoint (``policy/weights/`` with
   the state dict under ``"model"``, ``nemo_rl/utils/native_checkpoint.py``) or as a v2 one
-  (``policy/weights/model/``, flat). Their record carries no weight hashes or canary.
+  (``policy/weights/model/``, flat); or as Automodel writes Hugging Face safetensors
+  (``nemo_automodel/components/checkpoint/checkpointing.py``, ``save_model``): one file
+  per rank in ``policy/weights/model/`` (``sharded``: 4 ranks, each tensor split along
+  dim 0 as FSDP2's ``Shard(0)`` does, each file's header giving its slices'
+  ``DCP_SHARDING_INFO`` ``saved_offsets`` as torch's ``HuggingFaceStorageWriter`` writes
+  them) and, for ``consolidated``, also ``model/consolidated/`` (whole tensors, the index
+  and a ``config.json`` written with ``to_json_string(use_diff=False)``: every default
+  key). Their record carries no weight hashes or canary.
 - :func:`to_hf_dirs`: one Hugging Face model directory per checkpoint plus
   ``manifest.jsonl``.
 
@@ -18,11 +25,55 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import save_file
+from transformers import AutoConfig
 
 from mlperf_grpo.checkpoint import INFO_FILE, discover_checkpoints, read_weights
+
+
+RANKS = 4
+"""Ranks of the per-rank layouts (the upstream default is one file per rank)."""
+
+
+def rank_slices(tensor: torch.Tensor, ranks: int) -> list[tuple[int, torch.Tensor]]:
+    """``(dim-0 offset, slice)`` of each rank's share, as ``torch.chunk`` splits (FSDP2's
+    ``Shard(0)``): ``ceil(n / ranks)`` rows each, the last ranks' shorter or empty."""
+    if tensor.dim() == 0:
+        return [(0, tensor)] + [(0, None)] * (ranks - 1)  # a scalar: one rank holds it
+    rows = -(-tensor.shape[0] // ranks)
+    return [(r * rows, tensor[r * rows:(r + 1) * rows]) for r in range(ranks)]
+
+
+def write_per_rank(tensors: dict[str, torch.Tensor], folder: Path, ranks: int) -> None:
+    """``folder/shard-0000R-model-00001-of-00001.safetensors`` for R = 1..ranks, each the
+    rank's slices with ``{"DCP_SHARDING_INFO": {name: {"saved_offsets": [...]}}}`` in its
+    header (torch ``filesystem._write_files_from_queue``, SAFETENSORS format); a rank
+    whose slice of a tensor is empty writes nothing for it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in range(ranks):
+        mine, offsets = {}, {}
+        for name, tensor in tensors.items():
+            offset, part = rank_slices(tensor, ranks)[rank]
+            if part is None or part.numel() == 0:
+                continue
+            mine[name] = part.contiguous()
+            offsets[name] = {"saved_offsets": [offset] + [0] * (tensor.dim() - 1)}
+        save_file(mine, str(folder / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"})
+
+
+def write_consolidated(tensors: dict[str, torch.Tensor], model_dir: Path, folder: Path) -> None:
+    """Automodel's ``model/consolidated/``: whole tensors, ``model.safetensors.index.json``
+    and the model's ``config.json`` with every default key written
+    (``to_json_string(use_diff=False)``), as its ``_save_generated_hf_assets`` does."""
+    folder.mkdir(parents=True)
+    name = "model-00001-of-00001.safetensors"
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {n: name for n in tensors}}))
+    (folder / "config.json").write_text(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False))
 
 
 def _series(run: Path):
@@ -30,7 +81,8 @@ def _series(run: Path):
 
 
 def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
-    """``weights``: ``safetensors``, ``dcp`` (v1, nested) or ``dcp-v2`` (flat, in ``model/``)."""
+    """``weights``: ``safetensors``, ``dcp`` (v1, nested), ``dcp-v2`` (flat, in ``model/``),
+    ``sharded`` or ``consolidated`` (see the module docstring)."""
     config = yaml.safe_load((run / "config.yaml").read_text())
     for c in _series(run):
         step_dir = out / f"step_{c.step}"
@@ -43,7 +95,11 @@ def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
         }))
         (step_dir / "config.yaml").write_text(yaml.safe_dump({"grpo": config["grpo"], "policy": {"model_name": "builtin"}}))
         tensors = read_weights(c)
-        if weights == "safetensors":
+        if weights in ("sharded", "consolidated"):
+            write_per_rank(tensors, weights_dir / "model", RANKS)
+            if weights == "consolidated":
+                write_consolidated(tensors, c.path, weights_dir / "model" / "consolidated")
+        elif weights == "safetensors":
             (weights_dir / "model").mkdir()
             save_file(tensors, str(weights_dir / "model" / "shard-00001-model-00001-of-00001.safetensors"))
         elif weights == "dcp":

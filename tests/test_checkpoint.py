@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import xxhash
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from mlperf_grpo.checkpoint import (
     AsyncCheckpointer,
@@ -73,6 +73,34 @@ def test_published_checkpoint_is_a_hugging_face_model_with_the_policys_logits(tm
     found, _ = discover_checkpoints(tmp_path)
     weights = read_weights(found[0])
     assert torch.equal(weights["model.embed_tokens.weight"], policy.model.embed_tokens.weight)
+
+
+class _WithEmptyTensors(LlamaForCausalLM):
+    """The built-in model's class plus three zero-size parameters (a layer with no
+    experts, a disabled bias, ...): every empty storage has address 0."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.empty_a = torch.nn.Parameter(torch.empty(0, 4))
+        self.empty_b = torch.nn.Parameter(torch.empty(0))
+        self.empty_c = torch.nn.Parameter(torch.empty(3, 0))
+
+
+def test_zero_size_tensors_are_all_published_and_from_pretrained_loads_them(tmp_path):
+    """safetensors/safetensors#280: a dedup by storage address kept one of three."""
+    policy = _WithEmptyTensors.from_pretrained(BUILTIN_MODEL_DIR, local_files_only=True)
+    state = policy.state_dict()
+    assert {n: tuple(state[n].shape) for n in ("empty_a", "empty_b", "empty_c")} == {
+        "empty_a": (0, 4), "empty_b": (0,), "empty_c": (3, 0)}
+    path = write_checkpoint(tmp_path, state, _info(18), BUILTIN_MODEL_DIR)
+    found = discover_checkpoints(tmp_path)[0][0]
+    specs = tensor_specs(found)
+    assert all(torch.equal(t, state[n]) for n, t in read_weights(found).items())  # the verified read
+    assert {n: specs[n][1] for n in ("empty_a", "empty_b", "empty_c")} == {"empty_a": [0, 4], "empty_b": [0], "empty_c": [3, 0]}
+    assert "lm_head.weight" not in specs  # still tied: stored once
+    loaded, info = _WithEmptyTensors.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    assert info["missing_keys"] == set() and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert loaded.empty_c.shape == (3, 0) and loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
 def test_staging_copies_the_weights_before_save_returns(tmp_path, monkeypatch):
@@ -344,6 +372,29 @@ def test_prefetcher_reserves_nothing_for_an_absurd_recorded_shard_size(tmp_path,
         item = prefetcher.take()
         assert item.error is None and torch.equal(item.weights["w"], torch.arange(4096, dtype=torch.float32) * 19)
         assert allocations == [true_bytes]  # only the read of step_19 allocated, at its true size
+    finally:
+        prefetcher.close()
+
+
+def test_prefetcher_hands_over_a_read_failure_that_is_not_an_exception():
+    """DCP's ``CheckpointException`` derives from ``BaseException``: it killed the thread
+    and ``take()`` waited forever (``evaluate --format nemo-rl`` on a truncated file)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+
+    def read(checkpoint, buffers, stop):
+        raise CheckpointException("read", {0: RuntimeError("failed finding central directory")})
+
+    prefetcher = CheckpointPrefetcher(read, pin=False, reserve=False)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(prefetcher.take()), daemon=True)
+    try:
+        prefetcher.submit(7, "a checkpoint")
+        taker.start()
+        taker.join(timeout=30)  # a bound on failure, not a synchronisation: the item is handed over at once
+        assert not taker.is_alive(), "take() still waits: the read's failure never reached it"
+        assert taken[0].index == 7 and isinstance(taken[0].error, CheckpointException) and taken[0].weights is None
     finally:
         prefetcher.close()
 

@@ -8,6 +8,7 @@ Face directories plus a manifest: each gives the same accuracies, passing step a
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,24 @@ LAYOUTS = {
     "nemo-rl-safetensors": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "safetensors"),
     "nemo-rl-dcp": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "dcp"),
     "nemo-rl-dcp-v2": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "dcp-v2"),
+    "nemo-rl-sharded": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "sharded"),
+    "nemo-rl-consolidated": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "consolidated"),
     "hf-dirs": foreign_layouts.to_hf_dirs,
 }
+DATA_FILE = {
+    "nemo-rl-safetensors": "step_{step}/policy/weights/model/shard-00001-model-00001-of-00001.safetensors",
+    "nemo-rl-dcp": "step_{step}/policy/weights/__0_0.distcp",
+    "nemo-rl-dcp-v2": "step_{step}/policy/weights/model/__0_0.distcp",
+    "nemo-rl-sharded": "step_{step}/policy/weights/model/shard-00002-model-00001-of-00001.safetensors",
+    "nemo-rl-consolidated": "step_{step}/policy/weights/model/consolidated/model-00001-of-00001.safetensors",
+    "hf-dirs": "models/ckpt-{step}/model-00001-of-00001.safetensors",
+}
+"""One data file of each layout's checkpoint of a step (the file the evaluator reads)."""
+FOUND_BY_THE_SERIES_CHECK = {"nemo-rl-safetensors", "nemo-rl-sharded", "nemo-rl-consolidated", "hf-dirs"}
+"""Layouts whose truncated file the series check finds (safetensors headers give each
+file's size) before anything is logged; a DCP file is found when it is read."""
+EVALUATE_TIMEOUT_S = 300
+"""A subprocess evaluation that runs longer hangs: 2 checkpoints take about 40 s here."""
 
 
 def official_check(log_path):
@@ -93,7 +110,8 @@ def convert(trained, tmp_path, layout):
     return series, log
 
 
-@pytest.mark.parametrize("layout", ["nemo-rl-safetensors", "nemo-rl-dcp", "hf-dirs"])  # DCP v2: tensors test below
+@pytest.mark.parametrize("layout", ["nemo-rl-safetensors", "nemo-rl-dcp", "nemo-rl-consolidated", "hf-dirs"])  # DCP v2,
+# per-rank shards: tensors test below
 def test_each_layout_gives_the_results_of_the_original(trained, reference, tmp_path, capsys, monkeypatch, layout):
     monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
     series, log = convert(trained, tmp_path, layout)
@@ -166,14 +184,127 @@ def test_dcp_is_read_without_a_process_group_into_the_same_tensors(trained, tmp_
     assert not torch.distributed.is_initialized()
     first = discover_checkpoints(trained / "checkpoints")[0][0]
     want = read_weights(first)
-    for weights in ("dcp", "dcp-v2", "safetensors"):
+    for weights in ("dcp", "dcp-v2", "safetensors", "sharded", "consolidated"):
         series = foreign_layouts.to_nemo_rl(trained, tmp_path / weights, weights)
         c = foreign.discover_nemo_rl(series, 32)[0][0]
-        assert c.step == 3 and c.weights_kind == ("safetensors" if weights == "safetensors" else "dcp")
+        assert c.step == 3 and c.weights_kind == ("dcp" if weights.startswith("dcp") else "safetensors")
         got = foreign.read_weights(c)
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[n], want[n]) for n in want), weights
         assert foreign.tensor_specs(c) == {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in want.items()}
+
+
+def test_per_rank_safetensors_are_assembled_bit_for_bit(trained, tmp_path):
+    """4 ranks' files (every tensor split along dim 0, some ranks' slices empty): each
+    tensor is its original, bit for bit (``torch.equal`` compares every element; the
+    float32 bytes are copied, never computed)."""
+    want = read_weights(discover_checkpoints(trained / "checkpoints")[0][0])
+    assert any(t.dim() and t.shape[0] % foreign_layouts.RANKS for t in want.values())  # uneven slices covered
+    series = foreign_layouts.to_nemo_rl(trained, tmp_path / "sharded", "sharded")
+    c = foreign.discover_nemo_rl(series, 32)[0][0]
+    assert len(c.weight_files) == foreign_layouts.RANKS
+    got = foreign.read_weights(c)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
+
+
+def test_per_rank_safetensors_missing_a_rank_are_refused_naming_the_tensor(trained, tmp_path):
+    """Without rank 2's file the slices leave rows uninitialised: refused, not read."""
+    series = foreign_layouts.to_nemo_rl(trained, tmp_path / "sharded", "sharded")
+    (series / "step_3/policy/weights/model/shard-00002-model-00001-of-00001.safetensors").unlink()
+    c = foreign.discover_nemo_rl(series, 32)[0][0]
+    with pytest.raises(CheckpointError, match=r"cover \d+ of its \d+ elements .*a rank's file is missing"):
+        foreign.read_weights(c)
+
+
+def test_consolidated_config_with_every_default_key_is_accepted_with_a_note(trained, tmp_path):
+    """Automodel writes ``to_json_string(use_diff=False)``: every default key; only keys
+    that define the architecture are compared."""
+    from mlperf_grpo.evaluate.foreign import config_differences
+
+    ours = json.loads((trained / "checkpoints" / "step_3" / "config.json").read_text())
+    series = foreign_layouts.to_nemo_rl(trained, tmp_path / "c", "consolidated")
+    theirs = json.loads((series / "step_3/policy/weights/model/consolidated/config.json").read_text())
+    assert set(theirs) - set(ours) >= {"output_attentions", "return_dict", "id2label"}  # the defaults written out
+    assert config_differences(theirs, ours)[0] == {}
+    changed = {**theirs, "num_hidden_layers": 3, "dtype": "bfloat16", "use_cache": False}
+    architecture, other = config_differences(changed, ours)
+    assert architecture == {"num_hidden_layers": (3, ours["num_hidden_layers"])}
+    assert {"dtype", "use_cache"} <= set(other) and "num_hidden_layers" not in other
+    nested = {"model_type": "x", "text_config": {"hidden_size": 8, "dtype": "float32"}}
+    assert config_differences({**nested, "text_config": {"hidden_size": 16, "dtype": "bfloat16"}}, nested) == (
+        {"text_config.hidden_size": (16, 8)}, {"text_config.dtype": ("bfloat16", "float32")})
+
+
+def test_consolidated_config_of_another_architecture_is_one_line_exit_2(trained, tmp_path, capsys):
+    series, log = convert(trained, tmp_path, "nemo-rl-consolidated")
+    path = series / "step_3/policy/weights/model/consolidated/config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_attention_heads": 8}))
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 2
+    assert "consolidated/config.json describes another model than" in (line := error_line(capsys.readouterr().err))
+    assert "num_attention_heads: 8 vs 4" in line
+
+
+def evaluate_in_subprocess(series, log, config):
+    """``evaluate`` in a child process, killed after :data:`EVALUATE_TIMEOUT_S` (a hang
+    fails the test instead of hanging CI): ``(exit code, stderr)``."""
+    args = ["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(config)]
+    code = "import sys; from mlperf_grpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=EVALUATE_TIMEOUT_S,
+                              env={**os.environ, "RETAIN_GRPO_CHECKPOINTS": "1"})
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"evaluate hung: no exit after {EVALUATE_TIMEOUT_S} s; stderr so far: {err.stderr}")
+    return proc.returncode, proc.stderr
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_byte_of_the_largest_tensor(path):
+    """One bit of the middle of the largest tensor's bytes (inside its ``torch.save`` record)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = max(FileSystemReader(str(path.parent)).read_metadata().storage_data.values(), key=lambda i: i.length)
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DATA_FILE_DAMAGE = [(layout, "truncated", _truncate) for layout in LAYOUTS] + [
+    ("nemo-rl-dcp", "deleted", lambda path: path.unlink()),
+    ("nemo-rl-dcp-v2", "deleted", lambda path: path.unlink()),
+    ("nemo-rl-dcp", "flipped", _flip_a_byte_of_the_largest_tensor),
+]
+
+
+@pytest.mark.parametrize("layout, how, damage", DATA_FILE_DAMAGE, ids=[f"{a}-{b}" for a, b, _ in DATA_FILE_DAMAGE])
+def test_a_damaged_data_file_is_one_line_naming_it_exit_2_no_hang(trained, reference, tmp_path, layout, how, damage):
+    """Step 4's data file damaged: one line names the file, exit 2, nothing is logged for
+    step 4 and nothing is deleted. Found when read (DCP), step 3 (evaluated first, no
+    pass) stays logged; found by the series check (safetensors headers), nothing is
+    logged (step 3 cannot be scored past the fault: the README's "a fault blocks only a
+    result that needs it")."""
+    series, log = convert(trained, tmp_path, layout)
+    path = series / DATA_FILE[layout].format(step=4)
+    assert path.is_file()
+    damage(path)
+    before = set(series.rglob("*"))
+    code, err = evaluate_in_subprocess(series, log, trained / "config.yaml")
+    assert code == 2, err
+    line = error_line(err)
+    assert str(path) in line, line
+    found_by_check = layout in FOUND_BY_THE_SERIES_CHECK and how == "truncated"
+    assert results_without_stop(log) == ([] if found_by_check else reference[0][:1])
+    assert before <= set(series.rglob("*"))  # nothing deleted (the evaluator adds its lock and eval/)
+
+
+def results_without_stop(log_path):
+    log = read_log(log_path)
+    assert not log.find("run_stop")
+    return [(e.metadata["step"], e.value) for e in log.find("eval_accuracy")]
 
 
 # --------------------------------------------------------------------------- bad inputs: one line, exit 2

@@ -2,7 +2,8 @@
 
 ``format`` (layout, ``training_info.json``), ``writer`` (asynchronous staging and
 publish), ``direct_io`` (shard files written with O_DIRECT from aligned memory), ``reader``
-(discovery, header and file checks, verified reads).
+(discovery, header and file checks, verified reads), ``foreign`` (other trainers' layouts)
+and ``dcp_read`` (their torch distributed checkpoints, read in one process).
 """
 
 from mlperf_grpo.checkpoint.format import (

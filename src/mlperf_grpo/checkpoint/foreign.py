@@ -14,7 +14,8 @@ Two layouts besides our own (``format.py``):
                                   or in ``model/`` (v2: flat, Hugging Face names); or
                                   Hugging Face safetensors (``model_save_format:
                                   safetensors``), in ``model/consolidated/``, ``model/``
-                                  or here
+                                  or here; in ``model/`` possibly one file per rank
+                                  (Automodel's sharded save), assembled whole
       step_N/policy/tokenizer/
 
 - **Hugging Face directories plus a manifest** (any other trainer): ``manifest.jsonl``,
@@ -23,8 +24,9 @@ Two layouts besides our own (``format.py``):
 
 Each becomes a :class:`ForeignCheckpoint`. What these layouts do not record (weight
 hashes, the canary logits, the trainer's non-weight file fingerprints) is listed in
-``unchecked`` and reported, never invented. DCP weights are read with
-``torch.distributed.checkpoint.load(no_dist=True)``: no process group.
+``unchecked`` and reported, never invented. DCP weights and per-rank safetensors are
+read with ``torch.distributed.checkpoint.load(no_dist=True)`` (``dcp_read.py``): no
+process group.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mlperf_grpo.checkpoint import dcp_read
 from mlperf_grpo.checkpoint.format import INFO_FILE, SAFETENSORS_DTYPES, CheckpointCorruptError, CheckpointError
 from mlperf_grpo.checkpoint.reader import read_json_record
 
@@ -46,7 +48,7 @@ HF_DIRS = "hf-dirs"
 OURS = "ours"
 FORMATS = (OURS, NEMO_RL, HF_DIRS)
 MANIFEST_FILE = "manifest.jsonl"
-DCP_METADATA = ".metadata"
+DCP_METADATA = dcp_read.DCP_METADATA
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -248,27 +250,20 @@ def read_manifest(manifest: Path, global_batch_size: int) -> list[ForeignCheckpo
 
 def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int]]]:
     """Tensor name -> (torch dtype name, e.g. ``float32``; shape), from safetensors
-    headers or DCP metadata only (so the two layouts compare equal).
+    headers or DCP metadata only (so the layouts compare equal; per-rank safetensors
+    give each tensor's whole shape, assembled from the slices' offsets).
 
     Raises:
-        CheckpointError: a header or the DCP metadata cannot be read; names the file.
+        CheckpointError: a header or the DCP metadata cannot be read, or per-rank slices
+            do not cover a tensor; names the file.
     """
-    specs: dict[str, tuple[str, list[int]]] = {}
     if checkpoint.weights_kind == "dcp":
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        directory = checkpoint.weight_files[0]
-        try:
-            metadata = FileSystemReader(str(directory)).read_metadata()
-        except Exception as err:  # noqa: BLE001  (torch raises several types for a bad file)
-            raise CheckpointError(f"{directory / DCP_METADATA}: not a readable torch distributed checkpoint ({err})") from None
-        for key, meta in metadata.state_dict_metadata.items():
-            if isinstance(meta, TensorStorageMetadata):
-                specs[_dcp_name(key, checkpoint.dcp_nested)] = (str(meta.properties.dtype).removeprefix("torch."), list(meta.size))
-        return specs
+        return _specs(dcp_read.read_dcp_metadata(checkpoint.weight_files[0]), checkpoint.dcp_nested)
+    if _per_rank(checkpoint):
+        return _specs(dcp_read.shards_metadata(checkpoint.weight_files[0].parent, checkpoint.weight_files), False)
     from safetensors import safe_open
 
+    specs: dict[str, tuple[str, list[int]]] = {}
     for path in checkpoint.weight_files:
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -281,6 +276,18 @@ def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int
     return specs
 
 
+def _specs(metadata, nested: bool) -> dict[str, tuple[str, list[int]]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {_dcp_name(key, nested): (str(meta.properties.dtype).removeprefix("torch."), list(meta.size))
+            for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+
+def _per_rank(checkpoint: ForeignCheckpoint) -> bool:
+    """Safetensors written one file per rank (slices placed by ``DCP_SHARDING_INFO``)."""
+    return checkpoint.weights_kind == "safetensors" and dcp_read.sharding_info(checkpoint.weight_files[0]) is not None
+
+
 def _dcp_name(key: str, nested: bool) -> str:
     return key.removeprefix("model.") if nested else key
 
@@ -288,29 +295,24 @@ def _dcp_name(key: str, nested: bool) -> str:
 def read_weights(checkpoint: ForeignCheckpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors as a CPU state dict (Hugging Face names).
 
-    DCP: empty tensors are allocated from the metadata and filled by
-    ``torch.distributed.checkpoint.load(..., no_dist=True)`` (no process group).
+    DCP: every data file is checked against the metadata first (present, long enough,
+    each record's CRC-32: :func:`dcp_read.check_dcp_files`), then the tensors are
+    allocated from the metadata and filled by ``torch.distributed.checkpoint.load(...,
+    no_dist=True)`` (no process group). Per-rank safetensors are assembled whole
+    (:func:`dcp_read.read_shards`).
 
     Raises:
-        CheckpointCorruptError: a weight file cannot be parsed; names it.
+        CheckpointError: a weight file is missing (names it).
+        CheckpointCorruptError: a weight file is truncated, fails its CRC-32 or cannot
+            be parsed; names it.
     """
     if checkpoint.weights_kind == "dcp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         directory = checkpoint.weight_files[0]
-        try:
-            metadata = FileSystemReader(str(directory)).read_metadata()
-            state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                     for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=True)
-        except Exception as err:  # noqa: BLE001  (DCP raises CheckpointException, RuntimeError, ...)
-            raise CheckpointCorruptError(f"{directory}: the torch distributed checkpoint cannot be read "
-                                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-        return {_dcp_name(key, checkpoint.dcp_nested): t for key, t in state.items()}
+        metadata = dcp_read.read_dcp_metadata(directory)
+        dcp_read.check_dcp_files(directory, metadata)
+        return {_dcp_name(key, checkpoint.dcp_nested): t for key, t in dcp_read.load_dcp(directory, metadata).items()}
+    if _per_rank(checkpoint):
+        return dcp_read.read_shards(checkpoint.weight_files[0].parent, checkpoint.weight_files)
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}

@@ -142,16 +142,24 @@ def files_record(files: dict[str, bytes]) -> dict[str, dict]:
 
 
 def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop names that share storage with an earlier name (tied embeddings, e.g.
+    """Drop names that are the same tensor as an earlier name (tied embeddings, e.g.
     ``lm_head.weight``), as ``save_pretrained`` stores them: once, under the first name;
-    ``from_pretrained`` re-ties them."""
-    seen: set[tuple[int, int]] = set()
+    ``from_pretrained`` re-ties them.
+
+    Two names are tied when they view the same bytes the same way: one storage (its
+    device and address), the same offset, shape, stride and dtype. An empty tensor
+    (``numel() == 0``) is never tied: every empty storage has address 0, so the address
+    says nothing about it (safetensors/safetensors#280), and each is kept under its name.
+    """
+    seen: set[tuple] = set()
     out = {}
     for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
+        if tensor.numel() > 0:
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tensor.stride(), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
         out[name] = tensor.detach()
     return out
 

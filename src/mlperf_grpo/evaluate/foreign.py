@@ -11,6 +11,7 @@ checkpoints (each ``step_N/`` or manifest directory), never ``DIR`` itself.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,12 @@ from mlperf_grpo.rundir import RunDir
 
 SOURCE_FILE = "source.json"
 """``DIR/eval/source.json``: the series' format and what it could not check."""
-IGNORED_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype", "_name_or_path", "architectures", "use_cache"}
-"""``config.json`` keys a re-save may change without changing the model."""
+ARCHITECTURE_KEY = re.compile(r"^(model_type|architectures|tie_word_embeddings|vocab_size|head_dim|hidden_act|layer_types"
+                              r"|.*_size|num_.*|n_.*|.*_dim|.*_heads|.*_layers|.*experts.*)$")
+"""``config.json`` keys (of the model or a nested sub-config) that define the weights'
+shapes or the architecture: a checkpoint whose ``config.json`` differs from
+``model.path``'s in one is refused; other keys (``dtype``, ``use_cache``, the defaults
+Automodel writes with ``to_json_string(use_diff=False)``, ...) are listed in a note."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ class ForeignSeries:
                 ``run_start``; the first checkpoint's tensors or ``config.json`` differ from
                 ``model.path``'s (the model the engine is built from).
         Returns:
-            ``(notes, problem)``: the first fault (a gap, a step or ``consumed_samples``
+            ``(notes, problem)``: the notes (``config.json`` keys that differ from
+            ``model.path``'s without defining the architecture); the first fault (a gap, a step or ``consumed_samples``
             that disagrees, a weight-update time not increasing, tensors differing from the
             first checkpoint's, a series ending before the log's last trained step).
         """
@@ -85,19 +91,19 @@ class ForeignSeries:
             first = foreign.tensor_specs(checkpoints[0])
         except CheckpointError as err:
             raise EvaluationError(str(err)) from None
-        _check_against_model(checkpoints[0], first, model_dir)
+        notes = _check_against_model(checkpoints[0], first, model_dir)
         previous = int(log.find("run_start")[0].time_ms or 0)
         for index, c in enumerate(checkpoints):
             fault = self._fault(c, first, s0 + index, previous, config)
             if fault is not None:
-                return [], SeriesProblem(index, fault)
+                return notes, SeriesProblem(index, fault)
             previous = c.info.training_step_end_time_ms
         last_trained = last_trained_step(log)[0]
         if checkpoints[-1].step < last_trained:
-            return [], SeriesProblem(len(checkpoints), (
+            return notes, SeriesProblem(len(checkpoints), (
                 f"the last checkpoint is step {checkpoints[-1].step}, but the log trained to step {last_trained}: restore "
                 f"the checkpoints of steps {checkpoints[-1].step + 1}..{last_trained} (a shorter series is not a shorter run)"))
-        return [], None
+        return notes, None
 
     @staticmethod
     def _fault(c: ForeignCheckpoint, first: dict, expected_step: int, previous_ms: int, config: RunConfig) -> str | None:
@@ -155,10 +161,17 @@ class ForeignSeries:
         foreign.remove_series(checkpoints, self.root)
 
 
-def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: Path) -> None:
+def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: Path) -> list[str]:
     """The checkpoint holds the tensors of ``model.path``'s model (names and shapes;
     a tied ``lm_head.weight`` may be absent from either) and its ``config.json``, when
-    it has one, describes the same model."""
+    it has one, describes the same architecture (:func:`config_differences`).
+
+    Returns:
+        Notes: the other keys its ``config.json`` differs in.
+    Raises:
+        EvaluationError: other tensors or shapes, or an architecture key differs (names
+            the first key and both values).
+    """
     model_files = sorted(model_dir.glob("*.safetensors"))
     if model_files:
         model = foreign.tensor_specs(ForeignCheckpoint(0, model_dir, None, model_dir, "safetensors", tuple(model_files)))  # type: ignore[arg-type]
@@ -173,19 +186,56 @@ def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: 
         if shapes:
             raise EvaluationError(f"{checkpoint.path}: tensor {shapes[0]!r} has shape {specs[shapes[0]][1]}, "
                                   f"model.path's has {model[shapes[0]][1]}; evaluate with the model the series was trained from")
-    if checkpoint.config_dir is not None:
-        def load(path: Path) -> dict:
-            data = json.loads(path.read_text())
-            return {k: v for k, v in data.items() if k not in IGNORED_CONFIG_KEYS}
+    if checkpoint.config_dir is None:
+        return []
+    path = checkpoint.config_dir / "config.json"
+    try:
+        architecture, other = config_differences(json.loads(path.read_text()), json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError) as err:
+        raise EvaluationError(f"{path}: not readable JSON ({err})") from None
+    if architecture:
+        key, (theirs, ours) = next(iter(architecture.items()))
+        raise EvaluationError(
+            f"{path} describes another model than {model_dir / 'config.json'} ({key}: {theirs!r} vs {ours!r}"
+            f"{f', and {len(architecture) - 1} more' if len(architecture) > 1 else ''}); the engine is built from "
+            "model.path: evaluate with the model the series was trained from")
+    if not other:
+        return []
+    return [f"note: {path} differs from model.path's config.json only in keys that do not define the architecture "
+            f"(not used: the engine is built from model.path): {', '.join(sorted(other))}"]
 
-        try:
-            same = load(checkpoint.config_dir / "config.json") == load(model_dir / "config.json")
-        except (OSError, ValueError) as err:
-            raise EvaluationError(f"{checkpoint.config_dir / 'config.json'}: not readable JSON ({err})") from None
-        if not same:
-            raise EvaluationError(
-                f"{checkpoint.config_dir / 'config.json'} describes another model than {model_dir / 'config.json'}; "
-                "the engine is built from model.path: evaluate with the model the series was trained from")
+
+def config_differences(theirs: dict, ours: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """``(architecture, other)``: dotted key -> (their value, our value) for every key
+    whose value differs between two ``config.json`` contents, each first completed with
+    transformers' defaults for its ``model_type`` (so a default written out equals one
+    left out), split by :data:`ARCHITECTURE_KEY` on the last part of the key."""
+    flat_theirs, flat_ours = _flat(_with_defaults(theirs)), _flat(_with_defaults(ours))
+    differing = {k: (flat_theirs.get(k), flat_ours.get(k)) for k in sorted(set(flat_theirs) | set(flat_ours))
+                 if flat_theirs.get(k) != flat_ours.get(k)}
+    architecture = {k: v for k, v in differing.items() if ARCHITECTURE_KEY.match(k.rsplit(".", 1)[-1])}
+    return architecture, {k: v for k, v in differing.items() if k not in architecture}
+
+
+def _with_defaults(config: dict) -> dict:
+    """``config`` with the defaults of its ``model_type``'s transformers config class
+    filled in (unchanged when transformers does not know the type)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return {**config, **CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()}
+    except Exception:  # noqa: BLE001  (an unknown or malformed type: compare as written)
+        return config
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _recorded_format(run: RunDir) -> str | None:

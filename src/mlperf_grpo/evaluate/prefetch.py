@@ -26,12 +26,13 @@ from mlperf_grpo.checkpoint.reader import ReadBuffers
 @dataclass
 class Prefetched:
     """One read checkpoint: ``weights`` (views into ``buffers``) or the ``error`` its read
-    raised; ``index`` is the caller's tag (its position in the work queue)."""
+    raised (whatever its type); ``index`` is the caller's tag (its position in the work
+    queue)."""
 
     index: int
     checkpoint: Checkpoint
     weights: dict[str, torch.Tensor] | None
-    error: Exception | None
+    error: BaseException | None
     buffers: ReadBuffers
 
 
@@ -70,7 +71,8 @@ class CheckpointPrefetcher:
         self._todo.put((index, checkpoint))
 
     def take(self) -> Prefetched:
-        """The next submitted checkpoint, once read (or its read failed)."""
+        """The next submitted checkpoint, once read (or its read failed: every failure of
+        the read is handed over here, so the taker never waits on a dead thread)."""
         return self._done.get()
 
     def release(self, item: Prefetched) -> None:
@@ -100,7 +102,8 @@ class CheckpointPrefetcher:
                 if self._unreserved:
                     buffers.reserve(checkpoint)
                 self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers, self._stop), None, buffers))
-            except Exception as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint)
+            except BaseException as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint: any failure,
+                # DCP's CheckpointException (a BaseException) included, or the taker would wait forever)
                 self._done.put(Prefetched(index, checkpoint, None, err, buffers))
             self._reserve_the_others(checkpoint)
 

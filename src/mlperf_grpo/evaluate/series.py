@@ -266,7 +266,7 @@ def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[st
     return checked
 
 
-def read_error(checkpoint: Checkpoint, err: Exception) -> Exception:
+def read_error(checkpoint: Checkpoint, err: BaseException) -> BaseException:
     """The error for a checkpoint whose read failed (the message says what the user can do)."""
     if isinstance(err, CheckpointCorruptError):
         return EvaluationError(
