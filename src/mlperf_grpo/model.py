@@ -312,6 +312,35 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    """The token ids (unpadded, one list per prompt) every engine feeds the model for
+    these prompt texts (a ``messages`` task's prompt is its rendered chat template), and
+    what :func:`mlperf_grpo.tasks.lengths.check_prompt_lengths` measures."""
+    return tokenizer(prompts)["input_ids"]
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+"""``config.json`` keys that give a model's context in tokens (Llama, Qwen: the first; GPT-2: the second)."""
+
+
+def context_length(path: str) -> tuple[int | None, str]:
+    """The model's context: the most tokens (prompt + completion) one sequence may hold.
+
+    Returns:
+        ``(tokens, key)``: the first of :data:`CONTEXT_KEYS` that the text config of
+        ``config.json`` has (``get_text_config()``: a multimodal config's language model),
+        and its name; ``(None, "")`` when it has none (no limit known).
+    Raises:
+        ModelLoadError: no model directory, or ``config.json`` does not load.
+    """
+    values = _config(check_model_path(path)).get_text_config().to_dict()  # the keys as config.json spells them
+    for key in CONTEXT_KEYS:
+        value = values.get(key)
+        if isinstance(value, int) and value > 0:
+            return value, key
+    return None, ""
+
+
 def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16") on ``device``
     ("cpu" or "cuda"), in eval mode, as ``AutoModelForCausalLM.from_pretrained`` loads

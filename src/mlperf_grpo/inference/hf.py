@@ -21,7 +21,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
-from mlperf_grpo.model import build_model_for_refit, load_model, load_tokenizer
+from mlperf_grpo.model import build_model_for_refit, encode_prompts, load_model, load_tokenizer
 
 
 GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -264,7 +264,7 @@ class HFEngine:
         """
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token ids to generate_ids")
-        return self.generate_ids(self.tokenizer(prompts)["input_ids"], params, seeds)
+        return self.generate_ids(encode_prompts(self.tokenizer, prompts), params, seeds)
 
     @torch.no_grad()
     def generate_ids(
