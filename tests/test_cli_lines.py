@@ -42,13 +42,18 @@ def _published_run(tmp_path):
     return run
 
 
-def test_the_unfinished_run_note_is_one_write_tagged_with_the_rank(tmp_path, monkeypatch, rank_1):
+def test_only_rank_0_notes_the_published_checkpoints(tmp_path, monkeypatch, rank_1):
+    """Rank 1 reads checkpoints/ while rank 0 may still publish those in flight: its note
+    could name another list than the final one (it did under torchrun), so it says nothing."""
     run = _published_run(tmp_path)
     err = _Writes()
     monkeypatch.setattr("sys.stderr", err)
     cli._note_unfinished_run(argparse.Namespace(phase="train", output=run))
+    assert err.writes == []
+    monkeypatch.setenv("RANK", "0")
+    cli._note_unfinished_run(argparse.Namespace(phase="train", output=run))
     assert err.writes == [
-        f"note: rank 1: training ended early with checkpoints step_2..step_3 published and no run_stop: "
+        f"note: training ended early with checkpoints step_2..step_3 published and no run_stop: "
         f"'mlperf-grpo evaluate {run}' evaluates them and writes the run's run_stop\n"
     ]
 
@@ -63,7 +68,7 @@ def test_rank_0_note_has_no_tag(tmp_path, monkeypatch):
 
 def test_a_stopped_rank_says_which_rank_it_is_in_one_write(tmp_path, monkeypatch, rank_1):
     """SIGTERM to a torchrun rank other than 0 during ``train``: its stop line is tagged,
-    like its error lines, then its note; each in one write."""
+    like its error lines, in one write, and is all it says (the note is rank 0's)."""
     run = _published_run(tmp_path)
 
     def stopped(args):
@@ -77,4 +82,12 @@ def test_a_stopped_rank_says_which_rank_it_is_in_one_write(tmp_path, monkeypatch
     monkeypatch.setattr("sys.stderr", err)
     assert cli.main([]) == cli.EXIT_TERMINATED
     assert err.writes[0] == "mlperf-grpo: rank 1: stopped by SIGTERM\n"
-    assert len(err.writes) == 2 and err.writes[1].startswith("note: rank 1: training ended early") and err.writes[1].endswith("\n")
+    assert len(err.writes) == 1
+
+
+@pytest.mark.parametrize("rank_exit, shell_exit", [(2, 2), (3, 3), (1, 1), (-9, 137), (-15, 143)])
+def test_a_failed_ranks_code_is_reported_as_a_shell_would(rank_exit, shell_exit):
+    """``python -m mlperf_grpo.torchrun``: torchrun records a rank killed by signal N as -N."""
+    from mlperf_grpo.torchrun import exit_code_of_failure
+
+    assert exit_code_of_failure(rank_exit) == shell_exit

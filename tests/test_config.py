@@ -130,3 +130,35 @@ def test_the_readme_shows_every_config_key_with_its_default():
         elif name not in shown:
             missing.append(name)
     assert not missing, f"README's default config lacks {missing}"
+
+
+def _float_fields(model_class, prefix=()):
+    """Dotted paths of every float field of a config class (``float`` or ``float | None``)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, info in model_class.model_fields.items():
+        kinds = typing.get_args(info.annotation) or (info.annotation,)
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            yield from _float_fields(info.annotation, prefix + (name,))
+        elif float in kinds:
+            yield prefix + (name,)
+
+
+@pytest.mark.parametrize("path", list(_float_fields(RunConfig)), ids=".".join)
+def test_a_float_written_without_a_dot_is_a_number(tmp_path, path):
+    # YAML 1.1 (PyYAML's safe_load) reads 5e-1 as the string "5e-1"; JSON and YAML 1.2 read a number.
+    text = "69e-2" if path[-1] == "target_accuracy" else "5e-1"  # 0.69: the only target accepted
+    p = tmp_path / "c.yaml"
+    p.write_text(f"{path[0]}:\n  {path[1]}: {text}\n")
+    config = load_config(p)
+    assert getattr(getattr(config, path[0]), path[1]) == float(text)
+
+
+def test_exponent_forms_and_what_stays_text(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optimizer: {learning_rate: 1E+1, epsilon: -2e-08, beta_1: 0.5}\nsubmission: {org: '1e-5', platform: e5}\n")
+    config = load_config(p)
+    assert (config.optimizer.learning_rate, config.optimizer.epsilon, config.optimizer.beta_1) == (10.0, -2e-08, 0.5)
+    assert (config.submission.org, config.submission.platform) == ("1e-5", "e5")  # quoted, or not a number

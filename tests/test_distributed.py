@@ -86,6 +86,18 @@ def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_our_torchrun_ends_a_refusal_with_exit_2_and_no_traceback(tmp_path):
+    """``python -m mlperf_grpo.torchrun``: the same refusal keeps torchrun's failure summary
+    (its ``exitcode  : 2``) and ends with the rank's 2, without torchrun's traceback (exit 1)."""
+    config = tmp_path / "odd.yaml"
+    config.write_text(SMALL.replace("num_prompts_per_step: 4", "num_prompts_per_step: 3").replace("micro_batch_size: 4", "micro_batch_size: 2"))
+    proc = subprocess.run([sys.executable, "-m", "mlperf_grpo.torchrun", *TORCHRUN[3:], "train", "--config", str(config),
+                           "--output", str(tmp_path / "run")], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- one step across ranks
 
 
@@ -423,6 +435,37 @@ def test_a_rank_killed_mid_run_takes_the_job_down_leaving_complete_checkpoints(t
     assert main(["evaluate", str(run)]) in (0, 3)  # evaluable up to its last published step
     summary = json.loads((run / "eval" / "summary.json").read_text())
     assert summary["status"] in ("success", "aborted")
+
+
+def test_ctrl_c_under_torchrun_is_our_line_per_rank_rank_0s_note_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground process group) during training under
+    ``python -m mlperf_grpo.torchrun``: each rank's one line, one note (rank 0's, naming
+    the checkpoints published on disk), no traceback, exit 130. Plain torchrun ended with
+    its agent's SignalException traceback and exit 1, and rank 1 printed a note too."""
+    config = tmp_path / "long.yaml"
+    config.write_text(SMALL.replace("max_steps: 3", "max_steps: 200"))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mlperf_grpo.torchrun", *TORCHRUN[3:], "train", "--config",
+                             str(config), "--output", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_3").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 3"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # as the terminal's Ctrl-C: torchrun and both ranks
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    ours = [line for line in stderr.splitlines() if line.startswith(("mlperf-grpo:", "note:"))]
+    assert "mlperf-grpo: interrupted (Ctrl-C)" in ours, stderr
+    assert len([line for line in ours if line.startswith("mlperf-grpo: rank 1: ")]) == 1, stderr  # (its collective may fail first)
+    from test_faults_train import assert_published_checkpoints_intact
+
+    steps = assert_published_checkpoints_intact(run / "checkpoints")
+    notes = [line for line in ours if line.startswith("note:")]
+    assert notes == [f"note: training ended early with checkpoints step_2..step_{steps[-1]} published and no run_stop: "
+                     f"'mlperf-grpo evaluate {run}' evaluates them and writes the run's run_stop"], stderr
+    assert len(ours) == 3, stderr
 
 
 def _rank_pid(torchrun_pid: int, rank: int) -> int:

@@ -10,11 +10,21 @@ import torch
 from safetensors.torch import load_file
 
 from mlperf_grpo.config import BUILTIN_MODEL
+from mlperf_grpo.fingerprint import CANARY_TOLERANCE, canary_mismatch
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, ModelLoadError, build_model_for_refit, load_model
 
 PROMPTS = ["12 + 7 =", "3 * 4 =", "100 - 1 ="]
+
+# Two engines holding the same weights (equal fingerprints) in different allocations:
+# MKL picks its code path by the operands' memory alignment unless MKL_CBWR is set, so
+# their float32 logits may differ in the last bits (log-probabilities in the 7th digit
+# seen on an AVX-512 machine, up to 9.6e-7 here from run to run). They are compared
+# within the evaluator's own bar for "this engine holds the checkpoint's weights"
+# (fingerprint.CANARY_TOLERANCE, 1e-4 per logit), 100 times the largest difference seen (1e-6);
+# a refit that is wrong moves them by far more (the canary tests of tests/test_faults_eval.py).
+SAME_WEIGHTS_TOLERANCE = {"rtol": 0.0, "atol": CANARY_TOLERANCE["float32"]}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -38,10 +48,13 @@ def test_refit_only_engine_generates_as_a_loaded_engine_after_one_refit():
     engine = HFEngine.for_refit(BUILTIN_MODEL, "float32", batch_size=2)
     engine.load_weights(load_file(str(BUILTIN_MODEL_DIR / "model.safetensors")))
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8)
-    assert engine.generate(PROMPTS, params, [1, 2, 3]) == loaded.generate(PROMPTS, params, [1, 2, 3])
-    assert engine.canary_logits() == loaded.canary_logits()
     names = list(engine.model.state_dict())
-    assert engine.weights_fingerprint(names) == loaded.weights_fingerprint(names)
+    assert engine.weights_fingerprint(names) == loaded.weights_fingerprint(names)  # the same bits
+    got, want = engine.generate(PROMPTS, params, [1, 2, 3]), loaded.generate(PROMPTS, params, [1, 2, 3])
+    assert [(c.token_ids, c.text) for c in got] == [(c.token_ids, c.text) for c in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), **SAME_WEIGHTS_TOLERANCE)
+    assert canary_mismatch(loaded.canary_logits(), engine.canary_logits(), "float32") is None
 
 
 def test_refit_only_engine_reads_no_weight_file(tmp_path):
@@ -52,7 +65,7 @@ def test_refit_only_engine_reads_no_weight_file(tmp_path):
         HFEngine(str(model_dir), "float32")
     engine = HFEngine.for_refit(str(model_dir), "float32")  # reads config.json and the tokenizer only
     engine.load_weights(load_file(str(BUILTIN_MODEL_DIR / "model.safetensors")))
-    assert engine.canary_logits() == HFEngine(BUILTIN_MODEL, "float32").canary_logits()
+    assert canary_mismatch(HFEngine(BUILTIN_MODEL, "float32").canary_logits(), engine.canary_logits(), "float32") is None
 
 
 def test_a_refit_that_leaves_a_weight_unfilled_is_refused():

@@ -38,19 +38,28 @@ def random_llama(**overrides):
 
 def logits(model, ids):
     with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+        return model(input_ids=ids).logits.double()
 
+
+# The twins compute the same function, with other matrix shapes (zero columns) and so
+# other summation orders; their kernels (MKL's, ATen's: chosen per CPU) round differently.
+# In float32 the logits differed by 1.6e-5 on one AVX-512 machine (MKL_CBWR=AVX2 here).
+# So the twins are compared in float64: a dot product of length K <= 256 rounds to about
+# K * 1.1e-16 * sum|x_i y_i| (Higham, "Accuracy and Stability", 3.1), below 1e-11 for these
+# logits (|logit| < 100, two to four layers), while a wrong padding moves them by more
+# than 1e-2 (the negative control below): 1e-9 sits far from both.
+FLOAT64_TOLERANCE = {"atol": 1e-9, "rtol": 1e-9}
 
 IDS = torch.tensor([[1] + [3 + (7 * i) % 12 for i in range(47)], [1] + [3 + (5 * i) % 12 for i in range(47)]])  # [2, 48]
 
 
 @pytest.mark.parametrize("padded_head_dim", [32, 64])
 def test_builtin_model_and_its_padded_twin_give_the_same_logits(padded_head_dim):
-    model = load_model("builtin:arithmetic-tiny", "float32")
+    model = load_model("builtin:arithmetic-tiny", "float32").double()  # see FLOAT64_TOLERANCE
     assert model.config.head_dim == 16
     twin = padded_twin(model, HeadPadding(16, padded_head_dim))
     assert twin.model.layers[0].self_attn.q_proj.weight.shape == (4 * padded_head_dim, 64)
-    torch.testing.assert_close(logits(twin, IDS), logits(model, IDS), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits(twin, IDS), logits(model, IDS), **FLOAT64_TOLERANCE)
     # the KV-cache path too: the same greedy continuation
     prompt = IDS[:, :10]
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -59,9 +68,9 @@ def test_builtin_model_and_its_padded_twin_give_the_same_logits(padded_head_dim)
 
 @pytest.mark.parametrize("padded_head_dim", [16, 24, 32])
 def test_random_gqa_model_with_biases_and_its_padded_twin_give_the_same_logits(padded_head_dim):
-    model = random_llama()
+    model = random_llama().double()  # see FLOAT64_TOLERANCE
     want = logits(model, IDS)  # attention that matters: see the negative control below
-    torch.testing.assert_close(logits(padded_twin(model, HeadPadding(8, padded_head_dim)), IDS), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits(padded_twin(model, HeadPadding(8, padded_head_dim)), IDS), want, **FLOAT64_TOLERANCE)
 
 
 def test_keeping_each_head_contiguous_breaks_rope_so_the_interleaved_placement_matters():

@@ -182,16 +182,18 @@ def test_load_model_reads_each_weight_file_once_and_equals_from_pretrained(tmp_p
     assert torch.equal(loaded(prompt).logits, reference(prompt).logits)
 
 
-def _saved_model(tmp_path, model_type: str, **sizes):
-    """A tiny random model of ``model_type`` written by transformers' ``save_pretrained``
-    (its saved tensor names), with the built-in model's character tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _saved_model(tmp_path, model_type: str, head: str = "AutoModelForCausalLM", **sizes):
+    """A tiny random model of ``model_type`` with the ``transformers`` auto class ``head``,
+    written by its ``save_pretrained`` (its saved tensor names and ``architectures``), with
+    the built-in model's character tokenizer."""
+    import transformers
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, vocab_size=15, num_hidden_layers=2, num_attention_heads=4,
                                   max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, **sizes)
     torch.manual_seed(0)
     directory = tmp_path / model_type
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    getattr(transformers, head).from_config(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
     return directory
@@ -242,3 +244,42 @@ def test_a_tokenizer_that_transformers_extends_is_named_in_the_refusal(tmp_path)
         check_model(str(model), "1+2=")
     assert "the largest vocabulary id is 15 ('<|endoftext|>', tokenizer loaded as Qwen2Tokenizer) but the embedding " \
            "'model.embed_tokens.weight' has 15 rows" in str(err.value)
+
+
+BERT_SIZES = {"hidden_size": 64, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("model_type, head, sizes, named", [
+    ("bert", "AutoModelForMaskedLM", BERT_SIZES, "BertForMaskedLM (model_type bert), a masked LM (it predicts hidden tokens from both sides)"),
+    ("roberta", "AutoModelForCausalLM", BERT_SIZES, "RobertaForCausalLM (model_type roberta), its attention sees the "
+                                                    "whole sequence (is_decoder is false)"),
+], ids=["bert-masked-lm", "roberta-causal-head-without-is_decoder"])
+def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type, head, sizes, named):
+    """AutoModelForCausalLM builds BERT's BertLMHeadModel from a masked-LM directory (it
+    attends both ways): every loader refuses it in one line, and train exits 2, nothing made."""
+    import yaml
+
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.model import check_model, model_skeleton
+
+    directory = _saved_model(tmp_path, model_type, head, **sizes)
+    for load in (lambda: check_model(str(directory), "1+2="), lambda: load_model(str(directory), "float32"),
+                 lambda: model_skeleton(str(directory), "float32")):
+        with pytest.raises(ModelLoadError) as err:
+            load()
+        assert f"config.json describes {named}: not a causal LM" in str(err.value)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(directory)}}))
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mlperf-grpo: error: model ") and "not a causal LM" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_encoder_family_as_a_decoder_is_a_causal_lm(tmp_path):
+    """BERT with ``is_decoder: true`` (BertLMHeadModel with causal attention) is accepted."""
+    from mlperf_grpo.model import check_model
+
+    directory = _saved_model(tmp_path, "bert", is_decoder=True, **BERT_SIZES)
+    check_model(str(directory), "1+2=")
+    assert type(load_model(str(directory), "float32")).__name__ == "BertLMHeadModel"

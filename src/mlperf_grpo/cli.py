@@ -565,9 +565,14 @@ def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManage
     return distributed.process_group() if args.command != "evaluate" else distributed.rank_zero_stdout()
 
 
+def _torchrun_rank() -> str:
+    """This process's ``RANK`` under torchrun, else ``"0"`` (torch is not imported)."""
+    return os.environ.get("RANK", "0") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
+
+
 def _rank_tag() -> str:
     """``"rank R: "`` in a torchrun worker other than rank 0 (its lines interleave with rank 0's)."""
-    rank = os.environ.get("RANK", "0") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
+    rank = _torchrun_rank()
     return "" if rank == "0" else f"rank {rank}: "
 
 
@@ -587,17 +592,18 @@ def _stop_message(args: argparse.Namespace, what: str) -> str:
 
 
 def _note_unfinished_run(args: argparse.Namespace) -> None:
-    """After training ended early with checkpoints published: how the run is finished (one
-    write, tagged like the error lines: under torchrun every rank that stops says it, and
-    rank 0 may be the one that was killed)."""
-    if getattr(args, "phase", None) != "train":
+    """After training ended early with checkpoints published: how the run is finished, in
+    one write. Under torchrun only rank 0 says it: it writes the checkpoints and has
+    published those in flight before its stop reaches the CLI, while another rank's view
+    of ``checkpoints/`` can be taken before that (a list that is not the final one)."""
+    if getattr(args, "phase", None) != "train" or _torchrun_rank() != "0":
         return
     from mlperf_grpo.rundir import RunDir
 
     run = RunDir(args.output)
     steps = run.published_steps()
     if steps and not run.summary_file.exists():
-        _say(f"note: {_rank_tag()}training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published "
+        _say(f"note: training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published "
              f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop")
 
 

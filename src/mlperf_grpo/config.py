@@ -6,6 +6,7 @@ file (or no file) gives the built-in default run.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -485,6 +486,17 @@ def parse_config(data: object, source: str = "config") -> RunConfig:
     return config
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: PyYAML follows YAML 1.1, whose float
+    needs a dot, so ``learning_rate: 1e-5`` would be the string ``"1e-5"`` (the same
+    mantissa-and-exponent form that YAML 1.2's core schema and JSON read as a number).
+    Every other scalar resolves as ``yaml.safe_load`` resolves it."""
+
+
+ConfigLoader.add_implicit_resolver(  # only the form YAML 1.1 lacks: digits, then an exponent (1e-5, -2E+3)
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def load_config(path: str | Path | None) -> RunConfig:
     """Read a YAML config; ``None`` gives the built-in default.
 
@@ -501,7 +513,7 @@ def load_config(path: str | Path | None) -> RunConfig:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

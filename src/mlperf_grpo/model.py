@@ -16,7 +16,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
@@ -144,11 +148,45 @@ def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
     config = _config(directory)
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except HF_LOAD_ERRORS as err:
         raise ModelLoadError(
             f"cannot build the model of {directory / 'config.json'}: {_reason(err)}; copy the model's config.json there again"
         ) from None
+    check_causal(directory, config, model)
+    return model
+
+
+def check_causal(directory: Path, config, model: torch.nn.Module) -> None:
+    """Refuse a model that is not a causal LM although ``AutoModelForCausalLM`` builds it.
+
+    ``transformers`` maps encoder families (BERT, RoBERTa, ...) to a causal head too
+    (``BertLMHeadModel``), which attends to the whole sequence unless ``is_decoder`` is
+    set: such a directory would be trained as if it predicted the next token. Refused
+    when ``config.json``'s ``architectures`` are all masked-LM heads
+    (``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, none a causal one), or when the built model's
+    attention modules (those with an ``is_causal`` flag) are all bidirectional. A model
+    without such flags (no attention, as Mamba) is accepted.
+
+    Raises:
+        ModelLoadError: one line naming the architecture, why, and what is accepted.
+    """
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    masked_names = set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) - causal_names
+    listed = list(getattr(config, "architectures", None) or [])
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if listed and all(name in masked_names for name in listed):
+        why = "a masked LM (it predicts hidden tokens from both sides)"
+    elif flags and not any(flags):
+        why = "its attention sees the whole sequence" + (" (is_decoder is false)" if hasattr(config, "is_decoder") else "")
+    else:
+        return
+    named = ", ".join(listed) or type(model).__name__
+    raise ModelLoadError(
+        f"model {directory}: config.json describes {named} (model_type {config.model_type}), {why}: not a causal LM; "
+        "give a causal LM directory (architectures ...ForCausalLM or ...LMHeadModel; an encoder family such as BERT "
+        "only with is_decoder: true)"
+    )
 
 
 def _config(directory: Path):
@@ -272,6 +310,35 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    """The token ids (unpadded, one list per prompt) every engine feeds the model for
+    these prompt texts (a ``messages`` task's prompt is its rendered chat template), and
+    what :func:`mlperf_grpo.tasks.lengths.check_prompt_lengths` measures."""
+    return tokenizer(prompts)["input_ids"]
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+"""``config.json`` keys that give a model's context in tokens (Llama, Qwen: the first; GPT-2: the second)."""
+
+
+def context_length(path: str) -> tuple[int | None, str]:
+    """The model's context: the most tokens (prompt + completion) one sequence may hold.
+
+    Returns:
+        ``(tokens, key)``: the first of :data:`CONTEXT_KEYS` that the text config of
+        ``config.json`` has (``get_text_config()``: a multimodal config's language model),
+        and its name; ``(None, "")`` when it has none (no limit known).
+    Raises:
+        ModelLoadError: no model directory, or ``config.json`` does not load.
+    """
+    values = _config(check_model_path(path)).get_text_config().to_dict()  # the keys as config.json spells them
+    for key in CONTEXT_KEYS:
+        value = values.get(key)
+        if isinstance(value, int) and value > 0:
+            return value, key
+    return None, ""
 
 
 def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:

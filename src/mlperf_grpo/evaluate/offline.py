@@ -53,6 +53,8 @@ from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch, local
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks.lengths import check_prompt_lengths
 
 RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
 """Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
@@ -128,6 +130,8 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         RunDirError, ConfigError: the run directory is not usable (RunLockedError: another
             process is writing to it).
         EvaluationError: the checkpoint series or the log is not evaluable; nothing logged.
+        TaskError: the task data is unusable (PromptTooLongError: a validation prompt plus
+            ``grpo.max_new_tokens`` exceeds the model's context); nothing logged.
         RefitError: the engine does not hold the checkpoint's weights after a refit.
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
@@ -180,6 +184,8 @@ def evaluate_series(
     Raises: as :func:`evaluate_run`.
     """
     check_engine_available(config)  # before the lock or anything else is written
+    suite = load_suite(config)
+    check_prompt_lengths(config, {"validation": validation_tasks(suite, config.validation.num_tasks)})
     if workers > 1 and ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over

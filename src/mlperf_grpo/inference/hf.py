@@ -27,7 +27,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_slot_decoding
-from mlperf_grpo.model import build_model_for_refit, load_model, load_tokenizer
+from mlperf_grpo.model import build_model_for_refit, encode_prompts, load_model, load_tokenizer
 
 
 GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -293,7 +293,7 @@ class HFEngine:
         """
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token ids to generate_ids")
-        return self.generate_ids(self.tokenizer(prompts)["input_ids"], params, seeds)
+        return self.generate_ids(encode_prompts(self.tokenizer, prompts), params, seeds)
 
     @torch.no_grad()
     def generate_ids(

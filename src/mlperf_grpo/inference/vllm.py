@@ -56,7 +56,7 @@ from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, check_weights, load_tokenizer
+from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, check_weights, encode_prompts, load_tokenizer
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -196,7 +196,7 @@ class VLLMEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         tok = self.tokenizer
-        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        prompt_ids = encode_prompts(tok, prompts)
         requests = [
             VSamplingParams(
                 temperature=params.temperature,

@@ -49,6 +49,7 @@ from mlperf_grpo.model import (DTYPES, check_device, check_model, check_model_pa
                                compile_policy_layers, load_model)
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo import tasks
+from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.train import distributed
 from mlperf_grpo.train.async_rollout import RolloutProducer
@@ -333,7 +334,9 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     Returns:
         ``(suite, train_pool)``: the task suite and its checked training pool.
     Raises:
-        TaskError: the task data or entry point is unusable, or a task count is wrong.
+        TaskError: the task data or entry point is unusable, or a task count is wrong
+            (PromptTooLongError: a prompt plus ``grpo.max_new_tokens`` exceeds the model's
+            context or ``grpo.max_sequence_length``).
         ModelLoadError: the model directory, its weights' headers or its tokenizer are
             unusable (see :func:`mlperf_grpo.model.check_model`), or no CUDA device.
         RunDirError: the output already holds a run.
@@ -342,6 +345,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
+    check_prompt_lengths(config, {"training": train_pool, "validation": validation})
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
     check_engine_available(config)
