@@ -249,6 +249,47 @@ def test_default_output_never_collides(tmp_path, monkeypatch, capsys):
     assert all(f"run directory: runs/{r.name}" in out for r in runs)
 
 
+def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monkeypatch):
+    """Runs started in the same second (8 threads released together, the clock fixed)
+    each get their own new directory: the name, then -2, -3, ... (one atomic mkdir each)."""
+    import threading
+
+    from mlperf_grpo import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20261202-004236")
+    start, names = threading.Barrier(8), []
+
+    def reserve() -> None:
+        start.wait()
+        names.append(cli._new_run_dir())
+
+    threads = [threading.Thread(target=reserve) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = ["20261202-004236"] + [f"20261202-004236-{n}" for n in range(2, 9)]
+    assert sorted(p.name for p in names) == sorted(expected)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(expected)
+
+
+def test_a_default_output_is_removed_when_setup_fails(tmp_path, capsys, monkeypatch):
+    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.train import loop
+
+    def fail(*args, **kwargs):
+        raise ModelLoadError("cannot load model: injected failure")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop, "load_model", fail)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "user-file").write_text("kept")
+    assert main(["train", "--config", str(_write(tmp_path / "c.yaml", TINY_OPEN))]) == 2
+    assert "injected failure" in _errors(capsys.readouterr().err)[0]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["user-file"]
+
+
 def test_help_describes_the_tool_and_every_argument(capsys):
     parser = build_parser()
     text = parser.format_help()

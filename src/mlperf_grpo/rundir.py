@@ -39,6 +39,29 @@ class RunLockedError(RunDirError):
     """Another process (trainer or evaluator) is writing to this run."""
 
 
+def reserve_new_run_dir(parent: Path, name: str) -> Path:
+    """Create and return a new, empty directory ``parent/name``, or ``name-2``,
+    ``name-3``... when that one exists: each try is one ``mkdir`` without ``exist_ok``,
+    atomic in the kernel, so two processes (or threads) reserving the same name at once
+    get two directories (``parent`` is made when missing).
+
+    Raises:
+        RunDirError: ``parent`` (or a folder above it) is a file, or cannot be written.
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while True:
+            candidate = parent / (name if n == 1 else f"{name}-{n}")
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                n += 1
+    except OSError as err:
+        raise RunDirError(f"cannot create a run directory in {parent}: {err.strerror}; pass --output DIR") from None
+
+
 class RunLock:
     """An exclusive ``flock`` on ``<run>/.lock`` for as long as the context is open.
 
@@ -141,6 +164,16 @@ class RunDir:
         if not isinstance(record, dict) or not isinstance(record.get("passing_step"), int):
             return None
         return record
+
+    def remove_if_unwritten(self) -> None:
+        """Remove the directory when it holds nothing but ``.lock``: a run whose setup
+        failed before any of its files was written (nothing else is touched)."""
+        try:
+            if [p.name for p in self.root.iterdir()] in ([], [".lock"]):
+                (self.root / ".lock").unlink(missing_ok=True)
+                self.root.rmdir()
+        except OSError:
+            pass  # not there, or something appeared in it: leave it
 
     def published_steps(self) -> list[int]:
         """Steps of the published ``checkpoints/step_N/`` directories, ascending (names

@@ -283,9 +283,7 @@ def train(
             mllog_file = run.create(config)
         except BaseException:  # no line of the run was logged yet: leave no trace
             if not root_existed:
-                (run.root / ".lock").unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    run.root.rmdir()
+                run.remove_if_unwritten()
             raise
         try:
             return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
