@@ -235,6 +235,40 @@ def test_sigterm_during_runs_evaluation_stops_cleanly_and_evaluate_resumes(tmp_p
     assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19] and len(log.find("run_stop")) == 1
 
 
+def test_the_choice_to_retain_checkpoints_is_recorded_in_run_json(tmp_path):
+    from mlperf_grpo.config import RunConfig
+    from mlperf_grpo.rundir import RunDir, RunDirError
+
+    kept, default = RunDir(tmp_path / "kept"), RunDir(tmp_path / "default")
+    kept.create(RunConfig(), retain_checkpoints=True)
+    default.create(RunConfig())
+    assert json.loads(kept.info_file.read_text())["retain_checkpoints"] is True and kept.retain_recorded()
+    assert "retain_checkpoints" not in json.loads(default.info_file.read_text()) and not default.retain_recorded()
+    kept.info_file.write_text(json.dumps({"mllog_file": "mlperf.log", "retain_checkpoints": "yes"}))
+    with pytest.raises(RunDirError, match="retain_checkpoints must be true or false, got 'yes'"):
+        kept.retain_recorded()
+
+
+@pytest.mark.slow
+def test_retain_checkpoints_survives_a_sigterm_and_the_printed_resume_command(tmp_path):
+    """`run --retain-checkpoints`, SIGTERM during training, then the command the note
+    prints (`mlperf-grpo evaluate RUN`, no flag): the checkpoints are kept (run.json)."""
+    run = tmp_path / "run"
+    proc = _cli("run", "--config", str(_write(tmp_path / "c.yaml", {"grpo": {"max_steps": 30}})), "--output", str(run),
+                "--retain-checkpoints")
+    _wait_for(lambda: (run / "checkpoints" / "step_19").is_dir(), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err
+    (note,) = [line for line in err.splitlines() if line.startswith("note:")]
+    assert f"'mlperf-grpo evaluate {run}'" in note and "keeps them" in note
+    assert json.loads((run / "run.json").read_text())["retain_checkpoints"] is True
+    published = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert main(["evaluate", str(run)]) in (0, 3)
+    assert read_log(run / "mlperf.log").find("run_stop")
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == published  # kept
+
+
 # --------------------------------------------------------------------------- CLI
 
 def test_default_output_never_collides(tmp_path, monkeypatch, capsys):

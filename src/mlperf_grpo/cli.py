@@ -109,10 +109,10 @@ def _start_training(args: argparse.Namespace):
     config = _config(args)
     deferred = _deferred()
     distributed.check_layout(config, deferred=deferred)
-    if args.command == "run" and deferred:
+    if deferred:  # a bad RETAIN_GRPO_CHECKPOINTS fails before training; the choice is recorded in run.json
         from mlperf_grpo.evaluate.offline import retain_requested
 
-        retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
+        args.retain_recorded = retain_requested(getattr(args, "retain_checkpoints", False))
     check_training_inputs(config, RunDir(args.output or RUNS_DIR), check_output=args.output is not None)
     if args.output is None:  # made by rank 0 once every check passed; its name on every rank
         args.output = distributed.broadcast_object(_new_run_dir() if distributed.is_writer() else None)
@@ -135,7 +135,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
             return _print_outcome(outcome, args.output)
-        result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+        result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default",
+                       retain_checkpoints=args.retain_recorded)
     steps = result.checkpoint_steps
     published = f"step_{steps[0]}..step_{steps[-1]}" if steps else "none"
     print(f"trained {len(result.steps)} steps; checkpoints {published} in {args.output}/checkpoints")
@@ -606,8 +607,10 @@ def _note_unfinished_run(args: argparse.Namespace) -> None:
     run = RunDir(args.output)
     steps = run.published_steps()
     if steps and not run.summary_file.exists():
+        kept = " (and keeps them: the run's choice to retain its checkpoints is in run.json)" if getattr(
+            args, "retain_recorded", False) else ""
         _say(f"note: {_rank_tag()}training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published "
-             f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop")
+             f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop{kept}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The run directory: where one run's config, log, checkpoints and results live.
 
     <run>/config.yaml        the resolved config the run was trained with
-    <run>/run.json           {"mllog_file": path of the MLPerf log}
+    <run>/run.json           {"mllog_file": path of the MLPerf log, "retain_checkpoints":
+                             true when the run was started to keep its checkpoints}
     <run>/mlperf.log         the MLPerf log (unless MLPERF_MLLOG_FILE names another)
     <run>/checkpoints/       deferred checkpoints, step_N/ (see checkpoint.py)
     <run>/eval/step_N.jsonl  per-task validation results of each evaluated checkpoint
@@ -196,10 +197,13 @@ class RunDir:
                 "checkpoints, or closes a run stopped before its first checkpoint as aborted"
             )
 
-    def create(self, config: RunConfig) -> Path:
+    def create(self, config: RunConfig, retain_checkpoints: bool = False) -> Path:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.
 
         The log path is ``$MLPERF_MLLOG_FILE`` when set, else ``<run>/mlperf.log``.
+        ``retain_checkpoints`` (``run --retain-checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``)
+        is recorded in ``run.json``, so every later ``evaluate`` of the run keeps them
+        (:meth:`retain_recorded`).
 
         Raises:
             RunDirError: the directory already holds a run, or the log file already holds
@@ -222,8 +226,24 @@ class RunDir:
         except ValueError:
             recorded = str(mllog_file)
         self.config_file.write_text(dump_config(config))
-        self.info_file.write_text(json.dumps({"mllog_file": recorded}, indent=2) + "\n")
+        info = {"mllog_file": recorded, **({"retain_checkpoints": True} if retain_checkpoints else {})}
+        self.info_file.write_text(json.dumps(info, indent=2) + "\n")
         return mllog_file
+
+    def retain_recorded(self) -> bool:
+        """Whether the run was started to keep its checkpoints (``run.json``'s
+        ``retain_checkpoints``; absent: no).
+
+        Raises:
+            RunDirError: ``run.json`` is unreadable, or the value is not true or false.
+        """
+        try:
+            value = json.loads(self.info_file.read_text()).get("retain_checkpoints", False)
+        except (OSError, ValueError, AttributeError):
+            raise RunDirError(f"{self.info_file} is unreadable or malformed; expected {{\"mllog_file\": PATH}}") from None
+        if not isinstance(value, bool):
+            raise RunDirError(f"{self.info_file}: retain_checkpoints must be true or false, got {value!r}")
+        return value
 
     def load(self) -> tuple[RunConfig, Path]:
         """The run's config and MLPerf log path.

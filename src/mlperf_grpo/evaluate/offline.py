@@ -119,6 +119,9 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
     merged into the training log with ``merge`` (the CLI gives ``mlperf-grpo merge``'s).
 
+    The checkpoints are kept with ``retain_checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``, or
+    when the run was started to keep them (``run.json``; a flag can only add keeping).
+
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
     evaluations already in the log are not repeated, and a finished run (its
     ``eval/summary.json`` written) is only read back, its files untouched. A run whose
@@ -132,9 +135,10 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
-    retain = retain_requested(retain_checkpoints)
+    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    retain = retain or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
     if run.follow_log.is_file():
         if merge is None:

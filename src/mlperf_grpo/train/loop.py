@@ -240,6 +240,7 @@ def train(
     config_filename: str,
     show_progress: bool = True,
     inline_eval: Callable[[int, torch.nn.Module], bool] | None = None,
+    retain_checkpoints: bool = False,
 ) -> TrainResult:
     """Run GRPO training with deferred checkpoints; see the module docstring.
 
@@ -251,6 +252,8 @@ def train(
         inline_eval: ``DEFERRED_OFFLINE_EVAL=0``: called as ``inline_eval(step, policy)``
             after each step from the first eval step on, instead of writing a deferred
             checkpoint; training stops when it returns True (it logged ``run_stop``).
+        retain_checkpoints: recorded in ``run.json``: the evaluation keeps the checkpoints
+            (``RunDir.retain_recorded``), however often it is resumed.
     Raises:
         RunDirError: the output cannot be created or already holds a run (RunLockedError:
             another process writes to it).
@@ -280,7 +283,7 @@ def train(
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
         try:
             setup = _setup(config, train_pool)
-            mllog_file = run.create(config)
+            mllog_file = run.create(config, retain_checkpoints=retain_checkpoints)
         except BaseException:  # no line of the run was logged yet: leave no trace
             if not root_existed:
                 run.remove_if_unwritten()
