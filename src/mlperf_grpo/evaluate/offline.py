@@ -38,6 +38,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,
@@ -196,6 +197,7 @@ def evaluate_series(
             if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
+                _check_logged_settings(config, log, mllog_file)
                 _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
         if merge is not None and eval_log is not None:
             merge(mllog_file, eval_log)
@@ -263,6 +265,20 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
     )
 
 
+def _check_logged_settings(config: RunConfig, log: ParsedLog, mllog_file: Path) -> None:
+    """The config's seed and validation settings are those the training log recorded
+    (``eval_settings.LOGGED_KEYS``; a key the log lacks is not compared): the one check
+    of them a series from another trainer allows.
+
+    Raises:
+        EvaluationError: a value differs; names the config key, both values and the log.
+    """
+    differences = logged_differences(config, {key: log.first_value(key) for key in LOGGED_KEYS if log.find(key)})
+    if differences:
+        raise EvaluationError(f"the config's {differences[0]} ({mllog_file}); what evaluation measures cannot change "
+                              "after training: evaluate with the settings the run was trained with")
+
+
 def _teardown(source: SeriesSource, log: ParsedLog) -> None:
     """Delete the checkpoints of a finished run, unless one was never evaluated and the
     run did not pass (a ``run_stop`` aborted written before they were evaluated)."""
@@ -276,7 +292,8 @@ def _teardown(source: SeriesSource, log: ParsedLog) -> None:
             file=sys.stderr,
         )
         return
-    source.remove()
+    if (what := source.remove()) is not None:
+        print(what, file=sys.stderr)
 
 
 def _read_logs(mllog_file: Path, eval_log: Path | None = None) -> ParsedLog:

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
@@ -379,6 +380,7 @@ def _train(
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
+    evaluation = evaluation_settings(config, tasks.validation_tasks(suite, config.validation.num_tasks))
     # the non-weight files are snapshotted (and fingerprinted) now, at training start
     checkpointer = None if inline_eval is not None or run is None else AsyncCheckpointer(
         run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight,
@@ -464,6 +466,7 @@ def _train(
                         dtype=config.model.dtype,
                         canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
                         else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
+                        evaluation=evaluation,
                     )
 
                 # the engine holds the rollout-dtype weights of this step (refit above)
