@@ -120,8 +120,9 @@ def test_each_layout_gives_the_results_of_the_original(trained, reference, tmp_p
     assert "not checked" in err and "weight file hashes" in err and "canary logits" in err  # reported, not invented
     assert results(log) == reference
     assert "SUCCESS" in official_check(log)
-    # teardown: the checkpoints are gone, the evaluator's records stay
-    assert not list(series.glob("step_*")) and not list(series.glob("models/ckpt-*")) and not list(series.glob("tmp_step_*"))
+    # teardown keeps another trainer's series, saying so; the evaluator's records are there too
+    assert f"note: kept the checkpoints of {series}" in err
+    assert len(list(series.glob("step_*")) + list(series.glob("models/ckpt-*"))) == len(list((trained / "checkpoints").glob("step_*")))
     source = json.loads((series / "eval" / "source.json").read_text())
     assert source["format"] == ("hf-dirs" if layout == "hf-dirs" else "nemo-rl") and source["unchecked"]
     # evaluating again reports the outcome and writes nothing
@@ -178,6 +179,134 @@ def test_ours_outside_a_run_directory(trained, reference, tmp_path, monkeypatch)
                  "--format", "ours"]) == 0
     assert results(log) == reference
     assert not list(series.glob("step_*")) and (series / "eval" / "summary.json").is_file()
+
+
+def _tree(root):
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_teardown_keeps_another_trainers_series_wherever_it_lies(trained, tmp_path, capsys, monkeypatch):
+    """An hf-dirs manifest naming folders outside DIR, each with a user file, and a NeMo-RL
+    results folder (step_N/ and tmp_step_N/): nothing of either is deleted."""
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    outside = foreign_layouts.to_hf_dirs(trained, tmp_path / "elsewhere")
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    lines = [json.loads(line) for line in (outside / "manifest.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["path"] = str(outside / line["path"])  # absolute, outside exported/
+        (outside / line["path"] / "my-notes.txt").write_text("the user's")
+    (exported / "manifest.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    nemo, log = convert(trained, tmp_path, "nemo-rl-safetensors")
+    before = {"outside": _tree(outside), "nemo": _tree(nemo)}
+    for series in (exported, nemo):
+        assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
+        assert f"note: kept the checkpoints of {series}" in capsys.readouterr().err
+        shutil.copy(trained / "mlperf.log", log)  # the next series' training log, unevaluated
+    assert _tree(outside) == before["outside"]
+    after = _tree(nemo)
+    assert {k: v for k, v in after.items() if not k.startswith("eval/") and k != ".lock"} == before["nemo"]
+    assert (nemo / "tmp_step_7").is_dir()
+
+
+def test_teardown_deletes_only_what_our_trainer_wrote(trained, tmp_path, capsys, monkeypatch):
+    """Our layout outside a run directory: the writer's files go, a user's file in a
+    step_N/, a folder in one and a file beside them stay; one line says which."""
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    series = tmp_path / "ckpts"
+    shutil.copytree(trained / "checkpoints", series)
+    (series / "step_4" / "my-notes.txt").write_text("the user's")
+    (series / "step_3" / "extra").mkdir()
+    (series / "step_3" / "extra" / "model.safetensors").write_text("a user's folder, whatever its files are called")
+    (series / "README.txt").write_text("the user's")
+    log = tmp_path / "train.log"
+    shutil.copy(trained / "mlperf.log", log)
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "teardown" in line]
+    steps = ", ".join(f"step_{s}" for s in range(3, 7))
+    assert line == (f"note: teardown deleted the checkpoint files of {steps} in {series}; kept what our trainer does "
+                    "not write: step_3/extra, step_4/my-notes.txt")
+    assert sorted(p.name for p in series.iterdir()) == [".lock", "README.txt", "eval", "step_3", "step_4", "training_end.json"]
+    assert sorted(_tree(series / "step_3")) == ["extra/model.safetensors"] and sorted(_tree(series / "step_4")) == ["my-notes.txt"]
+
+
+SETTINGS_EDITS = [
+    ({"validation": {"temperature": 0.7}}, "validation.temperature", 0.7, 0.1),
+    ({"seed": 7}, "seed", 7, 1),
+    ({"validation": {"generations_per_task": 8}}, "validation.generations_per_task", 8, 4),
+]
+
+
+def _edited_config(trained, path, edit):
+    config = yaml.safe_load((trained / "config.yaml").read_text())
+    for key, value in edit.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("where", ["run-dir", "checkpoints"])
+@pytest.mark.parametrize("edit, key, new, old", SETTINGS_EDITS)
+def test_evaluation_settings_changed_after_training_are_refused(trained, tmp_path, capsys, where, edit, key, new, old):
+    """config.yaml edited after training (or another --config for our series): exit 2
+    naming the key, the new and the recorded value; nothing logged or deleted."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
+    if where == "run-dir":
+        _edited_config(trained, run / "config.yaml", edit)
+        args = ["evaluate", str(run)]
+    else:
+        args = ["evaluate", "--checkpoints", str(run / "checkpoints"), "--mllog", str(run / "mlperf.log"),
+                "--config", str(_edited_config(trained, tmp_path / "edited.yaml", edit))]
+    before = {"log": (run / "mlperf.log").read_bytes(), "checkpoints": sorted(p.name for p in (run / "checkpoints").iterdir())}
+    assert main(args) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"the config's {key} is {new!r}, but the" in line and f" {old!r} (" in line, line
+    assert (run / "mlperf.log").read_bytes() == before["log"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name not in ("eval", ".lock")) == before["checkpoints"]
+
+
+def test_another_trainers_series_is_checked_against_its_logged_settings(trained, tmp_path, capsys):
+    series, log = convert(trained, tmp_path, "nemo-rl-safetensors")
+    edited = _edited_config(trained, tmp_path / "edited.yaml", {"validation": {"temperature": 0.7}})
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(edited)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "validation.temperature is 0.7, but the log's generation_validation_rollout_temperature is 0.1" in line
+
+
+def test_the_recorded_settings_are_the_identity_and_only_it(trained, monkeypatch):
+    """Each identity setting is compared with the checkpoint's record (also where the log
+    would say it first); the engine's speed settings are not part of it; a checkpoint
+    written before the record existed is evaluated with a note."""
+    import dataclasses
+
+    from mlperf_grpo.config import load_config
+    from mlperf_grpo.evaluate.series import EvaluationError, check_evaluation_settings
+
+    first = discover_checkpoints(trained / "checkpoints")[0][0]
+    config = load_config(trained / "config.yaml")
+    assert first.info.evaluation["validation.temperature"] == 0.1 and first.info.evaluation["seed"] == 1
+    with pytest.raises(EvaluationError, match=r"validation.temperature is 0.7, but the checkpoints were trained with 0.1 \(step_3/"):
+        check_evaluation_settings(first, config.model_copy(update={"validation": config.validation.model_copy(update={"temperature": 0.7})}))
+    with pytest.raises(EvaluationError, match="grpo.max_new_tokens is 9, but the checkpoints were trained with 6"):
+        check_evaluation_settings(first, config.model_copy(update={"grpo": config.grpo.model_copy(update={"max_new_tokens": 9})}))
+    from mlperf_grpo.evaluate import series as series_module
+
+    real = series_module.validation_tasks
+    one_answer_edited = lambda suite, n: [dataclasses.replace(t, answer=t.answer + "0") if i == 5 else t  # noqa: E731
+                                          for i, t in enumerate(real(suite, n))]
+    monkeypatch.setattr(series_module, "validation_tasks", one_answer_edited)  # as an edited task file gives
+    with pytest.raises(EvaluationError, match=r"validation tasks \(sha256 of ids, prompts, answers\) is '[0-9a-f]{64}', but"):
+        check_evaluation_settings(first, config)
+    monkeypatch.undo()
+    faster = config.model_copy(update={"validation": config.validation.model_copy(update={"batch_size": 7, "workers": 3}),
+                                       "inference": config.inference.model_copy(update={"engine": "vllm"})})
+    assert check_evaluation_settings(first, faster) == []
+    old = dataclasses.replace(first, info=dataclasses.replace(first.info, evaluation={}))
+    (note,) = check_evaluation_settings(old, config)
+    assert "records no evaluation settings" in note
 
 
 def test_dcp_is_read_without_a_process_group_into_the_same_tensors(trained, tmp_path):

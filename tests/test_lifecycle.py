@@ -235,6 +235,40 @@ def test_sigterm_during_runs_evaluation_stops_cleanly_and_evaluate_resumes(tmp_p
     assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19] and len(log.find("run_stop")) == 1
 
 
+def test_the_choice_to_retain_checkpoints_is_recorded_in_run_json(tmp_path):
+    from mlperf_grpo.config import RunConfig
+    from mlperf_grpo.rundir import RunDir, RunDirError
+
+    kept, default = RunDir(tmp_path / "kept"), RunDir(tmp_path / "default")
+    kept.create(RunConfig(), retain_checkpoints=True)
+    default.create(RunConfig())
+    assert json.loads(kept.info_file.read_text())["retain_checkpoints"] is True and kept.retain_recorded()
+    assert "retain_checkpoints" not in json.loads(default.info_file.read_text()) and not default.retain_recorded()
+    kept.info_file.write_text(json.dumps({"mllog_file": "mlperf.log", "retain_checkpoints": "yes"}))
+    with pytest.raises(RunDirError, match="retain_checkpoints must be true or false, got 'yes'"):
+        kept.retain_recorded()
+
+
+@pytest.mark.slow
+def test_retain_checkpoints_survives_a_sigterm_and_the_printed_resume_command(tmp_path):
+    """`run --retain-checkpoints`, SIGTERM during training, then the command the note
+    prints (`mlperf-grpo evaluate RUN`, no flag): the checkpoints are kept (run.json)."""
+    run = tmp_path / "run"
+    proc = _cli("run", "--config", str(_write(tmp_path / "c.yaml", {"grpo": {"max_steps": 30}})), "--output", str(run),
+                "--retain-checkpoints")
+    _wait_for(lambda: (run / "checkpoints" / "step_19").is_dir(), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err
+    (note,) = [line for line in err.splitlines() if line.startswith("note:")]
+    assert f"'mlperf-grpo evaluate {run}'" in note and "keeps them" in note
+    assert json.loads((run / "run.json").read_text())["retain_checkpoints"] is True
+    published = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert main(["evaluate", str(run)]) in (0, 3)
+    assert read_log(run / "mlperf.log").find("run_stop")
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == published  # kept
+
+
 # --------------------------------------------------------------------------- CLI
 
 def test_default_output_never_collides(tmp_path, monkeypatch, capsys):
@@ -247,6 +281,47 @@ def test_default_output_never_collides(tmp_path, monkeypatch, capsys):
     assert len(runs) == 2 and all((r / "run.json").is_file() for r in runs)
     out = capsys.readouterr().out
     assert all(f"run directory: runs/{r.name}" in out for r in runs)
+
+
+def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monkeypatch):
+    """Runs started in the same second (8 threads released together, the clock fixed)
+    each get their own new directory: the name, then -2, -3, ... (one atomic mkdir each)."""
+    import threading
+
+    from mlperf_grpo import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20261202-004236")
+    start, names = threading.Barrier(8), []
+
+    def reserve() -> None:
+        start.wait()
+        names.append(cli._new_run_dir())
+
+    threads = [threading.Thread(target=reserve) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = ["20261202-004236"] + [f"20261202-004236-{n}" for n in range(2, 9)]
+    assert sorted(p.name for p in names) == sorted(expected)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(expected)
+
+
+def test_a_default_output_is_removed_when_setup_fails(tmp_path, capsys, monkeypatch):
+    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.train import loop
+
+    def fail(*args, **kwargs):
+        raise ModelLoadError("cannot load model: injected failure")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop, "load_model", fail)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "user-file").write_text("kept")
+    assert main(["train", "--config", str(_write(tmp_path / "c.yaml", TINY_OPEN))]) == 2
+    assert "injected failure" in _errors(capsys.readouterr().err)[0]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["user-file"]
 
 
 def test_help_describes_the_tool_and_every_argument(capsys):

@@ -55,14 +55,16 @@ def _positive_int(text: str) -> int:
 
 
 def _new_run_dir() -> Path:
-    """The default ``--output``: ``runs/YYYYMMDD-HHMMSS`` (local time), ``-2``, ``-3``...
-    appended when that name is taken, so running the default twice never collides."""
-    base = RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
-    candidate, n = base, 1
-    while candidate.exists():
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
+    """The default ``--output``, made now: ``runs/YYYYMMDD-HHMMSS`` (local time), ``-2``,
+    ``-3``... appended when that name is taken, each try one atomic ``mkdir``, so two
+    runs started in the same second never share a directory.
+
+    Raises:
+        RunDirError: ``runs/`` cannot be made or written.
+    """
+    from mlperf_grpo.rundir import reserve_new_run_dir
+
+    return reserve_new_run_dir(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S"))
 
 
 def _print_outcome(outcome, run_dir: Path) -> int:
@@ -107,13 +109,14 @@ def _start_training(args: argparse.Namespace):
     config = _config(args)
     deferred = _deferred()
     distributed.check_layout(config, deferred=deferred)
-    if args.command == "run" and deferred:
+    if deferred:  # a bad RETAIN_GRPO_CHECKPOINTS fails before training; the choice is recorded in run.json
         from mlperf_grpo.evaluate.offline import retain_requested
 
-        retain_requested(args.retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails before training
-    if args.output is None:
-        args.output = distributed.broadcast_object(_new_run_dir())  # rank 0's name, on every rank
-    check_training_inputs(config, RunDir(args.output))
+        args.retain_recorded = retain_requested(getattr(args, "retain_checkpoints", False))
+    check_training_inputs(config, RunDir(args.output or RUNS_DIR), check_output=args.output is not None)
+    if args.output is None:  # made by rank 0 once every check passed; its name on every rank
+        args.output = distributed.broadcast_object(_new_run_dir() if distributed.is_writer() else None)
+        args.made_output = distributed.is_writer()
     _note_open_differences(config)  # after every check: never before an error
     print(f"run directory: {args.output}")
     args.phase = "train"
@@ -126,12 +129,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mlperf_grpo.train.loop import train
 
     config, deferred = _start_training(args)
-    if not deferred:
-        from mlperf_grpo.evaluate.inline import train_with_inline_eval
+    with _removed_if_unwritten(args):
+        if not deferred:
+            from mlperf_grpo.evaluate.inline import train_with_inline_eval
 
-        outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
-        return _print_outcome(outcome, args.output)
-    result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+            outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+            return _print_outcome(outcome, args.output)
+        result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default",
+                       retain_checkpoints=args.retain_recorded)
     steps = result.checkpoint_steps
     published = f"step_{steps[0]}..step_{steps[-1]}" if steps else "none"
     print(f"trained {len(result.steps)} steps; checkpoints {published} in {args.output}/checkpoints")
@@ -139,6 +144,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"training stopped by the evaluator's pass at step_{result.stop_request['passing_step']} "
               f"({args.output}/stop_training.json); the run_stop is the evaluator's ('evaluate --follow' merges it)")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _removed_if_unwritten(args: argparse.Namespace):
+    """A default ``--output`` this process made (:func:`_new_run_dir`) is removed again
+    when training fails before writing any file of the run (a setup failure leaves no
+    run behind); an ``--output`` given by the user is the trainer's to judge."""
+    try:
+        yield
+    except BaseException:
+        if getattr(args, "made_output", False):
+            from mlperf_grpo.rundir import RunDir
+
+            RunDir(args.output).remove_if_unwritten()
+        raise
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -603,8 +623,10 @@ def _note_unfinished_run(args: argparse.Namespace) -> None:
     run = RunDir(args.output)
     steps = run.published_steps()
     if steps and not run.summary_file.exists():
+        kept = " (and keeps them: the run's choice to retain its checkpoints is in run.json)" if getattr(
+            args, "retain_recorded", False) else ""
         _say(f"note: training ended early with checkpoints step_{steps[0]}..step_{steps[-1]} published "
-             f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop")
+             f"and no run_stop: 'mlperf-grpo evaluate {args.output}' evaluates them and writes the run's run_stop{kept}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The run directory: where one run's config, log, checkpoints and results live.
 
     <run>/config.yaml        the resolved config the run was trained with
-    <run>/run.json           {"mllog_file": path of the MLPerf log}
+    <run>/run.json           {"mllog_file": path of the MLPerf log, "retain_checkpoints":
+                             true when the run was started to keep its checkpoints}
     <run>/mlperf.log         the MLPerf log (unless MLPERF_MLLOG_FILE names another)
     <run>/checkpoints/       deferred checkpoints, step_N/ (see checkpoint.py)
     <run>/eval/step_N.jsonl  per-task validation results of each evaluated checkpoint
@@ -37,6 +38,29 @@ class RunDirError(ValueError):
 
 class RunLockedError(RunDirError):
     """Another process (trainer or evaluator) is writing to this run."""
+
+
+def reserve_new_run_dir(parent: Path, name: str) -> Path:
+    """Create and return a new, empty directory ``parent/name``, or ``name-2``,
+    ``name-3``... when that one exists: each try is one ``mkdir`` without ``exist_ok``,
+    atomic in the kernel, so two processes (or threads) reserving the same name at once
+    get two directories (``parent`` is made when missing).
+
+    Raises:
+        RunDirError: ``parent`` (or a folder above it) is a file, or cannot be written.
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while True:
+            candidate = parent / (name if n == 1 else f"{name}-{n}")
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                n += 1
+    except OSError as err:
+        raise RunDirError(f"cannot create a run directory in {parent}: {err.strerror}; pass --output DIR") from None
 
 
 class RunLock:
@@ -142,6 +166,16 @@ class RunDir:
             return None
         return record
 
+    def remove_if_unwritten(self) -> None:
+        """Remove the directory when it holds nothing but ``.lock``: a run whose setup
+        failed before any of its files was written (nothing else is touched)."""
+        try:
+            if [p.name for p in self.root.iterdir()] in ([], [".lock"]):
+                (self.root / ".lock").unlink(missing_ok=True)
+                self.root.rmdir()
+        except OSError:
+            pass  # not there, or something appeared in it: leave it
+
     def published_steps(self) -> list[int]:
         """Steps of the published ``checkpoints/step_N/`` directories, ascending (names
         only: a ``tmp_step_N/`` is unfinished and not counted)."""
@@ -163,10 +197,13 @@ class RunDir:
                 "checkpoints, or closes a run stopped before its first checkpoint as aborted"
             )
 
-    def create(self, config: RunConfig) -> Path:
+    def create(self, config: RunConfig, retain_checkpoints: bool = False) -> Path:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.
 
         The log path is ``$MLPERF_MLLOG_FILE`` when set, else ``<run>/mlperf.log``.
+        ``retain_checkpoints`` (``run --retain-checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``)
+        is recorded in ``run.json``, so every later ``evaluate`` of the run keeps them
+        (:meth:`retain_recorded`).
 
         Raises:
             RunDirError: the directory already holds a run, or the log file already holds
@@ -189,8 +226,24 @@ class RunDir:
         except ValueError:
             recorded = str(mllog_file)
         self.config_file.write_text(dump_config(config))
-        self.info_file.write_text(json.dumps({"mllog_file": recorded}, indent=2) + "\n")
+        info = {"mllog_file": recorded, **({"retain_checkpoints": True} if retain_checkpoints else {})}
+        self.info_file.write_text(json.dumps(info, indent=2) + "\n")
         return mllog_file
+
+    def retain_recorded(self) -> bool:
+        """Whether the run was started to keep its checkpoints (``run.json``'s
+        ``retain_checkpoints``; absent: no).
+
+        Raises:
+            RunDirError: ``run.json`` is unreadable, or the value is not true or false.
+        """
+        try:
+            value = json.loads(self.info_file.read_text()).get("retain_checkpoints", False)
+        except (OSError, ValueError, AttributeError):
+            raise RunDirError(f"{self.info_file} is unreadable or malformed; expected {{\"mllog_file\": PATH}}") from None
+        if not isinstance(value, bool):
+            raise RunDirError(f"{self.info_file}: retain_checkpoints must be true or false, got {value!r}")
+        return value
 
     def load(self) -> tuple[RunConfig, Path]:
         """The run's config and MLPerf log path.

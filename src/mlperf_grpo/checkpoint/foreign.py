@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mlperf_grpo.checkpoint import dcp_read
-from mlperf_grpo.checkpoint.format import INFO_FILE, SAFETENSORS_DTYPES, CheckpointCorruptError, CheckpointError
+from mlperf_grpo.checkpoint.format import INDEX_FILE, INFO_FILE, NON_WEIGHT_FILES, SAFETENSORS_DTYPES
+from mlperf_grpo.checkpoint.format import CheckpointCorruptError, CheckpointError
 from mlperf_grpo.checkpoint.reader import read_json_record
 
 NEMO_RL = "nemo-rl"
@@ -326,18 +327,40 @@ def read_weights(checkpoint: ForeignCheckpoint) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def remove_step_dirs(root: Path) -> None:
-    """Teardown of a series kept in ``root`` with other files: delete every ``step_*``
-    and ``tmp_step_*`` directory, keep the rest."""
-    for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if entry.is_dir() and (entry.name.startswith("tmp_step_") or _STEP_DIR.match(entry.name)):
-            shutil.rmtree(entry)
+_CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
+_WRITER_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+"""Shard names our writer gives (``format.shard_name``), and transformers' single-file name."""
 
 
-def remove_series(checkpoints: list[ForeignCheckpoint], root: Path) -> None:
-    """Teardown: delete each checkpoint's directory and the ``tmp_step_*`` under ``root``."""
-    for c in checkpoints:
-        if c.path.is_dir():
-            shutil.rmtree(c.path)
-    for tmp in root.glob("tmp_step_*") if root.is_dir() else []:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _written_by_us(name: str) -> bool:
+    return name in (INFO_FILE, INDEX_FILE, *NON_WEIGHT_FILES) or bool(_WRITER_FILE.match(name))
+
+
+def remove_step_dirs(root: Path) -> str:
+    """Teardown of our trainer's series kept in ``root`` among other files (``evaluate
+    --checkpoints DIR --format ours``): in each ``step_N/`` and ``tmp_step_N/`` directly
+    under ``root``, delete the files our checkpoint writer names (``training_info.json``,
+    the shards, the index, :data:`~mlperf_grpo.checkpoint.format.NON_WEIGHT_FILES`), then
+    the directory once it is empty. Nothing else is touched: no file or folder outside
+    those directories, no subfolder, no file of another name.
+
+    Returns:
+        One line saying what was deleted, and what was kept because it is not ours.
+    Raises:
+        OSError: a file cannot be deleted (what was deleted before it stays deleted).
+    """
+    deleted, kept = [], []
+    entries = [e for e in (root.iterdir() if root.is_dir() else []) if _CHECKPOINT_DIR.match(e.name)]
+    for entry in sorted(entries, key=lambda e: (e.name.startswith("tmp_"), int(e.name.rsplit("_", 1)[1]))):
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        for item in sorted(entry.iterdir()):
+            if item.is_file() and not item.is_symlink() and _written_by_us(item.name):
+                item.unlink()
+            else:
+                kept.append(f"{entry.name}/{item.name}")
+        if not any(entry.iterdir()):
+            entry.rmdir()
+        deleted.append(entry.name)
+    line = f"note: teardown deleted the checkpoint files of {', '.join(deleted) or 'no checkpoint'} in {root}"
+    return line + (f"; kept what our trainer does not write: {', '.join(kept)}" if kept else "")

@@ -99,6 +99,9 @@ class TrainingInfo:
     as the model directory held them when training started.
     ``canary_logits`` are the rollout engine's logits on the canary input with these
     weights (see fingerprint.py), which the evaluator's engine must reproduce.
+    ``evaluation``: the settings that decide what evaluating it measures
+    (``mlperf_grpo.eval_settings.evaluation_settings``: config key -> value); the
+    evaluator's config must give the same (empty in checkpoints written before it existed).
     """
 
     current_step: int
@@ -111,6 +114,7 @@ class TrainingInfo:
     canary_logits: list
     weights: dict = field(default_factory=dict)
     files: dict = field(default_factory=dict)
+    evaluation: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

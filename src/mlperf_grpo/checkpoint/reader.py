@@ -84,6 +84,8 @@ def read_training_info(directory: Path) -> TrainingInfo:
         or not isinstance(info.files, dict)
     ):
         raise CheckpointError(f"{path}: field 'weights' must list the shards with their {HASH_ALGORITHM} hashes")
+    if not isinstance(info.evaluation, dict):
+        raise CheckpointError(f"{path}: field 'evaluation' must map each evaluation setting to its value")
     return info
 
 

@@ -57,7 +57,8 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
     Args:
         run_dir: the ``--output`` of a ``train`` that is running (or has run).
         merge: ``merge(training_log, eval_log)`` in place (``mlperf-grpo merge``'s).
-        retain_checkpoints: keep the checkpoints (also ``RETAIN_GRPO_CHECKPOINTS=1``);
+        retain_checkpoints: keep the checkpoints (also ``RETAIN_GRPO_CHECKPOINTS=1``, or
+            the run's recorded choice, ``run.json``);
             they are deleted, as by ``evaluate``, only after training ended.
         stop_training_at_pass: at a committed pass write ``stop_training.json``: the
             trainer stops after the step it is on and writes no ``run_stop``.
@@ -69,9 +70,10 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
             (RunLockedError: another evaluator writes to the run).
         EvaluationError, RefitError, VerifierError, LogWriteError: as :func:`evaluate_run`.
     """
-    retain = retain_requested(retain_checkpoints)
+    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(Path(run_dir))
     config, mllog_file = _wait_for_run(run, poll_s)
+    retain = retain or run.retain_recorded()
     check_engine_available(config)
     if not _trainer_running(run) and not run.follow_log.is_file():
         print(f"note: the training of {run.root} has ended; evaluating it as 'mlperf-grpo evaluate' does", file=sys.stderr)

@@ -4,8 +4,9 @@ lock, resume, series checks, step-order commits, one backdated ``run_stop``, tea
 
 ``DIR`` holds the series (``checkpoint/foreign.py`` describes the layouts) and, written by
 the evaluator, ``.lock``, ``eval/step_N.jsonl``, ``eval/summary.json`` and
-``eval/source.json`` (the format and what it could not check). Teardown deletes the
-checkpoints (each ``step_N/`` or manifest directory), never ``DIR`` itself.
+``eval/source.json`` (the format and what it could not check). Teardown keeps another
+trainer's series (NeMo-RL, a manifest's directories); of our own layout it deletes only the
+files our writer made in each ``step_N/``, never ``DIR`` itself or anything else in it.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ Automodel writes with ``to_json_string(use_diff=False)``, ...) are listed in a n
 
 @dataclass(frozen=True)
 class OursAt(RunSeries):
-    """Our trainer's series outside a run directory: teardown deletes the ``step_N/``
-    (and ``tmp_step_N/``) but keeps ``DIR`` with the evaluator's ``eval/`` and lock."""
+    """Our trainer's series outside a run directory: teardown deletes the files our
+    writer made in each ``step_N/`` (and ``tmp_step_N/``), never anything else in ``DIR``
+    (its ``eval/``, lock, other files: ``foreign.remove_step_dirs``)."""
 
-    def remove(self) -> None:
-        foreign.remove_step_dirs(self.root)
+    def remove(self) -> str:
+        return foreign.remove_step_dirs(self.root)
 
 
 @dataclass(frozen=True)
@@ -153,12 +155,13 @@ class ForeignSeries:
                 return []
         return published_steps(self.root)
 
-    def remove(self) -> None:
-        try:
-            checkpoints = self.discover()[0]
-        except EvaluationError:
-            return
-        foreign.remove_series(checkpoints, self.root)
+    def remove(self) -> str:
+        """Teardown keeps another trainer's series: the rule's teardown is of the
+        benchmark's own deferred checkpoints, and these files (a NeMo-RL results folder, a
+        manifest's directories anywhere on disk) are that trainer's and its user's.
+        Returns the one line saying so."""
+        return (f"note: kept the checkpoints of {self.root} ({self.format}: another trainer's series is never deleted "
+                "by the evaluator); delete them yourself once they are not needed")
 
 
 def _check_against_model(checkpoint: ForeignCheckpoint, specs: dict, model_dir: Path) -> list[str]:

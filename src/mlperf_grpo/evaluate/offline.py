@@ -38,6 +38,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,
@@ -121,6 +122,9 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
     merged into the training log with ``merge`` (the CLI gives ``mlperf-grpo merge``'s).
 
+    The checkpoints are kept with ``retain_checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``, or
+    when the run was started to keep them (``run.json``; a flag can only add keeping).
+
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
     evaluations already in the log are not repeated, and a finished run (its
     ``eval/summary.json`` written) is only read back, its files untouched. A run whose
@@ -136,9 +140,10 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
-    retain = retain_requested(retain_checkpoints)
+    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(run_dir)
     config, mllog_file = run.load()
+    retain = retain or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
     if run.follow_log.is_file():
         if merge is None:
@@ -198,6 +203,7 @@ def evaluate_series(
             if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
+                _check_logged_settings(config, log, mllog_file)
                 _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
         if merge is not None and eval_log is not None:
             merge(mllog_file, eval_log)
@@ -265,6 +271,20 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
     )
 
 
+def _check_logged_settings(config: RunConfig, log: ParsedLog, mllog_file: Path) -> None:
+    """The config's seed and validation settings are those the training log recorded
+    (``eval_settings.LOGGED_KEYS``; a key the log lacks is not compared): the one check
+    of them a series from another trainer allows.
+
+    Raises:
+        EvaluationError: a value differs; names the config key, both values and the log.
+    """
+    differences = logged_differences(config, {key: log.first_value(key) for key in LOGGED_KEYS if log.find(key)})
+    if differences:
+        raise EvaluationError(f"the config's {differences[0]} ({mllog_file}); what evaluation measures cannot change "
+                              "after training: evaluate with the settings the run was trained with")
+
+
 def _teardown(source: SeriesSource, log: ParsedLog) -> None:
     """Delete the checkpoints of a finished run, unless one was never evaluated and the
     run did not pass (a ``run_stop`` aborted written before they were evaluated)."""
@@ -278,7 +298,8 @@ def _teardown(source: SeriesSource, log: ParsedLog) -> None:
             file=sys.stderr,
         )
         return
-    source.remove()
+    if (what := source.remove()) is not None:
+        print(what, file=sys.stderr)
 
 
 def _read_logs(mllog_file: Path, eval_log: Path | None = None) -> ParsedLog:

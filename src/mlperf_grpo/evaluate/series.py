@@ -34,10 +34,12 @@ from mlperf_grpo.checkpoint import (
 )
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
 from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, canary_mismatch
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
 from mlperf_grpo.model import check_model_path
+from mlperf_grpo.tasks import load_suite, validation_tasks
 
 
 class EvaluationError(ValueError):
@@ -90,7 +92,9 @@ def check_series(
     Raises:
         EvaluationError: nothing can be evaluated: no checkpoints; the first not at the
             first eval step; no ``run_start`` in the log; the files of ``model.path`` (what
-            the engine loads) differ from those training fingerprinted.
+            the engine loads) differ from those training fingerprinted; the config's
+            evaluation settings differ from those training recorded
+            (:func:`check_evaluation_settings`).
     """
     s0 = config.first_eval_step
     if not checkpoints:
@@ -103,11 +107,13 @@ def check_series(
         raise EvaluationError("the MLPerf log has no run_start; was training logged to another file?")
     files_checked = set() if files_checked is None else files_checked
     model_dir = check_model_path(config.model.path)
+    settings_notes: list[str] = []
     if model_dir not in files_checked:
         try:
             check_model_files(checkpoints[0].info.files, model_dir, "model.path")
         except CheckpointError as err:
             raise EvaluationError(str(err)) from None
+        settings_notes = check_evaluation_settings(checkpoints[0], config)
         files_checked.add(model_dir)
     previous = run_starts[0].time_ms or 0
     for index, c in enumerate(checkpoints):
@@ -118,8 +124,35 @@ def check_series(
     try:
         notes = _check_series_end(steps[-1], read_training_end(checkpoint_root), log, config.checkpoint.max_in_flight)
     except (EvaluationError, CheckpointError) as err:
-        return [], SeriesProblem(len(checkpoints), str(err))
-    return notes, None
+        return settings_notes, SeriesProblem(len(checkpoints), str(err))
+    return settings_notes + notes, None
+
+
+def check_evaluation_settings(first: Checkpoint, config: RunConfig) -> list[str]:
+    """The config evaluates what training recorded: every setting of
+    :func:`~mlperf_grpo.eval_settings.evaluation_settings` (seed, validation settings,
+    ``grpo.max_new_tokens``, the task and its validation tasks' content) equals
+    ``first``'s ``training_info.json`` ``evaluation`` record. Loads the task suite.
+
+    Returns:
+        A note when ``first`` records no settings (written before they were recorded):
+        they are then unchecked.
+    Raises:
+        EvaluationError: a setting differs (names the key, the config's value and the
+            recorded one); TaskError: the task source is unusable.
+    """
+    if not first.info.evaluation:
+        return [f"note: {first.path.name} records no evaluation settings (written before they were): the config's "
+                "seed, validation settings and task are not checked against the training's"]
+    suite = load_suite(config)
+    current = evaluation_settings(config, validation_tasks(suite, config.validation.num_tasks))
+    difference = settings_difference(first.info.evaluation, current)
+    if difference is not None:
+        raise EvaluationError(
+            f"the config's {difference} ({first.path.name}/training_info.json 'evaluation'); what evaluation measures "
+            "cannot change after training: evaluate with the settings the run was trained with"
+        )
+    return []
 
 
 def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, previous_ms: int, config: RunConfig,
@@ -142,6 +175,8 @@ def _checkpoint_fault(c: Checkpoint, first: Checkpoint, expected_step: int, prev
         check_same_tensors([first, c] if c is not first else [c])
         if c.info.files != first.info.files:
             raise CheckpointError(f"{c.path.name}: its non-weight files were fingerprinted differently from {first.path.name}")
+        if c.info.evaluation != first.info.evaluation:
+            raise CheckpointError(f"{c.path.name}: its evaluation settings differ from {first.path.name}'s (training_info.json 'evaluation')")
         check_model_files(c.info.files, c.path, c.path.name)
     except CheckpointError as err:
         return str(err)
@@ -205,8 +240,9 @@ class SeriesSource(Protocol):
     def published_steps(self) -> list[int]:
         """Steps of every published checkpoint (names only)."""
 
-    def remove(self) -> None:
-        """Teardown: delete the series."""
+    def remove(self) -> str | None:
+        """Teardown: delete the series (or keep it, for a series another trainer wrote);
+        returns one line for the user saying what was deleted or kept, or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +267,7 @@ class RunSeries:
         return published_steps(self.root)
 
     def remove(self) -> None:
-        remove_checkpoints(self.root)
+        remove_checkpoints(self.root)  # <run>/checkpoints: the run's own, wholly ours
 
 
 def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[str]) -> str:

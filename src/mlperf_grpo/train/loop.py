@@ -41,6 +41,7 @@ from tqdm import tqdm
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
 from mlperf_grpo.config import GRPOConfig, RunConfig
+from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
@@ -274,6 +275,7 @@ def train(
     config_filename: str,
     show_progress: bool = True,
     inline_eval: Callable[[int, torch.nn.Module], bool] | None = None,
+    retain_checkpoints: bool = False,
 ) -> TrainResult:
     """Run GRPO training with deferred checkpoints; see the module docstring.
 
@@ -285,6 +287,8 @@ def train(
         inline_eval: ``DEFERRED_OFFLINE_EVAL=0``: called as ``inline_eval(step, policy)``
             after each step from the first eval step on, instead of writing a deferred
             checkpoint; training stops when it returns True (it logged ``run_stop``).
+        retain_checkpoints: recorded in ``run.json``: the evaluation keeps the checkpoints
+            (``RunDir.retain_recorded``), however often it is resumed.
     Raises:
         RunDirError: the output cannot be created or already holds a run (RunLockedError:
             another process writes to it).
@@ -314,12 +318,10 @@ def train(
     with RunLock(run.root, "trainer"), GracefulStop() as stopper:
         try:
             setup = _setup(config, train_pool)
-            mllog_file = run.create(config)
+            mllog_file = run.create(config, retain_checkpoints=retain_checkpoints)
         except BaseException:  # no line of the run was logged yet: leave no trace
             if not root_existed:
-                (run.root / ".lock").unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    run.root.rmdir()
+                run.remove_if_unwritten()
             raise
         try:
             return _train(config, run, mllog_file, config_filename, show_progress, inline_eval, stopper, setup, suite)
@@ -420,6 +422,7 @@ def _train(
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
     checkpoint_dtype = DTYPES[config.model.dtype]
+    evaluation = evaluation_settings(config, tasks.validation_tasks(suite, config.validation.num_tasks))
     # the non-weight files are snapshotted (and fingerprinted) now, at training start
     checkpointer = None if inline_eval is not None or run is None else AsyncCheckpointer(
         run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight,
@@ -504,6 +507,7 @@ def _train(
                         dtype=config.model.dtype,
                         canary_logits=engine.canary_logits() if not engine.canary_is_log_softmax  # raw logits recorded
                         else canary_logits_in_dtype(policy, policy.config.vocab_size, checkpoint_dtype),
+                        evaluation=evaluation,
                     )
 
                 # the engine holds the rollout-dtype weights of this step (refit above)
