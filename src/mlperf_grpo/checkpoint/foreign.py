@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
