@@ -106,3 +106,35 @@ def test_experts_must_divide():
 def test_unknown_model_type_is_refused():
     with pytest.raises(MemoryPlanError, match="model_type 'gpt2'"):
         model_tensors({"model_type": "gpt2"})
+
+
+def test_cli_shape_names_are_the_planners():
+    from mlperf_grpo.cli import MODEL_SHAPE_NAMES
+
+    assert MODEL_SHAPE_NAMES == tuple(memory_plan.MODEL_SHAPES)
+
+
+def test_plan_memory_json_is_the_plan(tmp_path, capsys):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 0,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "4",
+                 "--tensor-parallel-size", "2", "--max-in-flight", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == plan_memory(config, 4, 2, "bfloat16", 3).to_json()
+    assert out["replica"]["device_bytes"] == 16 * 13 + 88  # as in test_per_rank_bytes_are_the_layout_arithmetic
+
+
+def test_plan_memory_bad_t_is_one_line(capsys):
+    from mlperf_grpo.cli import main
+
+    assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                 "--tensor-parallel-size", "32"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("mlperf-grpo: error: inference.tensor_parallel_size 32 does not divide the 16 linear-attention "
+                            "key heads (linear_num_key_heads): set inference.tensor_parallel_size to a common divisor of 16\n")
