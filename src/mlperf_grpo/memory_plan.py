@@ -101,6 +101,11 @@ def _get(config: dict, key: str, default=None):
     return value
 
 
+def counts(config: dict) -> bool:
+    """True when :func:`model_tensors` knows the config's ``model_type``."""
+    return config.get("model_type") in DENSE_TYPES + MOE_TYPES
+
+
 def model_tensors(config: dict) -> list[Tensor]:
     """The parameters of the causal LM the config describes, in Hugging Face names.
 
@@ -116,7 +121,7 @@ def model_tensors(config: dict) -> list[Tensor]:
         MemoryPlanError: another ``model_type``, or a needed key is missing.
     """
     kind = config.get("model_type")
-    if kind not in DENSE_TYPES + MOE_TYPES:
+    if not counts(config):
         raise MemoryPlanError(f"model_type {kind!r} is not one the memory planner counts; "
                               f"it counts {', '.join(DENSE_TYPES + MOE_TYPES)}")
     hidden, vocab = _get(config, "hidden_size"), _get(config, "vocab_size")
@@ -199,6 +204,8 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
         MemoryPlanError: naming both numbers and the fix.
     """
     t = tensor_parallel_size
+    if t == 1:
+        return
     fix = "set inference.tensor_parallel_size to a common divisor"
     if world_size % t:
         raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the world size {world_size}: "
@@ -298,6 +305,24 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     sharded = RankMemory("sharded", **fp32, engine_bytes=engine * rollout, staging_bytes=max_in_flight * shard * rollout,
                          eval_read_bytes=EVAL_READ_BUFFERS * engine * rollout)
     return MemoryPlan(total, total * rollout, world_size, tensor_parallel_size, replica, sharded)
+
+
+def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 1) -> None:
+    """Refuse today's (``replica``) layout when a rank's planned device bytes exceed its
+    accelerator's memory; ``engine_shards``: GPUs the engine itself spreads over (vLLM's T
+    in one process), dividing its share.
+
+    Raises:
+        MemoryPlanError: naming the planned bytes, the device's bytes and the remedies.
+    """
+    r = plan.replica
+    planned = r.device_bytes - r.engine_bytes + -(-r.engine_bytes // engine_shards)
+    if planned > device_memory_bytes:
+        raise MemoryPlanError(
+            f"the planned {planned:,} bytes per rank ({_gib(planned)} GiB: fp32 weights, gradients and AdamW moments "
+            f"sharded over {plan.world_size} rank(s), plus a {_gib(r.engine_bytes)} GiB rollout engine) exceed the "
+            f"device's {device_memory_bytes:,} bytes ({_gib(device_memory_bytes)} GiB), before activations: launch more "
+            f"ranks (torchrun --nproc-per-node / --nnodes) or a smaller model; 'mlperf-grpo plan --memory' gives the figures")
 
 
 def _gib(n: int) -> str:
