@@ -138,3 +138,17 @@ def test_plan_memory_bad_t_is_one_line(capsys):
     assert captured.out == ""
     assert captured.err == ("mlperf-grpo: error: inference.tensor_parallel_size 32 does not divide the 16 linear-attention "
                             "key heads (linear_num_key_heads): set inference.tensor_parallel_size to a common divisor of 16\n")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--memory", "--global-batch-size", "256", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "8"],
+     "drop --global-batch-size"),
+    (["plan", "--global-batch-size", "256", "--world-size", "8"], "--world-size belong to plan --memory: add --memory"),
+    (["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b"], "give --world-size N"),
+])
+def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
+    from mlperf_grpo.cli import main
+
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and needle in captured.err and captured.err.count("\n") == 1

@@ -384,8 +384,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from mlperf_grpo.plan import build_plan, format_differences, format_plan
 
+    memory_options = [f"--{name.replace('_', '-')}" for name in ("model_shape", "model_config", "world_size")
+                      if getattr(args, name) is not None]
     if args.memory:
+        if args.global_batch_size is not None or args.config is not None:
+            raise BadInput("plan --memory plans memory, not a GBS: drop --global-batch-size / --config")
         return _plan_memory(args)
+    if memory_options:
+        raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")
     if (args.global_batch_size is None) == (args.config is None):
         raise BadInput("give exactly one of --global-batch-size N and --config FILE")
     config = _config(args) if args.config else None
