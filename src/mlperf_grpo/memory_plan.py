@@ -322,7 +322,9 @@ def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 
             f"the planned {planned:,} bytes per rank ({_gib(planned)} GiB: fp32 weights, gradients and AdamW moments "
             f"sharded over {plan.world_size} rank(s), plus a {_gib(r.engine_bytes)} GiB rollout engine) exceed the "
             f"device's {device_memory_bytes:,} bytes ({_gib(device_memory_bytes)} GiB), before activations: launch more "
-            f"ranks (torchrun --nproc-per-node / --nnodes) or a smaller model; 'mlperf-grpo plan --memory' gives the figures")
+            f"ranks (torchrun --nproc-per-node / --nnodes: they shard the fp32 state; each still holds the whole engine "
+            f"until the tensor-parallel engine of issue 28), or with engine vllm a larger inference.tensor_parallel_size, "
+            f"or a smaller model; 'mlperf-grpo plan --memory' gives the figures")
 
 
 def _gib(n: int) -> str:
