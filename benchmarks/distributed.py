@@ -69,9 +69,15 @@ Prints ONE JSON line:
   engine, staging buffers); ``build_model_s``: writing the random-init model directory;
 - ``peak_memory_bytes_per_rank``: ``torch.cuda.max_memory_allocated`` of each rank (the
   process's peak RSS on CPU);
-- with ``--large``: ``params``, ``one_device_state_bytes`` (fp32 weights + gradients +
-  AdamW's two moments, 16 bytes a parameter, plus the bfloat16 engine copy, 2 bytes a
-  parameter: what one GPU would need before any activation) and ``device_memory_bytes``.
+- ``planned_bytes_per_rank_n`` (and ``planned_bytes_per_rank_1``): the memory planner's
+  figures for the same model and layout (``mlperf_grpo.memory_plan``, today's replica
+  engine: ``device_bytes``, its parts, and rank 0's host ``staging_bytes``), beside the
+  measured peak: the peak exceeds the planned device bytes by the activations, the KV
+  cache and the allocator's slack, which the plan does not count;
+- with ``--large``: ``one_device_state_bytes`` (the planner's device bytes at 1 rank:
+  fp32 weights + gradients + AdamW's two moments, 16 bytes a parameter, plus the bfloat16
+  engine copy, 2 bytes a parameter: what one GPU would need before any activation) and
+  ``device_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -148,6 +154,17 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
           + json.dumps([{k: round(v, 2) for k, v in s.items()} for s in steps]),
           file=sys.stderr, flush=True)  # progress, kept if a later run times out
     return {"stats": stats, "startup_s": round(startup_s, 2), **json.loads(result.read_text())}
+
+
+def planned_bytes_per_rank(model_dir: Path, nproc: int, dtype: str, max_in_flight: int) -> dict[str, int]:
+    """The memory planner's per-rank bytes of today's layout (replica engine) for the
+    model in ``model_dir`` on ``nproc`` ranks: ``device_bytes`` and its parts, and
+    ``staging_bytes`` (host memory, rank 0)."""
+    from mlperf_grpo import memory_plan
+
+    rank = memory_plan.plan_memory(memory_plan.load_model_config(model_dir), nproc, 1, dtype, max_in_flight).replica
+    parts = ("master_weights_bytes", "gradient_bytes", "adam_bytes", "engine_bytes", "staging_bytes")
+    return {"device_bytes": rank.device_bytes, **{name: getattr(rank, name) for name in parts}}
 
 
 def steps_per_s(stats: list[dict]) -> float:
@@ -250,6 +267,8 @@ def main() -> None:
             "distributed": {"activation_checkpointing": args.activation_checkpointing,
                             "reshard_every_micro_batch": reshard},
         }
+        planned = {k: planned_bytes_per_rank(tmp / "model", k, dtype, config["checkpoint"]["max_in_flight"])
+                   for k in {1, args.nproc}}
         config_file = tmp / "bench.yaml"
         config_file.write_text(yaml.safe_dump(config))
         runs = [tmp / f"run{args.nproc}"] + ([] if args.large else [tmp / "run1"])
@@ -280,6 +299,7 @@ def main() -> None:
         "steps_per_s_n": round(steps_per_s(many["stats"]), 4),
         "phases_s_n": phases_s(many["stats"]),
         "peak_memory_bytes_per_rank": many["peak_memory_bytes_per_rank"],
+        "planned_bytes_per_rank_n": planned[args.nproc],
     }
     if one is not None:
         line.update({
@@ -290,11 +310,12 @@ def main() -> None:
             "speedup_goal": 1.7 if args.nproc == 2 else None,
             **agreement(one["stats"], many["stats"]),
             "peak_memory_bytes_1": one["peak_memory_bytes_per_rank"][0],
+            "planned_bytes_per_rank_1": planned[1],
         })
     if args.large:
         import torch
 
-        line["one_device_state_bytes"] = n_params * (16 + 2)
+        line["one_device_state_bytes"] = planned[1]["device_bytes"]
         line["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory if cuda else None
     print(json.dumps(line))
 

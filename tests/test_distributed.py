@@ -98,6 +98,19 @@ def test_our_torchrun_ends_a_refusal_with_exit_2_and_no_traceback(tmp_path):
     assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_torchrun_refuses_a_tensor_parallel_size_that_does_not_divide_the_world(tmp_path):
+    config = tmp_path / "tp3.yaml"
+    config.write_text(SMALL + "inference: {tensor_parallel_size: 3}\n")
+    proc = subprocess.run([*TORCHRUN, "train", "--config", str(config), "--output", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    refusal = ("mlperf-grpo: error: inference.tensor_parallel_size 3 does not divide the world size 2: set "
+               "inference.tensor_parallel_size to a common divisor of the world size and the heads, or launch a "
+               "multiple of 3 ranks")
+    assert refusal in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 # ---------------------------------------------------------------- one step across ranks
 
 

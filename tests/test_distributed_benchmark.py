@@ -83,3 +83,19 @@ def test_a_learning_rate_that_is_not_positive_is_refused_before_anything_runs(va
         bench.main()
     assert exit_.value.code == 2
     assert f"--learning-rate {float(value)}: AdamW's learning rate must be > 0" in capsys.readouterr().err
+
+
+def test_planned_bytes_are_the_planners_for_the_built_model(tmp_path):
+    """The JSON line's planned figures for the model the benchmark builds: 16 bytes a
+    parameter of fp32 state over N ranks (FSDP2's dim-0 chunks: at least total/N), plus
+    the full rollout-dtype engine on each, and K whole checkpoints staged on rank 0."""
+    n = _module("checkpoint").build_model_dir(tmp_path / "m", 2e6, "bfloat16", device="cpu")
+    one = _module("distributed").planned_bytes_per_rank(tmp_path / "m", 1, "bfloat16", 1)
+    assert one == {"device_bytes": 18 * n, "master_weights_bytes": 4 * n, "gradient_bytes": 4 * n, "adam_bytes": 8 * n,
+                   "engine_bytes": 2 * n, "staging_bytes": 2 * n}
+    two = _module("distributed").planned_bytes_per_rank(tmp_path / "m", 2, "bfloat16", 1)
+    from mlperf_grpo.memory_plan import load_model_config, model_tensors
+
+    row_elements = sum(t.numel // t.shape[0] for t in model_tensors(load_model_config(tmp_path / "m")))
+    assert 2 * n <= two["master_weights_bytes"] <= 2 * n + 4 * row_elements  # rank 0's half, + a row of each tensor at most
+    assert two["engine_bytes"] == 2 * n

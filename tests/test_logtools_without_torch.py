@@ -51,6 +51,12 @@ CASES = {
     "plan-bad": (lambda t: ["plan", "--global-batch-size", "17"], 2),
     "plan-config": (lambda t: ["plan", "--config", ROOT / "configs" / "open-default.yaml"], 0),
     "plan-config-bad": (lambda t: ["plan", "--config", t / "missing.yaml"], 2),
+    "plan-memory": (lambda t: ["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                               "--tensor-parallel-size", "8"], 0),
+    "plan-memory-config": (lambda t: ["plan", "--memory", "--model-config", ROOT / "src/mlperf_grpo/assets/arithmetic-tiny",
+                                      "--world-size", "2", "--json"], 0),
+    "plan-memory-bad": (lambda t: ["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                                   "--tensor-parallel-size", "3"], 2),
     "package-bad": (lambda t: ["package", DATA, "--system", "s", "--output", t / "sub"], 2),
 }
 

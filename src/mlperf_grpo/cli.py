@@ -17,6 +17,9 @@ from pathlib import Path
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
 RUNS_DIR = Path("runs")
+MODEL_SHAPE_NAMES = ("qwen3.5-397b-a17b",)
+"""``plan --memory --model-shape`` choices (``memory_plan.MODEL_SHAPES``: the parser is built
+without importing the library; a test keeps the two equal)."""
 
 DESCRIPTION = """\
 GRPO training with deferred offline evaluation for the MLPerf Training
@@ -401,6 +404,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from mlperf_grpo.plan import build_plan, format_differences, format_plan
 
+    memory_options = [f"--{name.replace('_', '-')}" for name in ("model_shape", "model_config", "world_size")
+                      if getattr(args, name) is not None]
+    if args.memory:
+        if args.global_batch_size is not None or args.config is not None:
+            raise BadInput("plan --memory plans memory, not a GBS: drop --global-batch-size / --config")
+        return _plan_memory(args)
+    if memory_options:
+        raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")
     if (args.global_batch_size is None) == (args.config is None):
         raise BadInput("give exactly one of --global-batch-size N and --config FILE")
     config = _config(args) if args.config else None
@@ -418,6 +429,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     if config is not None:
         print(format_differences(config) or f"{args.config}: every value matches the closed rules")
+    return EXIT_OK
+
+
+def _plan_memory(args: argparse.Namespace) -> int:
+    """``plan --memory``: per-rank bytes of a model shape at N ranks and T (memory_plan.py)."""
+    import json
+
+    from mlperf_grpo import memory_plan
+
+    if (args.model_shape is None) == (args.model_config is None):
+        raise BadInput(f"plan --memory: give exactly one of --model-shape {{{','.join(memory_plan.MODEL_SHAPES)}}} "
+                       "and --model-config PATH")
+    if args.world_size is None:
+        raise BadInput("plan --memory: give --world-size N (the ranks, one accelerator each)")
+    model = (memory_plan.MODEL_SHAPES[args.model_shape] if args.model_shape
+             else memory_plan.load_model_config(args.model_config))
+    plan = memory_plan.plan_memory(model, args.world_size, args.tensor_parallel_size, args.dtype, args.max_in_flight)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else memory_plan.format_memory_plan(plan))
     return EXIT_OK
 
 
@@ -513,6 +542,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", metavar="N", help="a positive multiple of 16")
     p.add_argument("--config", help="a run config: its GBS, and which of its values differ from closed")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--memory", action="store_true",
+                   help="per-rank memory of a training layout instead (with --model-shape or --model-config and "
+                        "--world-size)")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPE_NAMES), help="--memory: a named model shape")
+    p.add_argument("--model-config", type=Path, metavar="PATH", help="--memory: a model's config.json (or its folder)")
+    p.add_argument("--world-size", type=_positive_int, metavar="N", help="--memory: ranks, one accelerator each")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="T",
+                   help="--memory: inference.tensor_parallel_size, the sharded engine's group (default 1)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--memory: model.dtype (default bfloat16)")
+    p.add_argument("--max-in-flight", type=_positive_int, default=2, metavar="K",
+                   help="--memory: checkpoint.max_in_flight (default 2)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers", description="submission layout of 3 runs, checked by the official checkers")

@@ -38,7 +38,7 @@ import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
-from mlperf_grpo import rules
+from mlperf_grpo import memory_plan, rules
 from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
 from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings
@@ -341,6 +341,8 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
             context or ``grpo.max_sequence_length``).
         ModelLoadError: the model directory, its weights' headers or its tokenizer are
             unusable (see :func:`mlperf_grpo.model.check_model`), or no CUDA device.
+        MemoryPlanError: T does not divide, or the layout's planned bytes exceed the
+            device (:func:`check_planned_memory`).
         RunDirError: the output already holds a run.
     """
     suite = tasks.load_suite(config)
@@ -350,10 +352,36 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     check_prompt_lengths(config, {"training": train_pool, "validation": validation})
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
+    check_planned_memory(config)
     check_engine_available(config)
     if check_output:
         run.check_unused()
     return suite, train_pool
+
+
+def device_memory_bytes() -> int:
+    """Total memory of this process's CUDA device, in bytes."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def check_planned_memory(config: RunConfig) -> None:
+    """Under torchrun, refuse an ``inference.tensor_parallel_size`` that does not divide the
+    world size or the model's heads / experts; on CUDA, refuse a layout whose planned
+    per-rank device bytes (:mod:`mlperf_grpo.memory_plan`, today's replica engine) exceed
+    the device's memory. CPU memory is not checked, nor a model type the planner does not count.
+
+    Raises:
+        MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
+    """
+    model = memory_plan.load_model_config(check_model_path(config.model.path))
+    world_size = distributed.layout().world_size
+    if distributed.launched():
+        memory_plan.check_tensor_parallel(model, world_size, config.inference.tensor_parallel_size)
+    if config.model.device != "cuda" or not memory_plan.counts(model):
+        return
+    plan = memory_plan.plan_memory(model, world_size, 1, config.model.dtype, config.checkpoint.max_in_flight)
+    engine_shards = config.inference.tensor_parallel_size if config.inference.engine == "vllm" else 1
+    memory_plan.check_fits(plan, device_memory_bytes(), engine_shards)
 
 
 @dataclass

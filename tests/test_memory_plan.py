@@ -1,0 +1,154 @@
+"""The memory planner (src/mlperf_grpo/memory_plan.py): its analytic parameter list equals
+the one transformers builds (on the meta device: no memory), and its per-rank bytes are the
+layout's arithmetic."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+from mlperf_grpo import memory_plan
+from mlperf_grpo.memory_plan import MemoryPlanError, model_tensors, plan_memory
+
+MOE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+           linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=24, vocab_size=100)
+CONFIGS = {
+    "llama-tied": LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=4, vocab_size=50, tie_word_embeddings=True),
+    "llama-gqa-bias": LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=70, attention_bias=True, mlp_bias=True),
+    "qwen3": Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=32, vocab_size=90, tie_word_embeddings=False),
+    "qwen3-tied": Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16, vocab_size=40, tie_word_embeddings=True),
+    "qwen3_5_moe": Qwen3_5MoeTextConfig(**MOE),
+    "qwen3_5_moe-interval-2": Qwen3_5MoeTextConfig(**{**MOE, "num_hidden_layers": 5}, full_attention_interval=2),
+}
+
+
+def meta_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied tensors once
+
+
+def planner_config(hf_config) -> dict:
+    """What ``config.json`` holds (``layer_types`` dropped for the MoE: the planner derives
+    them from ``full_attention_interval`` as transformers does)."""
+    data = hf_config.to_dict()
+    if "full_attention_interval" not in data and "layer_types" in data and data["model_type"].startswith("qwen3_5"):
+        data["full_attention_interval"] = next(i + 1 for i, kind in enumerate(data["layer_types"]) if kind == "full_attention")
+        del data["layer_types"]
+    return data
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameter_list_equals_transformers(name):
+    expected = meta_shapes(CONFIGS[name])
+    planned = {t.name: t.shape for t in model_tensors(planner_config(CONFIGS[name]))}
+    assert planned == expected
+    assert sum(t.numel for t in model_tensors(planner_config(CONFIGS[name]))) == sum(
+        torch.Size(s).numel() for s in expected.values())
+
+
+def test_layer_types_are_read_when_given():
+    config = CONFIGS["qwen3_5_moe"].to_dict()  # layer_types listed, as a saved config.json has them
+    assert {t.name: t.shape for t in model_tensors(config)} == meta_shapes(CONFIGS["qwen3_5_moe"])
+
+
+def test_397b_shape_counts_about_397e9():
+    total = sum(t.numel for t in model_tensors(memory_plan.QWEN3_5_397B_A17B))
+    assert abs(total - 397e9) / 397e9 < 0.01, total
+
+
+def test_per_rank_bytes_are_the_layout_arithmetic():
+    # 2 tensors: embeddings (10, 4) split; norm (4,) replicated; tied: no lm_head. Layers 0.
+    config = {"model_type": "llama", "hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 0,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    plan = plan_memory(config, world_size=4, tensor_parallel_size=2, dtype="bfloat16", max_in_flight=3)
+    assert plan.parameters == 44 and plan.weight_bytes == 88
+    shard = 3 * 4 + 1  # ceil(10/4) rows of 4, ceil(4/4) element
+    r, s = plan.replica, plan.sharded
+    assert (r.master_weights_bytes, r.gradient_bytes, r.adam_bytes) == (4 * shard, 4 * shard, 8 * shard)
+    assert (r.engine_bytes, r.staging_bytes, r.eval_read_bytes) == (88, 3 * 88, 2 * 88)
+    engine = 2 * (40 // 2 + 4)  # the embedding split over T = 2, the norm whole
+    assert (s.engine_bytes, s.staging_bytes, s.eval_read_bytes) == (engine, 3 * 2 * shard, 2 * engine)
+    assert r.device_bytes == 16 * shard + 88 and s.device_bytes == 16 * shard + engine
+
+
+def test_kv_heads_are_replicated_past_t():
+    # one layer, 4 heads of 2, 1 KV head, hidden 8: k/v (2, 8) each stay whole for any T
+    config = {"model_type": "llama", "hidden_size": 8, "vocab_size": 4, "num_hidden_layers": 1, "intermediate_size": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 2, "tie_word_embeddings": True}
+    kv = 2 * 2 * 8
+    split = 4 * 8 + 8 * 8 + 8 * 8 + 3 * 4 * 8  # embeddings, q, o, MLP
+    replicated = 3 * 8  # 2 layer norms + final norm
+    assert plan_memory(config, 4, 4, "float32").sharded.engine_bytes == 4 * (split // 4 + kv + replicated)
+
+
+@pytest.mark.parametrize("world, t, named", [(6, 4, "world size 6"), (8, 8, "6 attention heads"),
+                                             (4, 4, "6 attention heads"), (3, 3, "2 KV heads")])
+def test_tensor_parallel_that_does_not_divide_is_refused(world, t, named):
+    config = planner_config(CONFIGS["llama-gqa-bias"])  # 6 heads, 2 KV heads
+    with pytest.raises(MemoryPlanError, match=named) as err:
+        plan_memory(config, world, t)
+    assert f"tensor_parallel_size {t}" in str(err.value)
+
+
+def test_experts_must_divide():
+    config = {**planner_config(CONFIGS["qwen3_5_moe"]), "num_experts": 6, "linear_num_key_heads": 4}
+    with pytest.raises(MemoryPlanError, match="6 MoE experts"):
+        plan_memory(config, 4, 4)
+
+
+def test_unknown_model_type_is_refused():
+    with pytest.raises(MemoryPlanError, match="model_type 'gpt2'"):
+        model_tensors({"model_type": "gpt2"})
+
+
+def test_cli_shape_names_are_the_planners():
+    from mlperf_grpo.cli import MODEL_SHAPE_NAMES
+
+    assert MODEL_SHAPE_NAMES == tuple(memory_plan.MODEL_SHAPES)
+
+
+def test_plan_memory_json_is_the_plan(tmp_path, capsys):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 0,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "4",
+                 "--tensor-parallel-size", "2", "--max-in-flight", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == plan_memory(config, 4, 2, "bfloat16", 3).to_json()
+    assert out["replica"]["device_bytes"] == 16 * 13 + 88  # as in test_per_rank_bytes_are_the_layout_arithmetic
+
+
+def test_plan_memory_bad_t_is_one_line(capsys):
+    from mlperf_grpo.cli import main
+
+    assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                 "--tensor-parallel-size", "32"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("mlperf-grpo: error: inference.tensor_parallel_size 32 does not divide the 16 linear-attention "
+                            "key heads (linear_num_key_heads): set inference.tensor_parallel_size to a common divisor of 16\n")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--memory", "--global-batch-size", "256", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "8"],
+     "drop --global-batch-size"),
+    (["plan", "--global-batch-size", "256", "--world-size", "8"], "--world-size belong to plan --memory: add --memory"),
+    (["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b"], "give --world-size N"),
+])
+def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
+    from mlperf_grpo.cli import main
+
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and needle in captured.err and captured.err.count("\n") == 1
