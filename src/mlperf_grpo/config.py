@@ -18,10 +18,6 @@ from mlperf_grpo import rules
 BUILTIN_MODEL = "builtin:arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
-BUILTIN_CLOSED_MODEL = "builtin:arithmetic-tiny-closed"
-"""The built-in model after 18 open-division GRPO steps: the starting weights of the
-shipped closed configs (made by ``scripts/make_closed_model.py``)."""
-
 
 DEFAULT_LEARNING_RATE = 4e-6
 

@@ -157,15 +157,6 @@ def pass_at_k(rewards_per_task: list[list[float]]) -> float:
     return passed / len(rewards_per_task)
 
 
-def is_contiguous_eval_series(steps: list[int], global_batch_size: int, first_step: int | None = None) -> bool:
-    """True when ``steps`` is ``S0, S0+1, ..., S0+n-1`` (what the closed checker expects).
-
-    ``first_step`` overrides ``S0`` (an open-division ``grpo.first_eval_step``).
-    """
-    s0 = first_eval_step(global_batch_size) if first_step is None else first_step
-    return steps == list(range(s0, s0 + len(steps)))
-
-
 
 # --- Closed-division conformance -------------------------------------------------------
 

@@ -20,9 +20,6 @@ from typing import Any
 from mlperf_grpo.mllog import LogEvent, ParsedLog
 
 EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop")
-TRAINING_KEYS = ("block_start", "block_stop", "tracked_stats")
-"""Events that mark training progress; ``block_stop`` and ``tracked_stats`` carry the
-``samples_count`` trained so far."""
 
 INLINE, DEFERRED, UNKNOWN = "inline", "deferred", "unknown"
 

@@ -34,15 +34,10 @@ from mlperf_grpo.checkpoint.reader import (
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer, CheckpointTiming, write_checkpoint
 
 
-def step_dir(checkpoint_root, step: int):
-    """``<checkpoint_root>/step_N``: where a published checkpoint of ``step`` lives."""
-    return checkpoint_root / f"step_{step}"
-
-
 __all__ = [
     "END_FILE", "HASH_ALGORITHM", "INDEX_FILE", "INFO_FILE", "AsyncCheckpointer", "Checkpoint",
     "CheckpointCorruptError", "CheckpointError", "CheckpointTiming", "CheckpointWriteError", "TrainingEnd",
     "TrainingInfo", "check_model_files", "check_same_tensors", "discover_checkpoints", "discover_series", "published_steps", "read_training_end",
-    "read_training_info", "read_weights", "remove_checkpoints", "sha256_file", "step_dir", "tensor_specs",
+    "read_training_info", "read_weights", "remove_checkpoints", "sha256_file", "tensor_specs",
     "write_checkpoint",
 ]
