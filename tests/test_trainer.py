@@ -22,7 +22,7 @@ def _batch():
     rewards = torch.tensor([[arithmetic.reward(c.text, t) for c in g] for t, g in zip(tasks, comps)])
     mixed = (rewards.min(dim=1).values < rewards.max(dim=1).values).sum()
     assert mixed >= 2, "the batch must hold groups with mixed rewards (non-zero advantages)"
-    return build_batch(comps, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id)
+    return build_batch(comps, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id, engine.eos_token_ids)
 
 
 def _step(policy, batch, micro):
@@ -66,7 +66,7 @@ def test_micro_batches_are_padded_to_their_own_longest_row():
     # 4 rows, micro-batches of 2: lengths 3+2, 3+1 | 2+40, 3+3; the global width is 42.
     groups = [[comp(3, 2), comp(3, 1)], [comp(2, 40), comp(3, 3)]]
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    batch = build_batch(groups, rewards, group_advantages(rewards), pad_token_id=0)
+    batch = build_batch(groups, rewards, group_advantages(rewards), pad_token_id=0, eos_token_ids=[2])
     assert batch.input_ids.shape == (4, 42)
     assert batch.micro_batch_spans(2) == [(slice(0, 2), 5), (slice(2, 4), 42)]
     assert batch.micro_batch_spans(3) == [(slice(0, 3), 42), (slice(3, 6), 6)]

@@ -359,6 +359,18 @@ def _generation_config(directory: Path) -> GenerationConfig | None:
         return None
 
 
+def load_generation_config(path: str) -> GenerationConfig:
+    """The generation config the model at ``path`` generates with, as ``from_pretrained``
+    gives it: ``generation_config.json``, else one built from ``config.json`` (for
+    engines that do not load the model through ``transformers``: vLLM).
+
+    Raises:
+        ModelLoadError: not a local model directory, or ``config.json`` does not build.
+    """
+    directory = check_model_path(path)
+    return _generation_config(directory) or GenerationConfig.from_model_config(_config(directory))
+
+
 def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
     """Give a :func:`model_skeleton` (sharded or not) storage on ``device``, in place.
 

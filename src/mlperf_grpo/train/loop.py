@@ -413,7 +413,7 @@ def _train(
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
             advantages = group_advantages(rewards)  # [P/N, G]: a group never spans ranks
-            batch = build_batch(completions, rewards, advantages, pad_id)
+            batch = build_batch(completions, rewards, advantages, pad_id, engine.eos_token_ids)
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
@@ -424,10 +424,8 @@ def _train(
             distributed.barrier()  # every rank's optimizer.step() has returned
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
             policy_training_s = time.perf_counter() - train_start_s
-            if here.distributed:  # for the next rollouts
-                weight_sync_s = producer.refit_with(lambda e: distributed.refit_engine(e.model, policy), weights_version=step)
-            else:
-                weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)
+            # for the next rollouts; a sharded policy's parameters are gathered one at a time
+            weight_sync_s = producer.refit(distributed.policy_weights(policy), weights_version=step)
             rewards = distributed.all_gather_rows(rewards)  # [P, G] the step's, for its stats
             block_stop_ms = now_ms()
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
@@ -506,9 +504,10 @@ def _stop_request(run: RunDir | None) -> dict | None:
 
 
 def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The rollout-dtype weights a checkpoint stores: the HF engine's own tensors (refit
-    already, so nothing is cast on the clock), else the policy's cast to ``dtype``."""
-    model = getattr(engine, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return model.state_dict()
+    """The rollout-dtype weights a checkpoint stores: the engine's own tensors where it
+    hands them out (the HF engine's, refit already, so nothing is cast on the clock;
+    under torchrun the only full copy), else the (unsharded) policy's cast to ``dtype``."""
+    held = engine.weights()
+    if held is not None:
+        return held
     return {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, derive_seed
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, completion_length, derive_seed
 from mlperf_grpo.tasks import Task
 
 
@@ -110,23 +110,30 @@ def generate_rollouts(
 
 
 def build_batch(
-    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int
+    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int,
+    eos_token_ids: list[int],
 ) -> RolloutBatch:
-    """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages."""
+    """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages.
+
+    A completion ends at the first of any of ``eos_token_ids`` (the engine's: the
+    tokenizer's and the generation config's), that token included: anything an engine
+    returned after it is neither trained on nor attended to.
+    """
     flat = [c for group in completions for c in group]
-    width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in flat)
+    lengths = [completion_length(c.token_ids, eos_token_ids) for c in flat]  # [B]
+    width = max(len(c.prompt_token_ids) + t for c, t in zip(flat, lengths))
     b = len(flat)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((b, width), dtype=torch.long)
     completion_mask = torch.zeros((b, width - 1), dtype=torch.float32)
     rollout_logprobs = torch.zeros((b, width - 1), dtype=torch.float32)
-    for i, c in enumerate(flat):
-        p, t = len(c.prompt_token_ids), len(c.token_ids)
-        input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids)
+    for i, (c, t) in enumerate(zip(flat, lengths)):
+        p = len(c.prompt_token_ids)
+        input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids[:t])
         attention_mask[i, : p + t] = 1
         # Token at sequence position p+j is predicted at position p+j-1 of the shifted view.
         completion_mask[i, p - 1: p - 1 + t] = 1
-        rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs)
+        rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs[:t])
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
