@@ -130,33 +130,15 @@ def _status_bytes(field: str) -> int:
 
 def run_engine(engine: HFEngine, prompts: list[list[int]], new_tokens: int, eos: list[int]) -> list[list[int]]:
     """Our engine; returns each row's generated token ids."""
-    engine.eos_token_id = eos[0] if eos else None
-    if engine._decoder is not None:  # stop on any id of ``eos`` (the mixed case)
-        seeds = list(range(len(prompts)))
-        rows = engine._decoder.generate(prompts, seeds, 1.0, 1.0, new_tokens, eos)
-        return [ids for ids, _ in rows]
     return [ids for ids, _ in _engine_generate(engine, prompts, new_tokens, eos)]
 
 
 def _engine_generate(engine: HFEngine, prompts: list[list[int]], new_tokens: int,
                      eos: list[int]) -> list[tuple[list[int], list[float]]]:
-    """``HFEngine.generate_ids`` through ``generate``, stopping on any id of ``eos``
-    (the engine takes one EOS id, ``generate`` a list); ``(token_ids, logprobs)`` per row."""
-    original = engine.model.generate
-
-    def generate_any_eos(**kwargs):
-        return original(**{**kwargs, "eos_token_id": eos or None})
-
-    engine.model.generate = generate_any_eos
-    try:
-        completions = engine.generate_ids(prompts, SamplingParams(1.0, 1.0, new_tokens), list(range(len(prompts))))
-    finally:
-        del engine.model.generate
-    rows = []
-    for c in completions:  # cut at the first id of eos, as generate stopped that row
-        end = next((i + 1 for i, t in enumerate(c.token_ids) if t in set(eos)), len(c.token_ids))
-        rows.append((c.token_ids[:end], c.logprobs[:end]))
-    return rows
+    """``HFEngine.generate_ids`` stopping on any id of ``eos``; ``(token_ids, logprobs)`` per row."""
+    engine.eos_token_ids = list(eos)
+    completions = engine.generate_ids(prompts, SamplingParams(1.0, 1.0, new_tokens), list(range(len(prompts))))
+    return [(c.token_ids, c.logprobs) for c in completions]
 
 
 def run_plain(model: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, eos: list[int]) -> list[list[int]]:
@@ -201,10 +183,7 @@ def max_logprob_error(model: Qwen3ForCausalLM, engine: HFEngine, prompts: list[l
     ``LOGPROB_ROWS`` rows (temperature 1: ``log_softmax`` of the logits, as the trainer
     recomputes them)."""
     rows = prompts[:LOGPROB_ROWS]
-    if engine._decoder is not None:
-        got = engine._decoder.generate(rows, list(range(len(rows))), 1.0, 1.0, new_tokens, eos)
-    else:
-        got = _engine_generate(engine, rows, new_tokens, eos)
+    got = _engine_generate(engine, rows, new_tokens, eos)
     worst = 0.0
     with torch.no_grad():
         for prompt, (ids, logprobs) in zip(rows, got):

@@ -61,6 +61,21 @@ def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
     distributed.check_layout(config, world_size=1)  # one rank: anything goes
 
 
+def test_a_process_group_that_torchrun_did_not_start_is_not_a_distributed_job(tmp_path, monkeypatch):
+    """vLLM initialises ``torch.distributed`` (world size 1) inside a single process: the
+    trainer must still run as one process (unsharded policy, local collectives), and
+    decide "distributed" from torchrun's environment alone."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert not distributed.in_process_group() and not distributed.layout().distributed
+        assert distributed.all_reduce_sum([1.5]) == [1.5] and distributed.broadcast_object("x") == "x"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # the same group in a torchrun rank
+        assert distributed.in_process_group() and distributed.layout().distributed
+    finally:
+        dist.destroy_process_group()
+
+
 def test_single_process_features_are_refused_with_several_ranks():
     with pytest.raises(distributed.LayoutError, match="inline"):
         distributed.check_layout(RunConfig(), world_size=2, deferred=False)
@@ -121,7 +136,9 @@ def _joined(rank: int, world: int, init_file: str):
     After success the rank ends with ``os._exit(0)``, skipping interpreter finalization,
     where a gloo worker still releasing a tensor aborts the process
     (pytorch/pytorch#190489): these tests check the step's values, and the CLI's own exit
-    is checked by the torchrun tests below."""
+    is checked by the torchrun tests below. The rank's environment says torchrun
+    started it (``TORCHELASTIC_RUN_ID``), as the trainer requires of a distributed job."""
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"  # a spawned process's own environment
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         yield
@@ -152,7 +169,7 @@ def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out:
         result = optimize_step(policy, opt, share, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9,
                                reshard_every_micro_batch=reshard)
         engine = HFEngine(MODEL, "float32")
-        distributed.refit_engine(engine.model, policy)  # one parameter at a time
+        engine.load_weights(distributed.policy_weights(policy))  # one parameter at a time
         if rank == 0:
             torch.save({"engine": engine.model.state_dict(), "loss": result.loss, "grad_norm": result.grad_norm,
                         "tokens": result.num_valid_tokens}, out)

@@ -23,7 +23,7 @@ def _batch():
     rewards = torch.tensor([[arithmetic.reward(c.text, t) for c in g] for t, g in zip(tasks, comps)])
     mixed = (rewards.min(dim=1).values < rewards.max(dim=1).values).sum()
     assert mixed >= 2, "the batch must hold groups with mixed rewards (non-zero advantages)"
-    return build_batch(comps, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id)
+    return build_batch(comps, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id, engine.eos_token_ids)
 
 
 def _step(policy, batch, micro):
@@ -67,7 +67,7 @@ def test_micro_batches_are_padded_to_their_own_longest_row():
     # 4 rows, micro-batches of 2: lengths 3+2, 3+1 | 2+40, 3+3; the global width is 42.
     groups = [[comp(3, 2), comp(3, 1)], [comp(2, 40), comp(3, 3)]]
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    batch = build_batch(groups, rewards, group_advantages(rewards), pad_token_id=0)
+    batch = build_batch(groups, rewards, group_advantages(rewards), pad_token_id=0, eos_token_ids=[2])
     assert batch.input_ids.shape == (4, 42)
     assert batch.micro_batch_spans(2) == [(slice(0, 2), 5), (slice(2, 4), 42)]
     assert batch.micro_batch_spans(3) == [(slice(0, 3), 42), (slice(3, 6), 6)]
@@ -229,7 +229,7 @@ def test_one_closed_step_matches_the_recipe_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
     truncated = [[False, False, False, True], [False] * 4, [False, True, True, False]]
     groups = [[Completion(prompt, t, [0.0] * len(t), "") for t in row] for row in tokens]
-    batch = training_batch(groups, rewards, g, pad, eos)
+    batch = training_batch(groups, rewards, g, pad, [eos])
 
     policy = load_model(MODEL, "float32")
     with torch.no_grad():  # the policy's own log-probs of the completion tokens, one full-batch pass
@@ -298,9 +298,9 @@ def test_truncated_completions_are_those_without_eos():
     from mlperf_grpo.train.rollout import truncated_completions
 
     groups = [[Completion([1], ids, [0.0] * len(ids), "") for ids in row] for row in ([[4, 2], [4, 4, 4]], [[2], [2, 4]])]
-    assert truncated_completions(groups, eos_token_id=2).tolist() == [[False, True], [False, True]]
-    assert truncated_completions(groups, eos_token_id=None).tolist() == [[True, True], [True, True]]  # no EOS: all
-    batch = build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, sample_mask=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    assert truncated_completions(groups, eos_token_ids=[2]).tolist() == [[False, True], [False, True]]
+    assert truncated_completions(groups, eos_token_ids=[]).tolist() == [[True, True], [True, True]]  # no EOS: all
+    batch = build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2], sample_mask=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
     assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
-    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0).num_tokens == 2 + 3 + 1 + 2
+    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2]).num_tokens == 2 + 3 + 1 + 2

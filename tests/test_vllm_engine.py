@@ -106,6 +106,44 @@ def test_eos_ends_a_completion_and_max_new_tokens_bounds_it(engine):
             assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
 
 
+def test_secondary_eos_ids_end_completions_and_a_chat_prompt_gets_one_bos(engine, tmp_path):
+    """As the ``hf`` engine (tests/test_engine_tokens.py): with ``generation_config.json``
+    listing ``[2, 4]`` each completion is the one the engine samples without the second
+    id (same seeds, same prefix), cut just after its first 4 (vLLM ``stop_token_ids``);
+    a ``task: jsonl`` prompt rendered by a chat template that writes ``{{ bos_token }}``
+    is fed with one BOS. One engine over a model with both, in a fresh process (one
+    vLLM engine per process at a time)."""
+    from test_engine_tokens import SECOND_EOS, bos_chat_config, cut_at, expected_chat_ids
+
+    from mlperf_grpo.tasks import load_suite
+
+    params = SamplingParams(1.0, 1.0, 6)
+    plain = engine.generate(PROMPTS, params, SEEDS)
+    assert any(SECOND_EOS in c.token_ids[:-1] for c in plain)  # the case is exercised
+    config = bos_chat_config(tmp_path)
+    generation = Path(config.model.path) / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [2, SECOND_EOS]}))
+    (task,) = load_suite(config).validation_tasks(1)
+    script = (
+        "import json; from dataclasses import asdict; from tests.test_vllm_engine import *\n"
+        "if __name__ == '__main__':\n"
+        f"    e = vllm_engine({config.model.path!r})\n"
+        "    out = e.generate(PROMPTS, SamplingParams(1.0, 1.0, 6), SEEDS)\n"
+        f"    chat = e.generate([{task.prompt!r}], SamplingParams(1.0, 1.0, 4), [1])[0]\n"
+        "    print('RESULT=' + json.dumps({'eos': e.eos_token_ids, 'completions': [asdict(c) for c in out],\n"
+        "                                 'chat_prompt': chat.prompt_token_ids}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.split("RESULT=")[1])
+    assert got["eos"] == [engine.tokenizer.eos_token_id, SECOND_EOS]
+    for before, after in zip(plain, got["completions"]):
+        n = cut_at(before.token_ids, SECOND_EOS)
+        assert after["token_ids"] == before.token_ids[:n]
+        assert after["logprobs"] == before.logprobs[:n]
+    assert got["chat_prompt"] == expected_chat_ids("56+78=")  # [1, 8, 9, ...], not [1, 1, 8, ...]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_the_losss_recomputation_at_top_p_1(engine, temperature):
     """The GRPO ratio at unchanged weights is 1: vLLM's logprobs == token_logprobs of the

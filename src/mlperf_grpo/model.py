@@ -314,9 +314,22 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
     """The token ids (unpadded, one list per prompt) every engine feeds the model for
-    these prompt texts (a ``messages`` task's prompt is its rendered chat template), and
-    what :func:`mlperf_grpo.tasks.lengths.check_prompt_lengths` measures."""
-    return tokenizer(prompts)["input_ids"]
+    these prompt texts, and what :func:`mlperf_grpo.tasks.lengths.check_prompt_lengths`
+    measures: each text tokenized with the tokenizer's special tokens (BOS) added, unless
+    the text already begins with them, as a prompt rendered by a chat template that writes
+    ``{{ bos_token }}`` does (a ``messages`` task's prompt); then without, so it starts
+    with one BOS, not two (the fix TRL and vLLM's chat path apply: the rendered template is
+    tokenized with ``add_special_tokens=False``).
+    """
+    with_special = tokenizer(prompts)["input_ids"]
+    plain = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    out = []
+    for ids, text_ids in zip(with_special, plain):
+        # where the text's own ids sit among the added special tokens: after the prefix
+        at = next((k for k in range(len(ids) - len(text_ids) + 1) if ids[k:k + len(text_ids)] == text_ids), 0)
+        prefix = ids[:at]
+        out.append(text_ids if prefix and text_ids[:len(prefix)] == prefix else ids)
+    return out
 
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
@@ -470,6 +483,18 @@ def _generation_config(directory: Path) -> GenerationConfig | None:
         return GenerationConfig.from_pretrained(directory, local_files_only=True)
     except OSError:
         return None
+
+
+def load_generation_config(path: str) -> GenerationConfig:
+    """The generation config the model at ``path`` generates with, as ``from_pretrained``
+    gives it: ``generation_config.json``, else one built from ``config.json`` (for
+    engines that do not load the model through ``transformers``: vLLM).
+
+    Raises:
+        ModelLoadError: not a local model directory, or ``config.json`` does not build.
+    """
+    directory = check_model_path(path)
+    return _generation_config(directory) or GenerationConfig.from_model_config(_config(directory))
 
 
 def materialize(model: torch.nn.Module, device: str | torch.device) -> None:

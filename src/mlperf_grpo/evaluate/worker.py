@@ -181,7 +181,7 @@ def _claim(queue: WorkQueue, plan: EvalPlan, checkpoints: dict[int, Checkpoint],
 
 
 def _engine_on_cuda(engine: InferenceEngine) -> bool:
-    return str(getattr(engine, "device", "cpu")).startswith("cuda")
+    return engine.device.type == "cuda"
 
 
 def _pins_host_buffers(config: RunConfig) -> bool:

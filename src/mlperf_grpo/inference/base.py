@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -41,18 +42,44 @@ class Completion:
     text: str
 
 
+Weights = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+"""What a refit takes: a state dict, or ``(name, tensor)`` pairs produced one at a time
+(a sharded policy's parameters, each gathered only when its turn comes:
+:func:`~mlperf_grpo.train.distributed.policy_weights`). Names as in the policy's
+``state_dict``; any dtype and device."""
+
+
+def weight_pairs(weights: Weights) -> Iterable[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of :data:`Weights`, in their order (a state dict's items)."""
+    return weights.items() if isinstance(weights, Mapping) else weights
+
+
 class InferenceEngine(Protocol):
     """A generation engine kept alive across refits.
 
     ``tokenizer`` is the model's Hugging Face tokenizer (``pad_token_id`` builds the
-    training batch); ``dtype`` is the dtype the engine holds the weights in.
+    training batch); ``dtype`` is the dtype the engine holds the weights in; ``device``
+    where it computes; ``eos_token_ids`` every id that ends a completion
+    (:func:`eos_token_ids`).
     """
 
     tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: list[int]
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Refit: copy these weights (names as in the policy's ``state_dict``) in place."""
+    def load_weights(self, weights: Weights) -> None:
+        """Refit: copy these weights in place; the one refit entry for weights in memory
+        (the trainer's policy, sharded or not, and the evaluator's verified reads).
+
+        Raises:
+            ValueError: a weight is missing, unknown to the engine, or of another shape.
+        """
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The engine's own weights by policy name, in its dtype on its device, without a
+        copy (what a checkpoint stores after a refit), or None where the engine cannot
+        hand them out (vLLM repacks them into kernel formats)."""
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from the ``*.safetensors`` files of a ``step_N/`` directory."""
@@ -127,6 +154,34 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
     if refit_only:
         return HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
     return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_config: object | None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's ``eos_token_id`` first, then each
+    id of the generation config's ``eos_token_id`` (an int or a list: Qwen3 lists
+    ``<|im_end|>`` and ``<|endoftext|>``), without repeats. What ``transformers``'
+    ``generate`` stops at (it takes the generation config's list; the tokenizer's EOS is
+    added here because completions are cut at it). Empty when neither names one.
+
+    Args:
+        tokenizer: the model's tokenizer, or None.
+        generation_config: a ``transformers.GenerationConfig`` (or anything with an
+            ``eos_token_id`` attribute), or None.
+    """
+    ids: list[int] = []
+    for source in (tokenizer, generation_config):
+        value = getattr(source, "eos_token_id", None)
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def completion_length(token_ids: list[int], eos_ids: list[int]) -> int:
+    """How many of ``token_ids`` belong to the completion: up to and including the first
+    id in ``eos_ids``, else all of them (cut by ``max_new_tokens``)."""
+    ends = set(eos_ids)
+    return next((i + 1 for i, t in enumerate(token_ids) if t in ends), len(token_ids))
 
 
 def derive_seed(*parts: object) -> int:

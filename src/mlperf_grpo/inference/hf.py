@@ -17,6 +17,7 @@ device keeps ``generate`` (the CPU calibration's path).
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
-from mlperf_grpo.inference.base import Completion, SamplingParams
+from mlperf_grpo.inference.base import Completion, SamplingParams, Weights, completion_length, eos_token_ids, weight_pairs
 from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_slot_decoding
 from mlperf_grpo.model import build_model_for_refit, encode_prompts, load_model, load_tokenizer
 
@@ -158,8 +159,10 @@ class HFEngine:
         """An engine around ``model`` as it is (its dtype and device; put in eval mode).
 
         Without a tokenizer only :meth:`generate_ids` works and completions have empty
-        ``text``; pad and EOS ids then come from ``model.generation_config`` (pad falls
-        back to 0; no EOS means every row runs to ``max_new_tokens``).
+        ``text``; the pad id then comes from ``model.generation_config`` (falling back to
+        0). EOS ids: those of the tokenizer and of ``model.generation_config``
+        (:func:`~mlperf_grpo.inference.base.eos_token_ids`); none means every row runs to
+        ``max_new_tokens``.
         """
         engine = cls.__new__(cls)
         engine._init(model.eval(), tokenizer, batch_size, model_path, decode)
@@ -173,10 +176,11 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.model_path = model_path
+        self.eos_token_ids: list[int] = eos_token_ids(tokenizer, model.generation_config)
         source = tokenizer if tokenizer is not None else model.generation_config
-        self.eos_token_id: int | None = _single_id(source.eos_token_id)
         pad = _single_id(source.pad_token_id)
-        self.pad_token_id: int = pad if pad is not None else (self.eos_token_id if tokenizer is not None else 0)
+        self.pad_token_id: int = pad if pad is not None else (
+            self.eos_token_ids[0] if tokenizer is not None and self.eos_token_ids else 0)
         self._decoder = self._slot_decoder(decode)
 
     def _slot_decoder(self, decode: str) -> SlotDecoder | None:
@@ -195,30 +199,48 @@ class HFEngine:
             return None
         return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Weights) -> None:
         """Refit in place: each given tensor is copied into the engine's own (any source
         device; from pinned host memory the copies are asynchronous DMAs, waited for once
         at the end, so the caller may reuse the source memory when this returns). Every
         parameter must be given, except names tied to a given one (e.g. ``lm_head.weight``
-        tied to the embeddings), which follow it.
+        tied to the embeddings), which follow it. A state dict is checked before anything
+        is copied; ``(name, tensor)`` pairs (a sharded policy's, gathered one at a time)
+        as they come, and the missing names at the end.
 
         Raises:
             ValueError: a weight is missing, unknown to the model, or of another shape.
         """
         own = self.model.state_dict()
-        missing = set(own) - set(state_dict) - self._tied_names(state_dict)
-        unexpected = set(state_dict) - set(own)
-        wrong = sorted(n for n in set(state_dict) & set(own) if state_dict[n].shape != own[n].shape)
+        if isinstance(weights, Mapping):
+            self._check_weights(own, {n: t.shape for n, t in weights.items()}, complete=True)
+        given: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weight_pairs(weights):
+                target = own.get(name)
+                if target is None or target.shape != tensor.shape:
+                    self._check_weights(own, {name: tensor.shape}, complete=False)  # raises, naming it
+                target.copy_(tensor, non_blocking=True)
+                given.add(name)
+        self._check_weights(own, {n: own[n].shape for n in given}, complete=True)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _check_weights(self, own: dict[str, torch.Tensor], shapes: dict[str, torch.Size], complete: bool) -> None:
+        """Raise ValueError unless every name in ``shapes`` is the engine's with that shape
+        and, when ``complete``, every weight not tied to one of them is among them."""
+        missing = set(own) - set(shapes) - self._tied_names(shapes) if complete else set()
+        unexpected = set(shapes) - set(own)
+        wrong = sorted(n for n in set(shapes) & set(own) if tuple(shapes[n]) != tuple(own[n].shape))
         if missing or unexpected or wrong:
             raise ValueError(
                 f"weights do not match the engine's model: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}, other shape {wrong[:5]}"
             )
-        with torch.no_grad():
-            for name, tensor in state_dict.items():
-                own[name].copy_(tensor, non_blocking=True)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's own weights (its model's ``state_dict``: no copy)."""
+        return self.model.state_dict()
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from every ``*.safetensors`` file of ``directory`` (a ``step_N/``).
@@ -277,7 +299,7 @@ class HFEngine:
         """The engine model's logits on the fixed canary input (see fingerprint.py)."""
         return canary_logits(self.model, self.model.config.vocab_size)
 
-    def _tied_names(self, given: dict[str, torch.Tensor]) -> set[str]:
+    def _tied_names(self, given: dict[str, object]) -> set[str]:
         """Names in the model that share storage with a name in ``given``."""
         own = self.model.state_dict()
         given_ptrs = {own[n].data_ptr() for n in given if n in own}
@@ -308,9 +330,8 @@ class HFEngine:
         if len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(seeds)} seeds")
         if self._decoder is not None:
-            eos_token_ids = [self.eos_token_id] if self.eos_token_id is not None else []
             rows = self._decoder.generate(prompt_token_ids, seeds, params.temperature, params.top_p,
-                                          params.max_new_tokens, eos_token_ids)
+                                          params.max_new_tokens, self.eos_token_ids)
             return [self._completion(p, ids, logprobs) for p, (ids, logprobs) in zip(prompt_token_ids, rows)]
         out: list[Completion] = []
         for start in range(0, len(prompt_token_ids), self.batch_size):
@@ -331,14 +352,13 @@ class HFEngine:
                 logits_processor=LogitsProcessorList([sampler]),
                 max_new_tokens=params.max_new_tokens,
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
-            )  # [B, P + T]; stops once every row has produced EOS
+                eos_token_id=self.eos_token_ids or None,
+            )  # [B, P + T]; stops once every row has produced one of the EOS ids
         generated = sequences[:, width:].cpu()  # [B, T]
         token_logprobs = sampler.token_logprobs()[:, : generated.shape[1]].cpu()  # [B, T]
         completions = []
         for prompt, ids, logprobs in zip(prompts, generated.tolist(), token_logprobs.tolist()):
-            if self.eos_token_id in ids:
-                ids = ids[: ids.index(self.eos_token_id) + 1]
+            ids = ids[: completion_length(ids, self.eos_token_ids)]  # rows that ended are padded after
             completions.append(self._completion(prompt, ids, logprobs[: len(ids)]))
         return completions
 

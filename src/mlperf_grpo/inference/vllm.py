@@ -3,11 +3,13 @@
 Same contract as :class:`~mlperf_grpo.inference.hf.HFEngine`:
 
 - one completion per prompt, in prompt order; prompts are tokenized with the model's
-  Hugging Face tokenizer (as the HF engine does) and passed as token ids;
+  Hugging Face tokenizer as the HF engine does
+  (:func:`~mlperf_grpo.inference.base.prompt_token_ids`) and passed as token ids;
 - a per-request seed (vLLM ``SamplingParams.seed``: each request draws from its own
   ``torch.Generator``), so a completion's random draws do not depend on its batch;
-- generation stops at the tokenizer's EOS (kept as the last token) or after
-  ``max_new_tokens``; ``text`` is decoded by the HF tokenizer without special tokens;
+- generation stops at any EOS id of the tokenizer and the generation config (kept as
+  the last token; ``SamplingParams.stop_token_ids``) or after ``max_new_tokens``;
+  ``text`` is decoded by the HF tokenizer without special tokens;
 - ``logprobs[i]``: the engine runs with ``logprobs_mode="processed_logprobs"``, so vLLM
   returns ``log_softmax(logits / temperature)`` AFTER top-p truncation and
   renormalization (vLLM ``Sampler``: temperature, then top-k/top-p, then ``log_softmax``).
@@ -53,10 +55,15 @@ from transformers import AutoConfig
 
 from mlperf_grpo.config import InferenceConfig
 from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
-from mlperf_grpo.inference.base import Completion, SamplingParams
+from mlperf_grpo.inference.base import (
+    Completion, SamplingParams, Weights, eos_token_ids, weight_pairs,
+)
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import DTYPES, ModelLoadError, check_device, check_model_path, check_weights, encode_prompts, load_tokenizer
+from mlperf_grpo.model import (
+    DTYPES, ModelLoadError, check_device, check_model_path, check_weights, encode_prompts, load_generation_config,
+    load_tokenizer,
+)
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -134,8 +141,10 @@ class VLLMEngine:
         directory = check_model_path(model_path)
         check_weights(directory)  # vLLM loads them: a bad file is one line here, not a traceback from its engine core
         self.tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, load_generation_config(model_path))
         self.model_path = model_path
         self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
         self.options = options
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
@@ -164,12 +173,16 @@ class VLLMEngine:
         if self.head_padding is not None:
             self.load_checkpoint(directory)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Refit in place from Hugging Face-named tensors (the policy's ``state_dict``),
-        sent to every worker; then reset the prefix cache."""
-        weights = [(name, t.detach().to("cpu", self.dtype)) for name, t in state_dict.items()]
-        self.llm.collective_rpc("refit_from_state_dict", args=(weights, self.head_padding))
+    def load_weights(self, weights: Weights) -> None:
+        """Refit in place from Hugging Face-named tensors (the policy's), cast to the
+        engine's dtype on the host and sent to every worker; then reset the prefix cache."""
+        host = [(name, t.detach().to("cpu", self.dtype)) for name, t in weight_pairs(weights)]
+        self.llm.collective_rpc("refit_from_state_dict", args=(host, self.head_padding))
         self._reset_prefix_cache()
+
+    def weights(self) -> None:
+        """None: vLLM's kernels hold repacked weights, not the policy's tensors."""
+        return None
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from a ``step_N/`` directory: each worker reads its
@@ -204,7 +217,7 @@ class VLLMEngine:
                 max_tokens=params.max_new_tokens,
                 seed=seed,
                 logprobs=0,  # the sampled token's only
-                stop_token_ids=[tok.eos_token_id],
+                stop_token_ids=list(self.eos_token_ids),
                 detokenize=False,
             )
             for seed in seeds

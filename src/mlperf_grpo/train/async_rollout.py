@@ -22,13 +22,12 @@ caller's thread, so a run is reproducible whatever the timing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, Weights
 from mlperf_grpo.tasks import Task
 from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
 
@@ -137,23 +136,21 @@ class RolloutProducer:
             self._pending = (nxt, self._pool.submit(self._generate_on_side_stream, nxt, self._draw(), self._weights_version))
         return rollouts
 
-    def refit(self, state_dict: dict, weights_version: int) -> float:
-        """Load the trainer's weights (after optimizer step ``weights_version``) into the engine.
+    def refit(self, weights: Weights, weights_version: int) -> float:
+        """Load the trainer's weights (after optimizer step ``weights_version``) into the
+        engine through its one refit entry (``load_weights``); ``weights`` may be a
+        sharded policy's parameters gathered one at a time
+        (:func:`~mlperf_grpo.train.distributed.policy_weights`).
 
         Waits for any generation in flight first (the reference's
         ``in_flight_weight_updates: false``), so it is not counted in the returned time.
         Returns:
             Seconds spent loading the weights (the weight-sync time).
         """
-        return self.refit_with(lambda engine: engine.load_weights(state_dict), weights_version)
-
-    def refit_with(self, load: Callable[[InferenceEngine], None], weights_version: int) -> float:
-        """:meth:`refit` through ``load(engine)``, e.g. a sharded policy's parameters
-        copied in one at a time (``train/distributed.py``). Returns the seconds ``load`` took."""
         if self._pending is not None:
             self._pending[1].result()
         start = time.perf_counter()
-        load(self._engine)
+        self._engine.load_weights(weights)
         self._weights_version = weights_version
         return time.perf_counter() - start
 

@@ -3,7 +3,9 @@
 Launched by ``torchrun`` (``torch.distributed.is_torchelastic_launched()``), every rank
 runs the same trainer; without it the process is rank 0 of a world of 1 and nothing here
 communicates (every helper is then the identity), so single-process runs behave as
-before. The decisions, in one place:
+before. "Distributed" is decided from torchrun's environment (:func:`in_process_group`),
+never from ``torch.distributed.is_initialized()`` alone: the vLLM engine initialises a
+process group of its own inside a single process. The decisions, in one place:
 
 - **process group**: :func:`process_group` (gloo for CPU tensors, NCCL for CUDA tensors
   when CUDA is present; each rank on the CUDA device ``LOCAL_RANK``).
@@ -19,8 +21,9 @@ before. The decisions, in one place:
   files. No rank ever holds the whole fp32 model, on the host or on a device.
 - **engine**: :func:`engine_from_policy` gives each rank a full rollout-dtype copy on
   its device, filled by a refit from the sharded policy (the files are read once).
-- **refit**: :func:`refit_engine` copies the sharded policy into a rank's engine one
-  parameter at a time (``DTensor.full_tensor()``), never the whole model gathered.
+- **refit**: :func:`policy_weights` hands the policy to the engine's one refit entry
+  (``engine.load_weights``) one parameter at a time (``DTensor.full_tensor()``), never
+  the whole model gathered; the same call refits from an unsharded policy.
 - **who writes**: rank 0 alone writes the run directory, the MLPerf log and the deferred
   checkpoints (from its engine, which holds the full rollout-dtype weights after the
   refit); :func:`is_writer`.
@@ -68,7 +71,7 @@ class Layout:
     @property
     def distributed(self) -> bool:
         """True under ``torchrun`` (even with one rank): the policy is FSDP-sharded."""
-        return dist.is_available() and dist.is_initialized()
+        return in_process_group()
 
 
 def launched() -> bool:
@@ -76,9 +79,17 @@ def launched() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
 
 
+def in_process_group() -> bool:
+    """True when this process is a torchrun rank that has joined its process group
+    (:func:`process_group`): the one test of "distributed" every helper here uses. A
+    group that something else initialised in a process torchrun did not start (vLLM's,
+    of world size 1) does not count."""
+    return launched() and dist.is_initialized()
+
+
 def layout() -> Layout:
-    """This process's :class:`Layout` (rank 0 of 1 without a process group)."""
-    if dist.is_available() and dist.is_initialized():
+    """This process's :class:`Layout` (rank 0 of 1 outside a torchrun process group)."""
+    if in_process_group():
         return Layout(dist.get_rank(), dist.get_world_size())
     return Layout()
 
@@ -343,7 +354,7 @@ def _expert_views(directory: Path, name: str, tensor: torch.Tensor, parts: Exper
 def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
     """This rank's rollout engine (``inference.engine: hf``): a full copy of the model in
     ``model.dtype`` on ``model.device``, built empty there
-    (:func:`~mlperf_grpo.model.materialize`) and filled by :func:`refit_engine` from the
+    (:func:`~mlperf_grpo.model.materialize`) and filled by a refit (:func:`policy_weights`) from the
     sharded policy (every rank must call this), so the weight files are not read again
     and no host copy is made. The weights equal ``load_model(path, model.dtype)``'s:
     a cast of the same values to the same dtype.
@@ -355,8 +366,9 @@ def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
     """
     model = model_skeleton(config.model.path, config.model.dtype)
     materialize(model, config.model.device)
-    refit_engine(model, policy)
-    return HFEngine.from_model(model, load_tokenizer(config.model.path), model_path=config.model.path)
+    engine = HFEngine.from_model(model, load_tokenizer(config.model.path), model_path=config.model.path)
+    engine.load_weights(policy_weights(policy))
+    return engine
 
 
 def _plain_name(name: str) -> str:
@@ -364,38 +376,25 @@ def _plain_name(name: str) -> str:
     return name.replace("._checkpoint_wrapped_module", "")
 
 
-def refit_engine(engine_model: torch.nn.Module, policy: torch.nn.Module) -> None:
-    """Copy the policy's weights into an engine's model in place, one parameter at a time.
-
-    Each sharded parameter is all-gathered alone (``full_tensor()``: every rank must call
-    this, in the same order) and cast into the engine's tensor of the same name, so at
-    most one full parameter exists besides the engine's copy. Names tied in the engine
-    (``lm_head.weight`` to the embeddings) are written once per name, harmlessly.
-
-    Raises:
-        ValueError: the policy has a weight the engine lacks, or the engine one the policy lacks.
+def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights for a refit (``engine.load_weights``), one ``(name, tensor)``
+    at a time, under the names of the saved model (activation checkpointing's wrapper
+    removed). A sharded parameter is all-gathered only when its turn comes
+    (``full_tensor()``: every rank must consume this, in the same order), so at most
+    one full parameter exists besides the engine's copy; an unsharded policy's tensors
+    are given as they are. Detached (a refit copies values only).
     """
     from torch.distributed.tensor import DTensor
 
-    own = engine_model.state_dict()
-    given = set()
-    with torch.no_grad():
-        for name, tensor in policy.state_dict().items():
-            name = _plain_name(name)
-            if name not in own:
-                raise ValueError(f"refit: the engine's model has no weight {name}")
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            own[name].copy_(full)
-            given.add(name)
-    missing = set(own) - given
-    if missing:
-        raise ValueError(f"refit: the policy gave no weight for {sorted(missing)[:5]}")
+    for name, tensor in policy.state_dict().items():
+        tensor = tensor.detach()
+        yield _plain_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """The sum over ranks of each value (float64 on the CPU, gloo); the values
-    themselves without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    themselves outside a torchrun process group."""
+    if not in_process_group():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
@@ -404,8 +403,8 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``[n, ...]`` CPU tensor along dim 0, in rank order
-    (``[N n, ...]``); ``t`` itself without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    (``[N n, ...]``); ``t`` itself outside a torchrun process group."""
+    if not in_process_group():
         return t
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
@@ -423,13 +422,13 @@ def barrier() -> None:
     run that succeeded ("terminate called without an active exception", SIGABRT;
     pytorch/pytorch#190489, open). The barrier's wait releases the GIL to them.
     """
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.barrier()
 
 
 def broadcast_object(obj: object) -> object:
-    """Rank 0's ``obj`` on every rank; ``obj`` without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """Rank 0's ``obj`` on every rank; ``obj`` outside a torchrun process group."""
+    if not in_process_group():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)

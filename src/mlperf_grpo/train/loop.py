@@ -118,7 +118,7 @@ class OptimizeResult:
 
 def training_batch(
     completions: list[list[Completion]], rewards: torch.Tensor, grpo: GRPOConfig, pad_token_id: int,
-    eos_token_id: int | None,
+    eos_token_ids: list[int],
 ) -> RolloutBatch:
     """The step's batch: ``[P][G]`` completions, their ``[P, G]`` rewards, the advantages
     the config's baseline gives (:func:`~mlperf_grpo.train.grpo.group_advantages`) and,
@@ -132,8 +132,8 @@ def training_batch(
     """
     advantages = group_advantages(rewards, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
                                   normalize_rewards=grpo.normalize_rewards)  # [P, G]
-    sample_mask = (~truncated_completions(completions, eos_token_id)).float() if grpo.overlong_filtering else None
-    return build_batch(completions, rewards, advantages, pad_token_id, sample_mask)
+    sample_mask = (~truncated_completions(completions, eos_token_ids)).float() if grpo.overlong_filtering else None
+    return build_batch(completions, rewards, advantages, pad_token_id, eos_token_ids, sample_mask)
 
 
 COMPILED_WIDTH_MULTIPLE = 8
@@ -445,7 +445,7 @@ def _train(
     log_submission_and_init_start(log, config, time_ms=setup.init_start_ms)
 
     policy, engine, optimizer, sampler = setup.policy, setup.engine, setup.optimizer, setup.sampler
-    pad_id, eos_id = engine.tokenizer.pad_token_id, engine.tokenizer.eos_token_id
+    pad_id = engine.tokenizer.pad_token_id
     g = config.grpo
     first_eval_step = config.first_eval_step
     gbs = config.global_batch_size
@@ -485,7 +485,7 @@ def _train(
             prompts, completions = rollouts.tasks, rollouts.completions
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
-            batch = training_batch(completions, rewards, g, pad_id, eos_id)  # a group never spans ranks
+            batch = training_batch(completions, rewards, g, pad_id, engine.eos_token_ids)  # a group never spans ranks
             train_start_s = time.perf_counter()
             optimized = optimize_step(
                 policy, optimizer, batch, g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g),
@@ -496,10 +496,8 @@ def _train(
             distributed.barrier()  # every rank's optimizer.step() has returned
             weight_update_time_ms = now_ms()  # right after optimizer.step() returned
             policy_training_s = time.perf_counter() - train_start_s
-            if here.distributed:  # for the next rollouts
-                weight_sync_s = producer.refit_with(lambda e: distributed.refit_engine(e.model, policy), weights_version=step)
-            else:
-                weight_sync_s = producer.refit(policy.state_dict(), weights_version=step)
+            # for the next rollouts; a sharded policy's parameters are gathered one at a time
+            weight_sync_s = producer.refit(distributed.policy_weights(policy), weights_version=step)
             rewards = distributed.all_gather_rows(rewards)  # [P, G] the step's, for its stats
             block_stop_ms = now_ms()
             log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: step * gbs, "step": step}, time_ms=block_stop_ms)
@@ -579,9 +577,10 @@ def _stop_request(run: RunDir | None) -> dict | None:
 
 
 def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The rollout-dtype weights a checkpoint stores: the HF engine's own tensors (refit
-    already, so nothing is cast on the clock), else the policy's cast to ``dtype``."""
-    model = getattr(engine, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return model.state_dict()
+    """The rollout-dtype weights a checkpoint stores: the engine's own tensors where it
+    hands them out (the HF engine's, refit already, so nothing is cast on the clock;
+    under torchrun the only full copy), else the (unsharded) policy's cast to ``dtype``."""
+    held = engine.weights()
+    if held is not None:
+        return held
     return {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, derive_seed
+from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, completion_length, derive_seed
 from mlperf_grpo.tasks import Task
 
 
@@ -119,37 +119,45 @@ def generate_rollouts(
     return [flat[i * g:(i + 1) * g] for i in range(len(tasks))]
 
 
-def truncated_completions(completions: list[list[Completion]], eos_token_id: int | None) -> torch.Tensor:
-    """``[P, G]`` bool: True where a completion is truncated, i.e. does not end with EOS.
+def truncated_completions(completions: list[list[Completion]], eos_token_ids: list[int]) -> torch.Tensor:
+    """``[P, G]`` bool: True where a completion is truncated, i.e. holds none of
+    ``eos_token_ids`` (the engine's end-of-sequence ids).
 
-    The engines keep EOS as the last token of a completion that stopped by itself, so one
-    without it hit the length limit (``max_new_tokens``, or vLLM's ``max_model_len``): the
+    The engines keep the EOS token of a completion that stopped by itself, so one without
+    any hit the length limit (``max_new_tokens``, or vLLM's ``max_model_len``): the
     reference's ``truncated`` ("hit max_tokens without a stop token", NeMo-RL
-    ``experience/rollout_manager.py``). ``eos_token_id`` None: every completion is truncated.
+    ``experience/rollout_manager.py``). No EOS ids: every completion is truncated.
     """
-    return torch.tensor([[not c.token_ids or c.token_ids[-1] != eos_token_id for c in group] for group in completions])
+    ends = set(eos_token_ids)
+    return torch.tensor([[not ends.intersection(c.token_ids) for c in group] for group in completions])
 
 
 def build_batch(
     completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int,
-    sample_mask: torch.Tensor | None = None,
+    eos_token_ids: list[int], sample_mask: torch.Tensor | None = None,
 ) -> RolloutBatch:
     """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages, and the
-    ``[P, G]`` ``sample_mask`` (1 = trained on; default all 1; see :class:`RolloutBatch`)."""
+    ``[P, G]`` ``sample_mask`` (1 = trained on; default all 1; see :class:`RolloutBatch`).
+
+    A completion ends at the first of any of ``eos_token_ids`` (the engine's: the
+    tokenizer's and the generation config's), that token included: anything an engine
+    returned after it is neither trained on nor attended to.
+    """
     flat = [c for group in completions for c in group]
-    width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in flat)
+    lengths = [completion_length(c.token_ids, eos_token_ids) for c in flat]  # [B]
+    width = max(len(c.prompt_token_ids) + t for c, t in zip(flat, lengths))
     b = len(flat)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((b, width), dtype=torch.long)
     completion_mask = torch.zeros((b, width - 1), dtype=torch.float32)
     rollout_logprobs = torch.zeros((b, width - 1), dtype=torch.float32)
-    for i, c in enumerate(flat):
-        p, t = len(c.prompt_token_ids), len(c.token_ids)
-        input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids)
+    for i, (c, t) in enumerate(zip(flat, lengths)):
+        p = len(c.prompt_token_ids)
+        input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids[:t])
         attention_mask[i, : p + t] = 1
         # Token at sequence position p+j is predicted at position p+j-1 of the shifted view.
         completion_mask[i, p - 1: p - 1 + t] = 1
-        rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs)
+        rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs[:t])
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
