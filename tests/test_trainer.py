@@ -298,9 +298,11 @@ def test_truncated_completions_are_those_without_eos():
     from mlperf_grpo.train.rollout import truncated_completions
 
     groups = [[Completion([1], ids, [0.0] * len(ids), "") for ids in row] for row in ([[4, 2], [4, 4, 4]], [[2], [2, 4]])]
-    assert truncated_completions(groups, eos_token_ids=[2]).tolist() == [[False, True], [False, True]]
+    # [2, 4] ended at its EOS (the batch drops the 4 after it): not truncated
+    assert truncated_completions(groups, eos_token_ids=[2]).tolist() == [[False, True], [False, False]]
+    assert truncated_completions(groups, eos_token_ids=[4]).tolist() == [[False, False], [True, False]]
     assert truncated_completions(groups, eos_token_ids=[]).tolist() == [[True, True], [True, True]]  # no EOS: all
     batch = build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2], sample_mask=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
     assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
-    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2]).num_tokens == 2 + 3 + 1 + 2
+    assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2]).num_tokens == 2 + 3 + 1 + 1  # [2, 4] ends at 2
