@@ -106,18 +106,19 @@ def test_bfloat16_compute_with_float32_rollouts_is_refused_in_one_line():
     assert "model.compute_dtype bfloat16 needs model.dtype bfloat16" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_readme_shows_every_config_key_with_its_default():
-    """README "Config" prints the default config: each of its values is the default, and
+def test_the_docs_show_every_config_key_with_its_default():
+    """The docs' "Config" (docs/running.md) prints the default config: each of its values is the default, and
     every key of :class:`RunConfig` is in it (as a key, or as ``section.key`` in a
     comment) or, for the keys of another section's topic (``task.train_path``...),
-    documented there: a new key cannot be left out of the README."""
+    documented in the docs: a new key cannot be left out of them."""
     from pathlib import Path
 
     import yaml
     from pydantic import BaseModel
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("## Config", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    readme = "\n".join(page.read_text() for page in sorted(docs.glob("*.md")))  # every page of the docs
+    block = (docs / "running.md").read_text().split("## Config", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
     shown = yaml.safe_load(block)
     assert RunConfig.model_validate(shown) == RunConfig()
     missing = []
@@ -129,7 +130,7 @@ def test_the_readme_shows_every_config_key_with_its_default():
                         and f"`{key}" not in readme and f" {key}:" not in readme]
         elif name not in shown:
             missing.append(name)
-    assert not missing, f"README's default config lacks {missing}"
+    assert not missing, f"docs/running.md's default config lacks {missing}"
 
 
 def _float_fields(model_class, prefix=()):

@@ -170,8 +170,8 @@ def test_bad_entry_points_exit_2_with_one_line(tmp_path, capsys, entry_point, ne
     assert not (tmp_path / "run").exists()
 
 
-def test_the_readme_python_task_example_works(tmp_path, monkeypatch):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_docs_python_task_example_works(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "docs" / "bring-your-own.md").read_text()
     code = readme.split("# pkg/mod.py\n", 1)[1].split("```", 1)[0]
     (tmp_path / "readme_task_pkg").mkdir()
     (tmp_path / "readme_task_pkg" / "__init__.py").write_text("")
