@@ -8,11 +8,13 @@ trainer wrote, the config is compared with what its MLPerf log recorded
 another passing step under the same log.
 
 Part of the identity: ``seed`` (it seeds every validation completion), the validation
-settings (``num_tasks``, ``generations_per_task``, ``temperature``, ``top_p``,
-``target_accuracy``), ``grpo.max_new_tokens`` (the completions' length), the task
+settings (``num_tasks``, ``generations_per_task``, ``temperature``, ``top_p``),
+``grpo.max_new_tokens`` (the completions' length), the task
 (``task.name`` and ``task.entry_point``, which choose the reward) and the validation
 tasks themselves (a sha256 of their ids, prompts and answers: the task files' content).
-Not part of it (they change how fast, not what, is evaluated): ``validation.workers``,
+Not part of it: ``validation.target_accuracy`` (it decides the verdict, not what is
+measured, and every config accepts only the rules' target, ``rules.TARGET_ACCURACY``);
+and, since they change how fast, not what, is evaluated: ``validation.workers``,
 ``validation.batch_size`` (each completion is sampled from its own seed), ``model.device``,
 ``model.path`` (a run may move; its files are fingerprinted apart), ``model.dtype`` (the
 rules allow evaluation in BF16 or in the rollout format), the ``inference`` engine and
@@ -57,7 +59,7 @@ def evaluation_settings(config: RunConfig, validation_tasks: list[Task]) -> dict
     """The record: config key -> value for every setting of the identity (module
     docstring), plus :data:`TASKS_KEY` -> :func:`tasks_digest` of ``validation_tasks``."""
     keys = ("seed", "validation.num_tasks", "validation.generations_per_task", "validation.temperature",
-            "validation.top_p", "validation.target_accuracy", "grpo.max_new_tokens", "task.name", "task.entry_point")
+            "validation.top_p", "grpo.max_new_tokens", "task.name", "task.entry_point")
     return {**{key: _config_value(config, key) for key in keys}, TASKS_KEY: tasks_digest(validation_tasks)}
 
 
