@@ -101,8 +101,8 @@ def test_open_division_allows_departures_and_names_them():
     assert c.first_eval_step == 20
     algorithm = [f"grpo.{k}" for k in ("ratio_clip_max", "force_on_policy_ratio", "use_importance_sampling_correction",
                  "truncated_importance_sampling_type", "truncated_importance_sampling_ratio",
-                 "truncated_importance_sampling_ratio_min", "seq_logprob_error_threshold", "max_trajectory_age_steps",
-                 "use_leave_one_out_baseline", "overlong_filtering")]  # normalize_rewards: open default = closed
+                 "truncated_importance_sampling_ratio_min", "seq_logprob_error_threshold", "max_trajectory_age_steps")]
+    # use_leave_one_out_baseline, normalize_rewards, overlong_filtering: open default = closed
     assert [v.field for v in c.closed_violations()] == [*algorithm, "grpo.first_eval_step", "optimizer.learning_rate"]
     reference = parse_config({"division": "closed"}).grpo.model_dump()
     assert RunConfig(division="open", optimizer={"learning_rate": 1e-6}, grpo=reference).closed_violations() == []

@@ -192,7 +192,7 @@ def test_sigterm_before_the_first_checkpoint_closes_the_run_as_aborted(tmp_path)
 
 def test_sigterm_after_checkpoints_leaves_the_result_to_the_evaluator(tmp_path):
     """Issue 8's case: SIGTERM once step_22/ exists. The trainer writes no run_stop;
-    `evaluate` evaluates the published series and finds the pass at step 21 (as after a
+    `evaluate` evaluates the published series and finds the pass at step 20 (as after a
     SIGKILL), and nothing it did not evaluate is lost to an early teardown."""
     run = tmp_path / "run"
     proc = _train(run, _config(tmp_path, max_steps=30))
@@ -207,15 +207,15 @@ def test_sigterm_after_checkpoints_leaves_the_result_to_the_evaluator(tmp_path):
     assert not list((run / "checkpoints").glob("tmp_step_*"))  # finished, not torn
     published = assert_published_checkpoints_intact(run / "checkpoints")
     assert published[0] == 18 and published[-1] >= 22
-    step21 = json.loads((run / "checkpoints" / "step_21" / "training_info.json").read_text())
+    step20 = json.loads((run / "checkpoints" / "step_20" / "training_info.json").read_text())
 
     out = subprocess.run([sys.executable, "-m", "mlperf_grpo.cli", "evaluate", str(run)], capture_output=True, text=True, env=ENV)
     assert out.returncode == 0, out.stderr
-    assert "status: success" in out.stdout and "passing step: 21" in out.stdout
+    assert "status: success" in out.stdout and "passing step: 20" in out.stdout
     log = read_log(run / "mlperf.log")
-    assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19, 20, 21]
+    assert [e.metadata["step"] for e in log.find("eval_accuracy")] == [18, 19, 20]
     (stop,) = log.find("run_stop")
-    assert stop.metadata["status"] == "success" and stop.time_ms == step21["training_step_end_time_ms"]
+    assert stop.metadata["status"] == "success" and stop.time_ms == step20["training_step_end_time_ms"]
 
 
 def test_sigterm_inside_a_checkpoint_write_waits_for_it():

@@ -166,16 +166,16 @@ class GRPOConfig(_Strict):
     seq_logprob_error_threshold: float | None = Field(None, gt=0)
     """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs the
     ``prev`` log-probs (taken in the loss pass, ``train.loop.optimize_step``). Closed: 2."""
-    use_leave_one_out_baseline: bool = False
+    use_leave_one_out_baseline: bool = True
     """A completion's baseline is the mean reward of the *other* completions of its prompt
     (RLOO) and its normalising std theirs; false: the group's mean and std
-    (``train.grpo.group_advantages``). Closed: true."""
+    (``train.grpo.group_advantages``). Closed and the open default: true."""
     normalize_rewards: bool = True
     """Divide each advantage by its std + 1e-6 where that std is not 0. Closed: true."""
-    overlong_filtering: bool = False
+    overlong_filtering: bool = True
     """A truncated completion (it ends without EOS: it hit ``max_new_tokens``) gets loss
     multiplier 0: its tokens leave the loss and the valid-token count; it still counts in
-    its group's baseline and std, as in the reference. Closed: true."""
+    its group's baseline and std, as in the reference. Closed and the open default: true."""
     max_trajectory_age_steps: Literal[0, 1] = 0
     """1: the rollouts of step N+1 are generated while step N trains (weights at most one
     step old; needs the IS correction). Closed: 1."""
