@@ -460,3 +460,26 @@ def test_prefetcher_close_waits_for_a_buffer_allocation_in_progress(tmp_path, mo
     prefetcher.close()
     closed = time.monotonic()
     assert finished and finished[0] <= closed
+
+
+def test_teardown_deletes_only_the_checkpoints_and_keeps_what_else_lies_beside_them(tmp_path):
+    """``remove_checkpoints`` deletes ``step_N/``, ``tmp_step_N/`` and ``training_end.json``;
+    results an ``evaluate --checkpoints`` of the folder wrote (``eval/``) and a user's file
+    stay (an evaluation of the run afterwards deleted them with the whole folder)."""
+    from mlperf_grpo.checkpoint import remove_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_18", "step_19", "tmp_step_20", "eval"):
+        (root / name).mkdir(parents=True)
+        (root / name / "x").write_text(name)
+    (root / "training_end.json").write_text("{}")
+    (root / "notes.txt").write_text("the user's")
+    remove_checkpoints(root)
+    assert sorted(p.name for p in root.iterdir()) == ["eval", "notes.txt"]
+    assert (root / "eval" / "x").read_text() == "eval"
+    (root / "notes.txt").unlink()
+    (root / "eval" / "x").unlink()
+    (root / "eval").rmdir()
+    (root / "step_21").mkdir()
+    remove_checkpoints(root)  # nothing but checkpoints: the folder goes too
+    assert not root.exists()

@@ -391,7 +391,19 @@ def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return read_verified(checkpoint, ReadBuffers())
 
 
+_CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
+
+
 def remove_checkpoints(checkpoint_root: Path) -> None:
-    """Teardown: delete every ``step_*`` and ``tmp_step_*`` directory under the root."""
-    if checkpoint_root.is_dir():
-        shutil.rmtree(checkpoint_root)
+    """Teardown of our own run: delete every ``step_N/`` and ``tmp_step_N/`` directory
+    and ``training_end.json`` under the root, then the root itself if nothing else is in
+    it; anything else a user or another command put there (e.g. the ``eval/`` results of
+    an ``evaluate --checkpoints`` of this folder) stays."""
+    if not checkpoint_root.is_dir():
+        return
+    for entry in checkpoint_root.iterdir():
+        if entry.is_dir() and not entry.is_symlink() and _CHECKPOINT_DIR.match(entry.name):
+            shutil.rmtree(entry)
+    (checkpoint_root / END_FILE).unlink(missing_ok=True)
+    if not any(checkpoint_root.iterdir()):
+        checkpoint_root.rmdir()

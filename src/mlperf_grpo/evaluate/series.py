@@ -267,7 +267,7 @@ class RunSeries:
         return published_steps(self.root)
 
     def remove(self) -> None:
-        remove_checkpoints(self.root)  # <run>/checkpoints: the run's own, wholly ours
+        remove_checkpoints(self.root)  # <run>/checkpoints: the step directories our trainer wrote
 
 
 def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[str]) -> str:
