@@ -58,4 +58,20 @@ def test_tensor_parallel_size_is_checked_under_torchrun(monkeypatch, world, t, n
 def test_tensor_parallel_size_that_divides_passes_under_torchrun(monkeypatch):
     monkeypatch.setattr(loop.distributed, "launched", lambda: True)
     monkeypatch.setattr(loop.distributed, "layout", lambda: loop.distributed.Layout(0, 4))
-    loop.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": 4}}))
+    loop.check_planned_memory(parse_config({"inference": {"engine": "vllm", "tensor_parallel_size": 4}}))
+
+
+@pytest.mark.parametrize("world, t, refusal", [
+    (1, 2, "inference.tensor_parallel_size 2 does not divide the world size 1: set inference.tensor_parallel_size to a "
+           "common divisor of the world size and the heads, or launch a multiple of 2 ranks"),
+    (4, 4, "inference.tensor_parallel_size 4 does not divide the 15 vocabulary entries (vocab_size): set "
+           "inference.tensor_parallel_size to a common divisor of 15"),
+])
+def test_the_hf_engine_splits_over_the_world_and_the_vocabulary(monkeypatch, world, t, refusal):
+    """The tensor-parallel hf engine: T ranks of the world (one process is a world of 1)
+    and row-split embeddings (the built-in model's vocabulary of 15 does not split)."""
+    monkeypatch.setattr(loop.distributed, "launched", lambda: world > 1)
+    monkeypatch.setattr(loop.distributed, "layout", lambda: loop.distributed.Layout(0, world))
+    with pytest.raises(MemoryPlanError) as err:
+        loop.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
+    assert str(err.value) == refusal

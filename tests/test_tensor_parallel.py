@@ -106,3 +106,106 @@ def test_two_ranks_at_t2_generate_what_one_rank_at_t1_generates(tmp_path):
         assert "other shape" in report["wrong_shape"]
         full = torch.load(out / f"full{rank}.pt")
         assert all(torch.equal(full[n], whole[n]) for n in whole)  # full_weights gathers the file's tensors
+
+
+# ---------------------------------------------------------------- training: 2 replicas x T = 2
+
+STEP_PROMPTS, GENERATIONS = 4, 4
+LOSS_TOLERANCE = 2e-4
+"""The T = 2 rollouts are the T = 1 ones (same token ids, asserted) with log-probabilities
+within LOGPROB_TOLERANCE (1e-4). The loss's per-token terms are ``A x ratio`` with
+``ratio = exp(policy - rollout log-probability)``: a rollout log-probability off by
+1e-4 changes the ratio by a factor ``e**1e-4 - 1 = 1.0e-4``, and the group advantages of
+4 completions, mean-centred and divided by their std, have ``|A| <= (G - 1) / sqrt(G) =
+1.5``: the token mean moves by at most 1.5e-4 < 2e-4. The gradient norm moves by the
+same relative 1e-4 per token before the sum; 1e-3 relative allows for cancellation
+between tokens of opposite advantage (a sum of terms each off by 1e-4 relative can be
+off by more relative to a smaller total)."""
+
+
+def _training_model_dir(tmp_path: Path) -> Path:
+    """The built-in model with its vocabulary padded from 15 to 16 (T = 2 divides it)."""
+    from mlperf_grpo.model import load_model
+
+    directory = tmp_path / "model16"
+    model = load_model("builtin:arithmetic-tiny", "float32")
+    model.resize_token_embeddings(16, mean_resizing=False)
+    model.save_pretrained(directory)
+    builtin = resolve_model_path("builtin:arithmetic-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin / name, directory / name)
+    return directory
+
+
+def _train_rank(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    from mlperf_grpo.config import RunConfig
+    from mlperf_grpo.inference.tensor_parallel import rank_share
+    from mlperf_grpo.tasks import arithmetic
+    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train.grpo import PGLossOptions, group_advantages
+    from mlperf_grpo.train.loop import optimize_step
+    from mlperf_grpo.train.rollout import build_batch, generate_rollouts
+
+    torch.set_num_threads(1)
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        here = distributed.Layout(rank, world)
+        tasks = arithmetic.train_tasks(STEP_PROMPTS, 251, seed=3)
+        report = {}
+        for t in (1, 2):
+            config = RunConfig.model_validate({"model": {"path": model_dir}, "inference": {"tensor_parallel_size": t}})
+            policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=False)
+            engine = distributed.engine_from_policy(config, policy)
+            optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+            share = distributed.prompt_share(STEP_PROMPTS, here, t)
+            steps = []
+            for step in (1, 2):
+                group = generate_rollouts(engine, tasks[share], GENERATIONS, PARAMS, seed=5, step=step,
+                                          first_prompt_index=share.start)
+                mine = rank_share(len(group), engine.tp_rank, engine.tp_size)
+                completions = group[mine]
+                rewards = torch.tensor([[arithmetic.reward(c.text, task) for c in g]
+                                        for task, g in zip(tasks[share][mine], completions)])
+                batch = build_batch(completions, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id,
+                                    engine.eos_token_ids)
+                result = optimize_step(policy, optimizer, batch, GENERATIONS, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+                engine.load_weights(distributed.policy_weights(policy))  # one gathered parameter at a time
+                group_tokens = [[c.token_ids for c in g] for g in group]
+                gathered = [None] * world
+                dist.all_gather_object(gathered, group_tokens)
+                steps.append({"loss": result.loss, "grad_norm": result.grad_norm, "tokens": [c.token_ids for g in completions for c in g],
+                              "group_tokens": gathered})
+            local = engine.weights()
+            report[t] = {"steps": steps, "tp": [engine.tp_size, engine.tp_rank],
+                         "engine_bytes": sum(x.numel() * x.element_size() for x in {x.data_ptr(): x for x in local.values()}.values())}
+            del engine, policy, optimizer
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_replicas_of_t2_train_as_four_replicas_of_t1(tmp_path):
+    """4 ranks: the T = 2 layout (2 groups of 2) generates each group's 2 prompts on both
+    of its ranks, each rank trains on its 1 prompt; the losses are the T = 1 layout's
+    (4 replica engines, 1 prompt each) within LOSS_TOLERANCE, on the same token ids."""
+    model_dir = _training_model_dir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_train_rank, args=(4, str(tmp_path / "pg"), str(model_dir), str(out)), nprocs=4, join=True)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    whole = HFEngine(str(model_dir), "float32").weights()
+    total = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in whole.values()}.values())
+    largest = max(t.numel() * t.element_size() for t in whole.values())
+    for rank, report in enumerate(reports):
+        one, two = report["1"], report["2"]
+        assert one["tp"] == [1, 0] and two["tp"] == [2, rank % 2]
+        assert one["engine_bytes"] == total and two["engine_bytes"] <= total / 2 + largest
+        for a, b in zip(one["steps"], two["steps"]):
+            assert b["tokens"] == a["tokens"]  # the rank trains on the completions T = 1 gave it
+            assert b["loss"] == pytest.approx(a["loss"], abs=LOSS_TOLERANCE)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+            group = b["group_tokens"]
+            assert group[2 * (rank // 2)] == group[2 * (rank // 2) + 1]  # both ranks of a group hold its completions
+    assert any(a["loss"] != 0 for r in reports for a in r["1"]["steps"])  # advantages not all zero: a real step

@@ -195,10 +195,12 @@ def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     ]
 
 
-def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int) -> None:
+def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int, split_vocabulary: bool = True) -> None:
     """Refuse a T that does not divide the world size, the attention heads, the KV heads
     (or, when T exceeds them, is not a multiple of them: each KV head is then replicated on
-    T / kv_heads ranks, vLLM's rule), the linear-attention heads or the MoE experts.
+    T / kv_heads ranks, vLLM's rule), the linear-attention heads, the vocabulary (the
+    tensor-parallel ``hf`` engine splits the embeddings and lm_head by rows;
+    ``split_vocabulary=False`` for vLLM, which pads it) or the MoE experts.
 
     Raises:
         MemoryPlanError: naming both numbers and the fix.
@@ -222,6 +224,10 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
     if (kv_heads % t if t <= kv_heads else t % kv_heads):
         raise MemoryPlanError(f"inference.tensor_parallel_size {t} and the {kv_heads} KV heads (num_key_value_heads) "
                               f"do not divide one another: {fix} or a multiple of {kv_heads}")
+    vocab = config.get("vocab_size")
+    if split_vocabulary and vocab is not None and vocab % t:
+        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {vocab} vocabulary entries "
+                              f"(vocab_size): {fix} of {vocab}")
 
 
 @dataclass(frozen=True)

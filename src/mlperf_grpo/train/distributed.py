@@ -11,7 +11,9 @@ process group of its own inside a single process. The decisions, in one place:
   when CUDA is present; each rank on the CUDA device ``LOCAL_RANK``).
 - **prompts**: :func:`prompt_share`; rank ``r`` of ``N`` generates prompts
   ``[r P/N, (r+1) P/N)`` of the step, with the per-completion seeds of their global
-  index, so a completion does not depend on ``N``; a prompt group never spans ranks.
+  index, so a completion does not depend on ``N``; a prompt group never spans ranks. At
+  T > 1 the group's T ranks generate the group's prompts together and each trains on
+  its 1/T of them.
 - **policy**: :func:`load_sharded_policy` builds it sharded from the start: the
   architecture on the meta device, :func:`shard_policy` (FSDP2 ``fully_shard`` on each
   decoder layer and the root: fp32 master weights, optional bf16 compute, fp32 gradient
@@ -20,7 +22,9 @@ process group of its own inside a single process. The decisions, in one place:
   its device, then each rank reads its own rows of each tensor from the safetensors
   files. No rank ever holds the whole fp32 model, on the host or on a device.
 - **engine**: :func:`engine_from_policy` gives each rank a full rollout-dtype copy on
-  its device, filled by a refit from the sharded policy (the files are read once).
+  its device, or at ``inference.tensor_parallel_size`` T > 1 its slices of the model
+  split over its group of T ranks (:mod:`~mlperf_grpo.inference.tensor_parallel`),
+  filled by a refit from the sharded policy (the files are read once).
 - **refit**: :func:`policy_weights` hands the policy to the engine's one refit entry
   (``engine.load_weights``) one parameter at a time (``DTensor.full_tensor()``), never
   the whole model gathered; the same call refits from an unsharded policy.
@@ -49,7 +53,6 @@ from mlperf_grpo.model import (
     check_weights,
     compile_decoder_layers,
     decoder_layers,
-    load_tokenizer,
     materialize,
     model_skeleton,
     tied_groups,
@@ -172,8 +175,12 @@ def check_layout(config: RunConfig, world_size: int | None = None, deferred: boo
         )
 
 
-def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
-    """The prompts of a step this rank generates and trains on: ``[r P/N, (r+1) P/N)``.
+def prompt_share(num_prompts: int, here: Layout | None = None, tensor_parallel_size: int = 1) -> slice:
+    """The prompts of a step this rank generates: its tensor-parallel group's,
+    ``[g P/G, (g+1) P/G)`` for group ``g = r // T`` of ``G = N / T`` (at T = 1, the
+    rank's own ``[r P/N, (r+1) P/N)``, which it also trains on; at T > 1 each rank of the
+    group trains on its 1/T of them:
+    :func:`~mlperf_grpo.inference.tensor_parallel.rank_share`).
 
     Raises:
         LayoutError: ``num_prompts`` is not a multiple of the world size.
@@ -181,8 +188,9 @@ def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
     here = layout() if here is None else here
     if num_prompts % here.world_size:
         raise LayoutError(f"{num_prompts} prompts do not divide over {here.world_size} ranks")
-    per_rank = num_prompts // here.world_size
-    return slice(here.rank * per_rank, (here.rank + 1) * per_rank)
+    per_group = num_prompts * tensor_parallel_size // here.world_size
+    group = here.rank // tensor_parallel_size
+    return slice(group * per_group, (group + 1) * per_group)
 
 
 def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
@@ -352,21 +360,24 @@ def _expert_views(directory: Path, name: str, tensor: torch.Tensor, parts: Exper
 
 
 def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
-    """This rank's rollout engine (``inference.engine: hf``): a full copy of the model in
-    ``model.dtype`` on ``model.device``, built empty there
-    (:func:`~mlperf_grpo.model.materialize`) and filled by a refit (:func:`policy_weights`) from the
-    sharded policy (every rank must call this), so the weight files are not read again
-    and no host copy is made. The weights equal ``load_model(path, model.dtype)``'s:
-    a cast of the same values to the same dtype.
+    """This rank's rollout engine (``inference.engine: hf``) in ``model.dtype`` on
+    ``model.device``: a full copy of the model at ``inference.tensor_parallel_size`` 1, else
+    this rank's slices of the model split over its tensor-parallel group of T ranks
+    (:mod:`~mlperf_grpo.inference.tensor_parallel`). Built empty there
+    (:meth:`~mlperf_grpo.inference.hf.HFEngine.for_refit`) and filled by a refit
+    (:func:`policy_weights`) from the sharded policy (every rank must call this): one
+    gathered parameter at a time, of which each rank keeps its slice, so the weight files
+    are not read again, no host copy is made and no rank holds the whole model at T > 1.
+    The weights equal ``load_model(path, model.dtype)``'s: a cast of the same values to
+    the same dtype.
 
     Returns:
         An :class:`~mlperf_grpo.inference.hf.HFEngine` with the model's tokenizer.
     Raises:
         ModelLoadError: the model or its tokenizer does not load.
     """
-    model = model_skeleton(config.model.path, config.model.dtype)
-    materialize(model, config.model.device)
-    engine = HFEngine.from_model(model, load_tokenizer(config.model.path), model_path=config.model.path)
+    engine = HFEngine.for_refit(config.model.path, config.model.dtype, device=config.model.device,
+                                tensor_parallel_size=config.inference.tensor_parallel_size)
     engine.load_weights(policy_weights(policy))
     return engine
 

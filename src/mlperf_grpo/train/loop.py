@@ -44,6 +44,7 @@ from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
+from mlperf_grpo.inference.tensor_parallel import rank_share
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
 from mlperf_grpo.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.model import (DTYPES, check_device, check_model, check_model_path, compile_decoder_layers,
@@ -365,23 +366,27 @@ def device_memory_bytes() -> int:
 
 
 def check_planned_memory(config: RunConfig) -> None:
-    """Under torchrun, refuse an ``inference.tensor_parallel_size`` that does not divide the
-    world size or the model's heads / experts; on CUDA, refuse a layout whose planned
-    per-rank device bytes (:mod:`mlperf_grpo.memory_plan`, today's replica engine) exceed
-    the device's memory. CPU memory is not checked, nor a model type the planner does not count.
+    """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
+    that does not divide the world size or the model's heads / vocabulary / experts; on
+    CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.memory_plan`:
+    FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not checked, nor a model type the planner does not count.
 
     Raises:
         MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
     """
     model = memory_plan.load_model_config(check_model_path(config.model.path))
     world_size = distributed.layout().world_size
-    if distributed.launched():
-        memory_plan.check_tensor_parallel(model, world_size, config.inference.tensor_parallel_size)
+    t = config.inference.tensor_parallel_size
+    if distributed.launched() or config.inference.engine == "hf":  # the hf engine splits over the world's ranks
+        memory_plan.check_tensor_parallel(model, world_size, t, split_vocabulary=config.inference.engine == "hf")
+    if t > 1 and config.inference.engine == "hf":  # until every rank writes its checkpoint share (issue 28 item 2)
+        raise memory_plan.MemoryPlanError(
+            f"inference.tensor_parallel_size {t} with engine hf: this build writes checkpoints from rank 0's engine, "
+            f"which holds 1/{t} of the model; train with inference.tensor_parallel_size: 1")
     if config.model.device != "cuda" or not memory_plan.counts(model):
         return
     plan = memory_plan.plan_memory(model, world_size, 1, config.model.dtype, config.checkpoint.max_in_flight)
-    engine_shards = config.inference.tensor_parallel_size if config.inference.engine == "vllm" else 1
-    memory_plan.check_fits(plan, device_memory_bytes(), engine_shards)
+    memory_plan.check_fits(plan, device_memory_bytes(), t)  # vLLM's and the hf engine's T divide the engine
 
 
 @dataclass
@@ -470,7 +475,7 @@ def _train(
     producer = RolloutProducer(
         engine, sampler, g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params,
         config.seed, g.max_trajectory_age_steps, g.max_steps, config.model.device,
-        prompt_share=distributed.prompt_share(g.num_prompts_per_step, here),
+        prompt_share=distributed.prompt_share(g.num_prompts_per_step, here, engine.tp_size),
     )
     bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not show_progress)
     completed, completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
@@ -482,7 +487,8 @@ def _train(
             log.commit(durable=False)  # no fsync on the clock: see mllog's module docstring
             step_start_s = time.perf_counter()
             rollouts = producer.take(step)  # with age 1, also starts generating step + 1
-            prompts, completions = rollouts.tasks, rollouts.completions
+            mine = rank_share(len(rollouts.tasks), engine.tp_rank, engine.tp_size)  # T > 1: 1/T of the group's
+            prompts, completions = rollouts.tasks[mine], rollouts.completions[mine]
             scored = score(suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
             batch = training_batch(completions, rewards, g, pad_id, engine.eos_token_ids)  # a group never spans ranks
