@@ -152,3 +152,30 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and needle in captured.err and captured.err.count("\n") == 1
+
+
+def test_the_hf_engine_does_not_replicate_kv_heads():
+    """vLLM replicates Qwen3.5-397B's 2 KV heads over T = 8; transformers' tensor
+    parallelism (the hf engine) would cut them into quarters, so T must divide them."""
+    from mlperf_grpo.memory_plan import QWEN3_5_397B_A17B
+
+    plan_memory(QWEN3_5_397B_A17B, 64, 8)  # vLLM's rule
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(QWEN3_5_397B_A17B, 64, 8, engine="hf")
+    assert str(err.value) == ("inference.tensor_parallel_size 8 does not divide the 2 KV heads (num_key_value_heads) of "
+                              "the hf engine, which does not replicate them: set inference.tensor_parallel_size to a "
+                              "common divisor of 2, or engine vllm (it replicates KV heads)")
+    assert plan_memory(QWEN3_5_397B_A17B, 64, 2, engine="hf").sharded.engine_bytes < plan_memory(
+        QWEN3_5_397B_A17B, 64, 1).replica.engine_bytes / 2 + 2**31  # half the engine, plus the replicated small tensors
+
+
+def test_the_fit_check_takes_the_split_engine_at_t_above_1():
+    from mlperf_grpo.memory_plan import check_fits
+
+    config = planner_config(CONFIGS["llama-gqa-bias"])
+    plan = plan_memory(config, 2, 2, "float32", engine="hf")
+    r, s = plan.replica, plan.sharded
+    planned = r.master_weights_bytes + r.gradient_bytes + r.adam_bytes + s.engine_bytes
+    check_fits(plan, planned)
+    with pytest.raises(MemoryPlanError, match=f"planned {planned:,} bytes"):
+        check_fits(plan, planned - 1)

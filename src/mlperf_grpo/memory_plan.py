@@ -6,15 +6,18 @@ model (tests compare them with ``transformers``' own model built on the meta dev
 :func:`plan_memory` turns them into per-rank bytes for world size N and
 ``inference.tensor_parallel_size`` T, for two layouts:
 
-- ``replica`` (what the trainer does today): FSDP2 shards the fp32 master weights,
-  gradients and AdamW's two moments over N ranks, but every rank holds a **full**
-  rollout-dtype engine replica; rank 0 stages K = ``checkpoint.max_in_flight`` whole
-  rollout-dtype checkpoints in host memory; the evaluator reads 2 whole checkpoints into
-  host buffers.
-- ``sharded`` (issue 28's design, **not built yet**): the engine is tensor-parallel over T
-  ranks (each holds 1/T of every sharded tensor plus the replicated small ones: norms,
-  router, gates; KV projections are split over ``min(T, kv_heads)``, replicated beyond, as
-  vLLM does), each rank stages K x its 1/N share, each evaluation rank reads 2 x its 1/T.
+- ``replica`` (the trainer at ``inference.tensor_parallel_size: 1``): FSDP2 shards the
+  fp32 master weights, gradients and AdamW's two moments over N ranks, but every rank
+  holds a **full** rollout-dtype engine replica; rank 0 stages K =
+  ``checkpoint.max_in_flight`` whole rollout-dtype checkpoints in host memory; the
+  evaluator reads 2 whole checkpoints into host buffers.
+- ``sharded`` (issue 28): the engine is tensor-parallel over T ranks (each holds 1/T of
+  every sharded tensor plus the replicated small ones: norms, router, gates; KV
+  projections are split over ``min(T, kv_heads)``, replicated beyond, as vLLM does; the
+  ``hf`` engine's T divides them), each rank stages K x its 1/N share, each evaluation
+  rank reads 2 x its 1/T. The ``hf`` engine's split is built
+  (:mod:`mlperf_grpo.inference.tensor_parallel`); the per-rank staging and reads are
+  the checkpoint writer's and the evaluator's.
 
 Not counted: activations, the KV cache, communication buffers, the CUDA context and the
 allocator's slack, so a planned figure is a lower bound of the measured peak.
@@ -195,12 +198,14 @@ def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     ]
 
 
-def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int, split_vocabulary: bool = True) -> None:
-    """Refuse a T that does not divide the world size, the attention heads, the KV heads
-    (or, when T exceeds them, is not a multiple of them: each KV head is then replicated on
-    T / kv_heads ranks, vLLM's rule), the linear-attention heads, the vocabulary (the
-    tensor-parallel ``hf`` engine splits the embeddings and lm_head by rows;
-    ``split_vocabulary=False`` for vLLM, which pads it) or the MoE experts.
+def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int, engine: str = "vllm") -> None:
+    """Refuse a T that does not divide the world size, the attention heads, the
+    linear-attention heads, the MoE experts or the KV heads; with ``engine="vllm"`` a T
+    above the KV heads may instead be a multiple of them (each KV head is then replicated
+    on T / kv_heads ranks, vLLM's rule); with ``engine="hf"`` (transformers' tensor
+    parallelism, which splits ``k_proj`` / ``v_proj`` by T and replicates nothing) T must
+    divide the KV heads and the vocabulary (the embeddings and lm_head are split by rows;
+    vLLM pads it).
 
     Raises:
         MemoryPlanError: naming both numbers and the fix.
@@ -221,11 +226,15 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
     for what, count in counts:
         if count is not None and count % t:
             raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {count} {what}: {fix} of {count}")
+    if engine == "hf" and kv_heads % t:
+        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {kv_heads} KV heads "
+                              f"(num_key_value_heads) of the hf engine, which does not replicate them: {fix} of "
+                              f"{kv_heads}, or engine vllm (it replicates KV heads)")
     if (kv_heads % t if t <= kv_heads else t % kv_heads):
         raise MemoryPlanError(f"inference.tensor_parallel_size {t} and the {kv_heads} KV heads (num_key_value_heads) "
                               f"do not divide one another: {fix} or a multiple of {kv_heads}")
     vocab = config.get("vocab_size")
-    if split_vocabulary and vocab is not None and vocab % t:
+    if engine == "hf" and vocab is not None and vocab % t:
         raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {vocab} vocabulary entries "
                               f"(vocab_size): {fix} of {vocab}")
 
@@ -282,9 +291,9 @@ def _sharded_engine_numel(tensors: list[Tensor], t: int, kv_heads: int) -> int:
 
 
 def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                max_in_flight: int = 2) -> MemoryPlan:
-    """Per-rank bytes of the ``replica`` (today) and ``sharded`` (issue 28, not built)
-    layouts for the model ``config`` on ``world_size`` ranks (see the module docstring).
+                max_in_flight: int = 2, engine: str = "vllm") -> MemoryPlan:
+    """Per-rank bytes of the ``replica`` and ``sharded`` layouts for the model ``config``
+    on ``world_size`` ranks (see the module docstring).
 
     Args:
         config: a model ``config.json`` as a dict (:func:`load_model_config`).
@@ -292,6 +301,9 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
         tensor_parallel_size: T, the sharded engine's group size (``sharded`` layout only).
         dtype: the rollout dtype (``model.dtype``): ``bfloat16`` or ``float32``.
         max_in_flight: K, ``checkpoint.max_in_flight``.
+        engine: whose rules split the engine, ``"vllm"`` (KV heads replicated past T)
+            or ``"hf"`` (T divides the KV heads and the vocabulary):
+            :func:`check_tensor_parallel`.
     Raises:
         MemoryPlanError: the config is not one :func:`model_tensors` counts, or T does
             not divide (:func:`check_tensor_parallel`).
@@ -299,7 +311,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     if world_size < 1 or tensor_parallel_size < 1:
         raise MemoryPlanError(f"world size {world_size} and tensor parallel size {tensor_parallel_size} must be >= 1")
     tensors = model_tensors(config)
-    check_tensor_parallel(config, world_size, tensor_parallel_size)
+    check_tensor_parallel(config, world_size, tensor_parallel_size, engine)
     total = sum(t.numel for t in tensors)
     shard = fsdp_shard_numel(tensors, world_size)
     rollout = DTYPE_BYTES[dtype]
@@ -314,22 +326,24 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
 
 
 def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 1) -> None:
-    """Refuse today's (``replica``) layout when a rank's planned device bytes exceed its
-    accelerator's memory; ``engine_shards``: GPUs the engine itself spreads over (vLLM's T
-    in one process), dividing its share.
+    """Refuse a layout when a rank's planned device bytes exceed its accelerator's memory:
+    the FSDP2 shards plus, at ``plan.tensor_parallel_size`` T > 1 (the tensor-parallel
+    ``hf`` engine), the ``sharded`` layout's engine share, else the whole engine divided
+    by ``engine_shards`` (GPUs the engine itself spreads over: vLLM's T in one process).
 
     Raises:
         MemoryPlanError: naming the planned bytes, the device's bytes and the remedies.
     """
     r = plan.replica
-    planned = r.device_bytes - r.engine_bytes + -(-r.engine_bytes // engine_shards)
+    engine = plan.sharded.engine_bytes if plan.tensor_parallel_size > 1 else -(-r.engine_bytes // engine_shards)
+    planned = r.device_bytes - r.engine_bytes + engine
     if planned > device_memory_bytes:
         raise MemoryPlanError(
             f"the planned {planned:,} bytes per rank ({_gib(planned)} GiB: fp32 weights, gradients and AdamW moments "
-            f"sharded over {plan.world_size} rank(s), plus a {_gib(r.engine_bytes)} GiB rollout engine) exceed the "
+            f"sharded over {plan.world_size} rank(s), plus a {_gib(engine)} GiB rollout engine share) exceed the "
             f"device's {device_memory_bytes:,} bytes ({_gib(device_memory_bytes)} GiB), before activations: launch more "
-            f"ranks (torchrun --nproc-per-node / --nnodes: they shard the fp32 state; each still holds the whole engine "
-            f"until the tensor-parallel engine of issue 28), or with engine vllm a larger inference.tensor_parallel_size, "
+            f"ranks (torchrun --nproc-per-node / --nnodes: they shard the fp32 state), a larger "
+            f"inference.tensor_parallel_size (it splits the engine), "
             f"or a smaller model; 'mlperf-grpo plan --memory' gives the figures")
 
 
@@ -349,8 +363,8 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             ("host: evaluator read buffers (2)", r.eval_read_bytes, s.eval_read_bytes)]
     head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.1f}e9), {_gib(plan.weight_bytes)} GiB of rollout-dtype "
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
-    lines = [head, f"  {'':36} {'today (replica)':>16} {'sharded (not built)':>20}"]
+    lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
     lines += [f"  {name:36} {_gib(a):>16} {_gib(b):>20}" for name, a, b in rows]
-    lines.append("  today: staging on rank 0 only, evaluator buffers per evaluate worker; "
+    lines.append("  replica: staging on rank 0 only, evaluator buffers per evaluate worker; "
                  "not counted: activations, KV cache, CUDA context")
     return "\n".join(lines)

@@ -58,12 +58,20 @@ def parallelize(model: PreTrainedModel, mesh) -> PreTrainedModel:
     Returns:
         ``model``, its split parameters now ``DTensor`` s on ``mesh``.
     Raises:
-        ValueError: the model's class declares no tensor-parallel plan.
+        ValueError: the model's class declares no tensor-parallel plan, or T does not
+            divide its attention heads, KV heads or vocabulary (the plan splits them
+            evenly and replicates nothing: ``memory_plan.check_tensor_parallel`` refuses
+            such a config first, naming the fix).
     """
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))[0]  # the expanded per-name plan
+    t, text = mesh.size(), model.config.get_text_config()
+    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+        count = getattr(text, key, None)
+        if count and count % t:
+            raise ValueError(f"tensor_parallel_size {t} does not divide the model's {key} {count}")
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=t))[0]  # the expanded per-name plan
     # a tied parameter is listed under its first name only (lm_head.weight is the embeddings')
     names = set(dict(model.named_parameters())) | set(dict(model.named_modules()))
     apply_tensor_parallelism(model, mesh, {name: style for name, style in plan.items() if name in names})

@@ -367,26 +367,29 @@ def device_memory_bytes() -> int:
 
 def check_planned_memory(config: RunConfig) -> None:
     """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
-    that does not divide the world size or the model's heads / vocabulary / experts; on
+    that does not divide the world size or the model's heads / vocabulary / experts
+    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel` with the engine's rules); on
     CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.memory_plan`:
-    FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not checked, nor a model type the planner does not count.
+    FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not
+    checked, nor a model type the planner does not count.
 
     Raises:
         MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
     """
     model = memory_plan.load_model_config(check_model_path(config.model.path))
     world_size = distributed.layout().world_size
-    t = config.inference.tensor_parallel_size
-    if distributed.launched() or config.inference.engine == "hf":  # the hf engine splits over the world's ranks
-        memory_plan.check_tensor_parallel(model, world_size, t, split_vocabulary=config.inference.engine == "hf")
-    if t > 1 and config.inference.engine == "hf":  # until every rank writes its checkpoint share (issue 28 item 2)
+    t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
+    if distributed.launched() or hf:  # the hf engine splits over the world's ranks
+        memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
+    if t > 1 and hf:  # until every rank writes its checkpoint share (issue 28 item 2)
         raise memory_plan.MemoryPlanError(
             f"inference.tensor_parallel_size {t} with engine hf: this build writes checkpoints from rank 0's engine, "
             f"which holds 1/{t} of the model; train with inference.tensor_parallel_size: 1")
     if config.model.device != "cuda" or not memory_plan.counts(model):
         return
-    plan = memory_plan.plan_memory(model, world_size, 1, config.model.dtype, config.checkpoint.max_in_flight)
-    memory_plan.check_fits(plan, device_memory_bytes(), t)  # vLLM's and the hf engine's T divide the engine
+    plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
+                                   config.inference.engine)
+    memory_plan.check_fits(plan, device_memory_bytes(), 1 if hf else t)
 
 
 @dataclass
