@@ -76,9 +76,10 @@ def qwen3_config(params: float, vocab_size: int) -> Qwen3Config:
     )
 
 
-def build_model_dir(directory: Path, params: float, dtype: str, device: str | None = None) -> int:
+def build_model_dir(directory: Path, params: float, dtype: str, device: str | None = None, vocab_multiple: int = 1) -> int:
     """Save a random-init Qwen3-shaped model with the shipped tokenizer; returns its
-    parameter count.
+    parameter count. The vocabulary is the tokenizer's, rounded up to a multiple of
+    ``vocab_multiple`` (a tensor-parallel engine's T must divide it).
 
     The weights are initialised by ``transformers`` (normal, std ``initializer_range``
     0.02; norms 1), seed 0, on ``device``: by default the GPU when there is one, where an
@@ -92,7 +93,8 @@ def build_model_dir(directory: Path, params: float, dtype: str, device: str | No
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR, local_files_only=True)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen3_config(params, len(tokenizer)), dtype=DTYPES[dtype])
+        vocab = -(-len(tokenizer) // vocab_multiple) * vocab_multiple
+        model = AutoModelForCausalLM.from_config(qwen3_config(params, vocab), dtype=DTYPES[dtype])
     model.save_pretrained(directory, max_shard_size="5GB")
     for name in TOKENIZER_FILES:
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)

@@ -4,6 +4,7 @@
     python benchmarks/distributed.py --device cuda --nproc 2 --steps 5           # 2 GPUs vs 1 GPU, GBS 1024
     python benchmarks/distributed.py --device cuda --nproc 2 --prompts 16        # the same at GBS 256
     python benchmarks/distributed.py --device cuda --large --nproc 2             # ~8B: does not fit on 1 GPU
+    python benchmarks/distributed.py --device cpu --nproc 2 --tensor-parallel-size 2  # the split engine's bytes
 
 Builds a random-init Qwen3-shaped model directory (``benchmarks/checkpoint.py``'s
 ``build_model_dir``; bfloat16 on CUDA, float32 on CPU), then runs the real trainer
@@ -74,6 +75,17 @@ Prints ONE JSON line:
   engine: ``device_bytes``, its parts, and rank 0's host ``staging_bytes``), beside the
   measured peak: the peak exceeds the planned device bytes by the activations, the KV
   cache and the allocator's slack, which the plan does not count;
+- with ``--tensor-parallel-size T`` > 1 (no training run: this build's trainer refuses
+  T > 1 until every rank writes its share of a checkpoint) each of the ``--nproc`` ranks
+  builds the sharded policy and its engine split over its group of T
+  (``train/distributed.engine_from_policy``), generates its group's prompts and refits
+  once; the line gives ``total_weight_bytes`` (the model's rollout-dtype bytes, tied
+  tensors once), per rank ``engine_bytes`` (the bytes of the tensors the rank's engine
+  holds, measured from them), ``staged_bytes`` (null: the per-rank checkpoint writer's
+  ``AsyncCheckpointer.staged_bytes`` goes there), ``generation_s`` and ``refit_s``,
+  beside the planner's ``planned_engine_bytes`` and ``planned_staging_bytes``
+  (``memory_plan.plan_memory(..., engine="hf")``, the ``sharded`` layout) and the bound
+  ``engine_bytes_bound`` = total / T + the largest tensor;
 - with ``--large``: ``one_device_state_bytes`` (the planner's device bytes at 1 rank:
   fp32 weights + gradients + AdamW's two moments, 16 bytes a parameter, plus the bfloat16
   engine copy, 2 bytes a parameter: what one GPU would need before any activation) and
@@ -125,6 +137,84 @@ def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
         dist.all_gather_object(peaks, peak)
         if here.rank == 0:
             result_file.write_text(json.dumps({"peak_memory_bytes_per_rank": peaks}))
+
+
+def tp_worker(config_file: Path, result_file: Path) -> None:
+    """One torchrun rank of the ``--tensor-parallel-size`` figures: the sharded policy, its
+    tensor-parallel engine (refit from it), one generation of the group's prompts and one
+    refit; rank 0 writes every rank's figures to ``result_file``."""
+    import torch.distributed as dist
+
+    from mlperf_grpo.config import load_config
+    from mlperf_grpo.inference.base import SamplingParams
+    from mlperf_grpo.inference.tensor_parallel import local_tensor
+    from mlperf_grpo.tasks import arithmetic
+    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train.rollout import generate_rollouts
+
+    config = load_config(str(config_file))
+    g = config.grpo
+    with distributed.process_group() as here:
+        policy = distributed.load_sharded_policy(config.model.path, config.model.device, None, False)
+        engine = distributed.engine_from_policy(config, policy)
+        share = distributed.prompt_share(g.num_prompts_per_step, here, engine.tp_size)
+        tasks = arithmetic.train_tasks(g.num_prompts_per_step, 251, seed=config.seed)[share]
+        start = time.perf_counter()
+        generate_rollouts(engine, tasks, g.num_generations_per_prompt,
+                          SamplingParams(1.0, 1.0, g.max_new_tokens), config.seed, 1, share.start)
+        generation_s = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.load_weights(distributed.policy_weights(policy))
+        refit_s = time.perf_counter() - start
+        held = {t.data_ptr(): t for t in engine.weights().values()}.values()  # tied tensors once
+        # the same tensors as DTensors (their full shapes), keyed by their local storage
+        full = {local_tensor(t).data_ptr(): t for t in engine.model.state_dict().values()}.values()
+        figures = {"engine_bytes": sum(t.numel() * t.element_size() for t in held),
+                   "total_weight_bytes": sum(t.numel() * t.element_size() for t in full),
+                   "largest_tensor_bytes": max(t.numel() * t.element_size() for t in full),
+                   "staged_bytes": None,  # AsyncCheckpointer.staged_bytes once every rank writes its share
+                   "generation_s": round(generation_s, 3), "refit_s": round(refit_s, 3)}
+        gathered = [None] * here.world_size
+        dist.all_gather_object(gathered, figures)
+        distributed.barrier()
+        if here.rank == 0:
+            result_file.write_text(json.dumps(gathered))
+
+
+def tensor_parallel_figures(args: argparse.Namespace, dtype: str, params: float, prompts: int) -> dict:
+    """The ``--tensor-parallel-size`` line's fields (see the module docstring).
+
+    Raises:
+        SystemExit: the torchrun job failed (its stderr's tail is printed).
+    """
+    from checkpoint import build_model_dir  # benchmarks/checkpoint.py
+
+    from mlperf_grpo import memory_plan
+
+    t = args.tensor_parallel_size
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        n_params = build_model_dir(tmp / "model", params, dtype, vocab_multiple=t)
+        config = {"seed": 1, "model": {"path": str(tmp / "model"), "dtype": dtype, "device": args.device},
+                  "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": 16, "max_steps": 1, "first_eval_step": 1,
+                           "max_new_tokens": args.max_new_tokens or (64 if args.device == "cuda" else 8)},
+                  "inference": {"tensor_parallel_size": t}}
+        (tmp / "tp.yaml").write_text(yaml.safe_dump(config))
+        result = tmp / "tp.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               __file__, "--tp-worker", str(tmp / "tp.yaml"), str(result)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not result.is_file():
+            sys.exit(f"torchrun with {args.nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        ranks = json.loads(result.read_text())
+        plan = memory_plan.plan_memory(memory_plan.load_model_config(tmp / "model"), args.nproc, t, dtype, 2, engine="hf")
+    total, largest = ranks[0]["total_weight_bytes"], ranks[0]["largest_tensor_bytes"]
+    return {"benchmark": "distributed", "device": args.device, "nproc": args.nproc, "tensor_parallel_size": t,
+            "params": n_params, "dtype": dtype, "prompts": prompts, "total_weight_bytes": total,
+            "engine_bytes": [r["engine_bytes"] for r in ranks], "engine_bytes_bound": total // t + largest,
+            "staged_bytes": [r["staged_bytes"] for r in ranks],
+            "planned_engine_bytes": plan.sharded.engine_bytes, "planned_staging_bytes": plan.sharded.staging_bytes,
+            "generation_s": [r["generation_s"] for r in ranks], "refit_s": [r["refit_s"] for r in ranks]}
 
 
 def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
@@ -232,11 +322,20 @@ def main() -> None:
     parser.add_argument("--task", choices=("format", "arithmetic"), default="format",
                         help="reward: format (benchmarks/format_task.py, earned by a random model) or the real arithmetic one")
     parser.add_argument("--keep", type=Path, help="copy each run's MLPerf log and torchrun's stderr into this directory")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="T > 1: the bytes of the hf engine split over groups of T ranks (no training run)")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--tp-worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*(Path(p) for p in args.worker))
         return
+    if args.tp_worker:
+        tp_worker(*(Path(p) for p in args.tp_worker))
+        return
+    if args.tensor_parallel_size < 1 or args.nproc % args.tensor_parallel_size:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size} does not divide --nproc {args.nproc}: "
+                     f"use a divisor of {args.nproc}")
     if args.learning_rate is not None and not args.learning_rate > 0:
         parser.error(f"--learning-rate {args.learning_rate}: AdamW's learning rate must be > 0 (e.g. 1e-12 to keep "
                      "the weights as initialised)")
@@ -250,6 +349,9 @@ def main() -> None:
     micro = args.micro_batch_size or (16 if args.large else 32 if cuda else 8)
     lr = args.learning_rate if args.learning_rate is not None else (FROZEN_LEARNING_RATE if cuda and not args.large else None)
     reshard = args.reshard_every_micro_batch or args.large  # --large: gathered weights and gradients would not fit
+    if args.tensor_parallel_size > 1:
+        print(json.dumps(tensor_parallel_figures(args, dtype, params, prompts)))
+        return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         build_start_s = time.perf_counter()
