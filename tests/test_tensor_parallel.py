@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.inference.tensor_parallel import mesh_of
 from mlperf_grpo.model import resolve_model_path
 
 pytestmark = pytest.mark.slow
@@ -76,11 +77,42 @@ def _tp_rank(rank: int, world: int, init_file: str, model_dir: str, out: str) ->
             report["wrong_shape"] = "accepted"
         except ValueError as err:
             report["wrong_shape"] = str(err)
+        report["moe"] = _moe_check(mesh_of(engine.model))
         torch.save({n: t for n, t in full.items()}, Path(out) / f"full{rank}.pt")
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _moe_check(mesh) -> dict:
+    """A 4-layer Qwen3.5-MoE text model (the benchmark's architecture: gated delta-net and
+    full attention, 4 experts with fused gate/up weights) split over the group and refit
+    from full tensors: its logits against the same model whole, on this rank."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from mlperf_grpo.inference.tensor_parallel import parallelize
+    from mlperf_grpo.model import materialize
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        full_attention_interval=2)
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(config).eval()
+    with torch.device("meta"):
+        split = AutoModelForCausalLM.from_config(config)
+    materialize(parallelize(split, mesh), "cpu")
+    engine = HFEngine.from_model(split)
+    engine.load_weights(whole.state_dict())  # full tensors: each rank cuts its own part
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        diff = float((engine.model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max())
+    packed = sorted(n for n, index in engine.weight_slices().items() if index is None)
+    same = all(torch.equal(t, whole.state_dict()[n]) for n, t in engine.full_weights())
+    return {"logit_diff": diff, "packed": packed, "full_weights_equal": same}
 
 
 def test_two_ranks_at_t2_generate_what_one_rank_at_t1_generates(tmp_path):
@@ -104,6 +136,10 @@ def test_two_ranks_at_t2_generate_what_one_rank_at_t1_generates(tmp_path):
         assert report["slices_match"] and report["order"] == sorted(whole)
         assert report["zeroed"] and report["slices_refit"] == expected[0].token_ids
         assert "other shape" in report["wrong_shape"]
+        moe = report["moe"]
+        # float32 reordering only, as LOGPROB_TOLERANCE's derivation: 4 layers x 2 row-split sums x 128 u = 6.1e-5
+        assert moe["logit_diff"] <= 1e-4 and moe["full_weights_equal"]
+        assert moe["packed"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(4)]
         full = torch.load(out / f"full{rank}.pt")
         assert all(torch.equal(full[n], whole[n]) for n in whole)  # full_weights gathers the file's tensors
 

@@ -40,6 +40,7 @@ from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_sl
 from mlperf_grpo.inference.tensor_parallel import (
     build_tensor_parallel_model,
     full_tensor,
+    local_part,
     local_slices,
     local_tensor,
     mesh_of,
@@ -266,7 +267,7 @@ class HFEngine:
                 if target is None or tuple(tensor.shape) not in _accepted_shapes(target):
                     self._check_weights(own, {name: tensor.shape}, complete=False)  # raises, naming it
                 local = local_tensor(target)
-                local.copy_(tensor if tensor.shape == local.shape else tensor[local_slices(target)], non_blocking=True)
+                local.copy_(tensor if tensor.shape == local.shape else local_part(tensor, target), non_blocking=True)
                 given.add(name)
         self._check_weights(own, {n: own[n].shape for n in given}, complete=True)
         if self.model.device.type == "cuda":
@@ -291,9 +292,12 @@ class HFEngine:
         own = self.model.state_dict()
         return own if self.tp_size == 1 else {n: local_tensor(t) for n, t in own.items()}
 
-    def weight_slices(self) -> dict[str, tuple[slice, ...]]:
+    def weight_slices(self) -> dict[str, tuple[slice, ...] | None]:
         """For each tensor of :meth:`weights`, the index into the full tensor of what
-        this rank holds (one slice per dim; whole for replicated tensors and at T = 1)."""
+        this rank holds (one slice per dim; whole for replicated tensors and at T = 1);
+        None for a packed parameter (fused gate/up experts), which no index gives: read
+        it in full and :meth:`load_weights` cuts it
+        (:func:`~mlperf_grpo.inference.tensor_parallel.local_slices`)."""
         return {n: local_slices(t) for n, t in self.model.state_dict().items()}
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -323,8 +327,8 @@ class HFEngine:
             names = {name: f for f in opened for name in f.keys()}
             self._check_weights(self.model.state_dict(), {n: f.get_slice(n).get_shape() for n, f in names.items()},
                                 complete=True)
-            self.load_weights((n, f.get_tensor(n) if self.tp_size == 1 else f.get_slice(n)[slices[n]])
-                              for n, f in names.items())
+            self.load_weights((n, f.get_tensor(n) if slices.get(n) is None or self.tp_size == 1
+                               else f.get_slice(n)[slices[n]]) for n, f in names.items())
 
     @property
     def device(self) -> torch.device:

@@ -115,17 +115,34 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
+def local_slices(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     """The index into the full tensor of what this rank holds of ``tensor``: one slice
     per dim (whole for a plain tensor or a replicated dim), so that
-    ``full[local_slices(t)]`` has the shape of :func:`local_tensor` ``(t)``."""
+    ``full[local_slices(t)]`` equals :func:`local_tensor` ``(t)``. None for a packed
+    parameter (a fused gate/up projection, ``packed_colwise``: its ``_StridedShard``
+    holds a slice of each half, which no single index gives): give it in full."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(tensor, DTensor):
         return tuple(slice(0, n) for n in tensor.shape)
+    if any(isinstance(p, _StridedShard) for p in tensor.placements):
+        return None
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def local_part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full tensor ``full`` as ``target`` (a ``DTensor``, or a
+    plain tensor: ``full`` itself) holds it, cut on this rank without communication
+    (``distribute_tensor(..., src_data_rank=None)``: each rank takes its own share, packed
+    parameters included)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 def rank_share(rows: int, tp_rank: int, tp_size: int) -> slice:
