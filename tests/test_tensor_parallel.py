@@ -245,3 +245,17 @@ def test_two_replicas_of_t2_train_as_four_replicas_of_t1(tmp_path):
             group = b["group_tokens"]
             assert group[2 * (rank // 2)] == group[2 * (rank // 2) + 1]  # both ranks of a group hold its completions
     assert any(a["loss"] != 0 for r in reports for a in r["1"]["steps"])  # advantages not all zero: a real step
+
+
+def test_a_group_generates_its_prompts_and_each_rank_trains_on_its_part():
+    from mlperf_grpo.inference.tensor_parallel import rank_share
+    from mlperf_grpo.train.distributed import Layout, prompt_share
+
+    prompts = list(range(8))
+    groups = [prompts[prompt_share(8, Layout(r, 4), 2)] for r in range(4)]
+    assert groups == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]  # 2 groups of 2 ranks
+    trained = [groups[r][rank_share(4, r % 2, 2)] for r in range(4)]
+    assert trained == [[0, 1], [2, 3], [4, 5], [6, 7]]  # what T = 1 gives rank r: every prompt once, in order
+    assert trained == [prompts[prompt_share(8, Layout(r, 4))] for r in range(4)]
+    with pytest.raises(ValueError, match="3 rows do not divide over the 2 ranks"):
+        rank_share(3, 0, 2)

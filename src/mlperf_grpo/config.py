@@ -290,10 +290,11 @@ class InferenceConfig(_Strict):
 
     engine: Literal["hf", "vllm"] = "hf"
     tensor_parallel_size: int = Field(1, gt=0)
-    """GPUs the vLLM engine shards the model over (tensor parallelism); T of the sharded
-    layout in ``plan --memory``. Under torchrun it must divide the world size and the
-    model's heads and experts (``memory_plan.check_tensor_parallel``); the ``hf`` engine is
-    still a full replica on every rank."""
+    """T: the GPUs one engine's weights are split over (tensor parallelism): vLLM's in its
+    own processes; the ``hf`` engine's under torchrun, over groups of T ranks
+    (``inference/tensor_parallel.py``); T of the sharded layout in ``plan --memory``. It
+    must divide the world size and the model's heads and experts, and for ``hf`` the KV
+    heads and the vocabulary (``memory_plan.check_tensor_parallel``)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Fraction of the GPU's memory vLLM may take (weights + KV cache); the rest is left
     to the policy when both share one GPU. Unused on CPU (see ``VLLM_CPU_KVCACHE_SPACE``)."""
