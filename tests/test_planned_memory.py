@@ -75,3 +75,16 @@ def test_the_hf_engine_splits_over_the_world_and_the_vocabulary(monkeypatch, wor
     with pytest.raises(MemoryPlanError) as err:
         loop.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
     assert str(err.value) == refusal
+
+
+def test_train_refuses_a_tensor_parallel_hf_engine_in_one_process(tmp_path, capsys):
+    from mlperf_grpo.cli import main
+
+    config = tmp_path / "t2.yaml"
+    config.write_text("inference: {tensor_parallel_size: 2}\n")
+    assert main(["train", "--config", str(config), "--output", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        "mlperf-grpo: error: inference.tensor_parallel_size 2 does not divide the world size 1: set "
+        "inference.tensor_parallel_size to a common divisor of the world size and the heads, or launch a multiple of 2 "
+        "ranks\n")
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.inference.tensor_parallel import mesh_of
-from mlperf_grpo.model import resolve_model_path
+from mlperf_grpo.inference.tensor_parallel import mesh_of, parallelize
+from mlperf_grpo.model import ModelLoadError, resolve_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +78,14 @@ def _tp_rank(rank: int, world: int, init_file: str, model_dir: str, out: str) ->
         except ValueError as err:
             report["wrong_shape"] = str(err)
         report["moe"] = _moe_check(mesh_of(engine.model))
+        with torch.device("meta"):
+            odd = LlamaForCausalLM(LlamaConfig(vocab_size=33, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+        try:
+            parallelize(odd, mesh_of(engine.model))
+            report["odd_vocab"] = "split"
+        except ModelLoadError as err:
+            report["odd_vocab"] = str(err)
         torch.save({n: t for n, t in full.items()}, Path(out) / f"full{rank}.pt")
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
@@ -92,7 +100,6 @@ def _moe_check(mesh) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from mlperf_grpo.inference.tensor_parallel import parallelize
     from mlperf_grpo.model import materialize
 
     config = Qwen3_5MoeTextConfig(
@@ -136,6 +143,8 @@ def test_two_ranks_at_t2_generate_what_one_rank_at_t1_generates(tmp_path):
         assert report["slices_match"] and report["order"] == sorted(whole)
         assert report["zeroed"] and report["slices_refit"] == expected[0].token_ids
         assert "other shape" in report["wrong_shape"]
+        assert report["odd_vocab"] == ("inference.tensor_parallel_size 2 does not divide the model's vocab_size 33: "
+                                       "set it to a divisor of 33")
         moe = report["moe"]
         # float32 reordering only, as LOGPROB_TOLERANCE's derivation: 4 layers x 2 row-split sums x 128 u = 6.1e-5
         assert moe["logit_diff"] <= 1e-4 and moe["full_weights_equal"]

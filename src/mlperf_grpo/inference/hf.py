@@ -146,8 +146,9 @@ class HFEngine:
             CUDA only; raises ValueError for a model it does not support, or at T > 1).
     Raises:
         ModelLoadError: the model cannot be loaded.
-        ValueError: T > 1 without a process group whose world size T divides, or for a
-            model class with no tensor-parallel plan.
+        ValueError: T > 1 without a process group whose world size T divides (a
+            ModelLoadError for a model T does not split:
+            :func:`~mlperf_grpo.inference.tensor_parallel.parallelize`).
 
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from mlperf_grpo.model import materialize, model_skeleton
+from mlperf_grpo.model import ModelLoadError, materialize, model_skeleton
 
 
 def tensor_parallel_mesh(tensor_parallel_size: int, device: str):
@@ -58,7 +58,7 @@ def parallelize(model: PreTrainedModel, mesh) -> PreTrainedModel:
     Returns:
         ``model``, its split parameters now ``DTensor`` s on ``mesh``.
     Raises:
-        ValueError: the model's class declares no tensor-parallel plan, or T does not
+        ModelLoadError: the model's class declares no tensor-parallel plan, or T does not
             divide its attention heads, KV heads or vocabulary (the plan splits them
             evenly and replicates nothing: ``memory_plan.check_tensor_parallel`` refuses
             such a config first, naming the fix).
@@ -70,8 +70,13 @@ def parallelize(model: PreTrainedModel, mesh) -> PreTrainedModel:
     for key in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
         count = getattr(text, key, None)
         if count and count % t:
-            raise ValueError(f"tensor_parallel_size {t} does not divide the model's {key} {count}")
-    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=t))[0]  # the expanded per-name plan
+            raise ModelLoadError(f"inference.tensor_parallel_size {t} does not divide the model's {key} {count}: "
+                                 f"set it to a divisor of {count}")
+    try:
+        plan = model._resolve_parallel_plans(DistributedConfig(tp_size=t))[0]  # the expanded per-name plan
+    except ValueError as err:  # no plan for this class
+        raise ModelLoadError(f"{type(model).__name__} cannot be split over {t} ranks: {str(err).splitlines()[0]} "
+                             "(set inference.tensor_parallel_size: 1)") from None
     # a tied parameter is listed under its first name only (lm_head.weight is the embeddings')
     names = set(dict(model.named_parameters())) | set(dict(model.named_modules()))
     apply_tensor_parallelism(model, mesh, {name: style for name, style in plan.items() if name in names})
@@ -85,8 +90,8 @@ def build_tensor_parallel_model(path: str, dtype: str, device: str, mesh) -> Pre
     them: :func:`~mlperf_grpo.model.materialize`), in eval mode.
 
     Raises:
-        ModelLoadError: no model directory, or a config that does not build.
-        ValueError: the model has no tensor-parallel plan.
+        ModelLoadError: no model directory, a config that does not build, or a model
+            :func:`parallelize` cannot split.
     """
     model = parallelize(model_skeleton(path, dtype), mesh)
     materialize(model, device)
