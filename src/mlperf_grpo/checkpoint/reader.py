@@ -269,13 +269,18 @@ class ReadBuffers:
         self.pin = pin
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, size_bytes: int) -> torch.Tensor:
-        """A uint8 buffer of exactly ``size_bytes`` for shard ``name``."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < size_bytes:
-            buffer = page_locked_empty(size_bytes) if self.pin else torch.empty(size_bytes, dtype=torch.uint8)
+    def get(self, name: str, size_bytes: int, pin: bool | None = None) -> torch.Tensor:
+        """A uint8 buffer of exactly ``size_bytes`` for shard ``name`` (or another use's
+        key); page-locked when ``pin`` (default: the set's ``pin``)."""
+        if name not in self._buffers or self._buffers[name].numel() < size_bytes:
+            self._buffers.pop(name, None)  # the old one is freed before the new one is allocated
+            buffer = page_locked_empty(size_bytes) if (self.pin if pin is None else pin) else torch.empty(size_bytes, dtype=torch.uint8)
             self._buffers[name] = buffer
-        return buffer[:size_bytes]
+        return self._buffers[name][:size_bytes]
+
+    def allocated(self) -> dict[str, int]:
+        """Key -> bytes of every buffer allocated so far (the host memory this set holds)."""
+        return {name: buffer.numel() for name, buffer in self._buffers.items()}
 
     def reserve(self, checkpoint: Checkpoint) -> None:
         """Allocate (and pin) now the buffers a read of ``checkpoint`` needs, at the
