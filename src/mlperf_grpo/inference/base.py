@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
@@ -67,10 +67,19 @@ class InferenceEngine(Protocol):
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: list[int]
+    tp_size: int
+    """T: the ranks one engine's weights are split over (tensor parallel; 1: the whole
+    model here, or an engine that splits it in its own processes, vLLM)."""
+    tp_rank: int
+    """This process's rank in its tensor-parallel group, 0 .. T - 1."""
+    tp_group: torch.distributed.ProcessGroup | None
+    """The tensor-parallel group's process group; None when ``tp_size == 1``."""
 
     def load_weights(self, weights: Weights) -> None:
         """Refit: copy these weights in place; the one refit entry for weights in memory
-        (the trainer's policy, sharded or not, and the evaluator's verified reads).
+        (the trainer's policy, sharded or not, and the evaluator's verified reads). Each
+        tensor is the full one or, at ``tp_size > 1``, exactly this rank's slice
+        (the shape of ``full[weight_slices()[name]]``).
 
         Raises:
             ValueError: a weight is missing, unknown to the engine, or of another shape.
@@ -80,6 +89,20 @@ class InferenceEngine(Protocol):
         """The engine's own weights by policy name, in its dtype on its device, without a
         copy (what a checkpoint stores after a refit), or None where the engine cannot
         hand them out (vLLM repacks them into kernel formats)."""
+
+    def weight_slices(self) -> dict[str, tuple[slice, ...]] | None:
+        """For each tensor of :meth:`weights`, the index into the full tensor of what this
+        rank holds (``weights()[name] == full[weight_slices()[name]]``; whole slices for
+        replicated tensors and at ``tp_size == 1``); None where :meth:`weights` is None."""
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full tensor, one at a time in sorted name order: at ``tp_size > 1`` a
+        collective over ``tp_group`` (every rank of the group iterates it to the end), at
+        ``tp_size == 1`` :meth:`weights`' items, no communication.
+
+        Raises:
+            NotImplementedError: the engine cannot hand its weights out (vLLM).
+        """
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from the ``*.safetensors`` files of a ``step_N/`` directory."""
@@ -132,7 +155,9 @@ def check_engine_available(config: RunConfig) -> None:
 
 def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = False) -> InferenceEngine:
     """The engine ``config.inference.engine`` names, holding ``config.model`` in
-    ``model.dtype`` on ``model.device``.
+    ``model.dtype`` on ``model.device``; the ``hf`` engine is tensor-parallel over this
+    process's group of ``inference.tensor_parallel_size`` ranks when that is above 1
+    (every rank of the world builds its engine at once).
 
     Args:
         config: the run config (``model`` and ``inference`` sections).
@@ -151,9 +176,12 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
         return VLLMEngine(config.model.path, config.model.dtype, config.model.device, config.inference, config.seed)
     from mlperf_grpo.inference.hf import HFEngine
 
+    t = config.inference.tensor_parallel_size
     if refit_only:
-        return HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
-    return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device)
+        return HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
+                                  tensor_parallel_size=t)
+    return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
+                    tensor_parallel_size=t)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_config: object | None) -> list[int]:

@@ -12,23 +12,40 @@ On CUDA, models whose layers are all full attention decode instead through
 slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
 (:func:`~mlperf_grpo.inference.decode.sample_tokens`); ``decode="generate"`` or a CPU
 device keeps ``generate`` (the CPU calibration's path).
+
+Tensor parallel (``tensor_parallel_size`` T > 1, under a process group): the model is
+split over the T ranks of this process's group by transformers' own DTensor plan
+(:mod:`~mlperf_grpo.inference.tensor_parallel`); each rank holds its slices
+(:meth:`HFEngine.weights`, :meth:`HFEngine.weight_slices`), every rank of the group calls
+``generate`` with the same prompts and seeds and gets the same completions (the sampler
+sees the gathered full-vocabulary logits), and decoding is ``generate`` (the slot
+decoder's static cache is not split by heads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams, Weights, completion_length, eos_token_ids, weight_pairs
 from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_slot_decoding
-from mlperf_grpo.model import build_model_for_refit, encode_prompts, load_model, load_tokenizer
+from mlperf_grpo.inference.tensor_parallel import (
+    build_tensor_parallel_model,
+    full_tensor,
+    local_slices,
+    local_tensor,
+    mesh_of,
+    tensor_parallel_mesh,
+)
+from mlperf_grpo.model import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
 
 
 GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -119,12 +136,17 @@ class HFEngine:
         batch_size: prompts per ``generate`` call (bounds memory); with slot decoding,
             the most rows in flight (finished rows' slots take waiting prompts).
         device: "cpu" or "cuda".
+        tensor_parallel_size: T; above 1 the model is split over the T ranks of this
+            process's tensor-parallel group (every rank of the world builds its engine at
+            once; each rank reads only its slices of the weight files).
         decode: ``"auto"``: slot decoding with CUDA graphs (:mod:`~mlperf_grpo.inference.decode`)
             on CUDA for a model whose layers are all full attention, else ``generate``;
             ``"generate"``: always ``generate``; ``"slots"``: slot decoding (CUDA graphs on
-            CUDA only; raises ValueError for a model it does not support).
+            CUDA only; raises ValueError for a model it does not support, or at T > 1).
     Raises:
         ModelLoadError: the model cannot be loaded.
+        ValueError: T > 1 without a process group whose world size T divides, or for a
+            model class with no tensor-parallel plan.
 
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
@@ -135,20 +157,31 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                 decode: str = "auto") -> None:
-        self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode)
+                 decode: str = "auto", tensor_parallel_size: int = 1) -> None:
+        if tensor_parallel_size == 1:
+            self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode)
+            return
+        mesh = tensor_parallel_mesh(tensor_parallel_size, device)
+        self._init(build_tensor_parallel_model(model_path, dtype, device, mesh), load_tokenizer(model_path),
+                   batch_size, model_path, decode)
+        self.load_checkpoint(check_model_path(model_path))
 
     @classmethod
     def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                  decode: str = "auto") -> HFEngine:
+                  decode: str = "auto", tensor_parallel_size: int = 1) -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
-        nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`). For
-        evaluators, which refit before every use; generating before the first refit gives
-        meaningless text. Args and errors as the constructor's."""
+        nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`, or at T > 1
+        :func:`~mlperf_grpo.inference.tensor_parallel.build_tensor_parallel_model` over
+        this process's group). For evaluators and the trainer, which refit before every
+        use; generating before the first refit gives meaningless text. Args and errors
+        as the constructor's."""
         engine = cls.__new__(cls)
-        engine._init(build_model_for_refit(model_path, dtype, device), load_tokenizer(model_path), batch_size,
-                     model_path, decode)
+        if tensor_parallel_size == 1:
+            model = build_model_for_refit(model_path, dtype, device)
+        else:
+            model = build_tensor_parallel_model(model_path, dtype, device, tensor_parallel_mesh(tensor_parallel_size, device))
+        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode)
         return engine
 
     @classmethod
@@ -156,7 +189,9 @@ class HFEngine:
         cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 256,
         model_path: str = "in-memory", decode: str = "auto",
     ) -> HFEngine:
-        """An engine around ``model`` as it is (its dtype and device; put in eval mode).
+        """An engine around ``model`` as it is (its dtype and device; put in eval mode;
+        tensor-parallel when its parameters are ``DTensor`` s split by
+        :func:`~mlperf_grpo.inference.tensor_parallel.parallelize`).
 
         Without a tokenizer only :meth:`generate_ids` works and completions have empty
         ``text``; the pad id then comes from ``model.generation_config`` (falling back to
@@ -173,6 +208,13 @@ class HFEngine:
         decode: str,
     ) -> None:
         self.model = model
+        mesh = mesh_of(model)
+        self.tp_size: int = 1 if mesh is None else mesh.size()
+        """T: the ranks the model is split over (1: a whole replica)."""
+        self.tp_rank: int = 0 if mesh is None else mesh.get_local_rank()
+        """This rank's index in its tensor-parallel group (0 .. T - 1)."""
+        self.tp_group: torch.distributed.ProcessGroup | None = None if mesh is None else mesh.get_group()
+        """The group's process group; None at T = 1."""
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.model_path = model_path
@@ -191,9 +233,10 @@ class HFEngine:
         """
         if decode not in ("auto", "generate", "slots"):
             raise ValueError(f"decode is {decode!r}; use auto, generate or slots")
-        supported = supports_slot_decoding(self.model)
+        supported = supports_slot_decoding(self.model) and self.tp_size == 1  # its static cache holds every head
         if decode == "slots" and not supported:
-            raise ValueError(f"{type(self.model).__name__} has layers other than full attention: use decode='generate'")
+            raise ValueError(f"{type(self.model).__name__} has layers other than full attention, or is tensor-parallel: "
+                             "use decode='generate'")
         on_cuda = self.model.device.type == "cuda"
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
             return None
@@ -206,7 +249,9 @@ class HFEngine:
         parameter must be given, except names tied to a given one (e.g. ``lm_head.weight``
         tied to the embeddings), which follow it. A state dict is checked before anything
         is copied; ``(name, tensor)`` pairs (a sharded policy's, gathered one at a time)
-        as they come, and the missing names at the end.
+        as they come, and the missing names at the end. Tensor parallel: each tensor may
+        be the full one (this rank copies its slice, :meth:`weight_slices`) or exactly
+        this rank's slice; no communication.
 
         Raises:
             ValueError: a weight is missing, unknown to the model, or of another shape.
@@ -218,9 +263,10 @@ class HFEngine:
         with torch.no_grad():
             for name, tensor in weight_pairs(weights):
                 target = own.get(name)
-                if target is None or target.shape != tensor.shape:
+                if target is None or tuple(tensor.shape) not in _accepted_shapes(target):
                     self._check_weights(own, {name: tensor.shape}, complete=False)  # raises, naming it
-                target.copy_(tensor, non_blocking=True)
+                local = local_tensor(target)
+                local.copy_(tensor if tensor.shape == local.shape else tensor[local_slices(target)], non_blocking=True)
                 given.add(name)
         self._check_weights(own, {n: own[n].shape for n in given}, complete=True)
         if self.model.device.type == "cuda":
@@ -228,10 +274,11 @@ class HFEngine:
 
     def _check_weights(self, own: dict[str, torch.Tensor], shapes: dict[str, torch.Size], complete: bool) -> None:
         """Raise ValueError unless every name in ``shapes`` is the engine's with that shape
-        and, when ``complete``, every weight not tied to one of them is among them."""
+        (full, or this rank's slice) and, when ``complete``, every weight not tied to one
+        of them is among them."""
         missing = set(own) - set(shapes) - self._tied_names(shapes) if complete else set()
         unexpected = set(shapes) - set(own)
-        wrong = sorted(n for n in set(shapes) & set(own) if tuple(shapes[n]) != tuple(own[n].shape))
+        wrong = sorted(n for n in set(shapes) & set(own) if tuple(shapes[n]) not in _accepted_shapes(own[n]))
         if missing or unexpected or wrong:
             raise ValueError(
                 f"weights do not match the engine's model: missing {sorted(missing)[:5]}, "
@@ -239,11 +286,30 @@ class HFEngine:
             )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The engine's own weights (its model's ``state_dict``: no copy)."""
-        return self.model.state_dict()
+        """The engine's own weights (its model's ``state_dict``: no copy); tensor
+        parallel: this rank's local slices (``full[weight_slices()[name]]``)."""
+        own = self.model.state_dict()
+        return own if self.tp_size == 1 else {n: local_tensor(t) for n, t in own.items()}
+
+    def weight_slices(self) -> dict[str, tuple[slice, ...]]:
+        """For each tensor of :meth:`weights`, the index into the full tensor of what
+        this rank holds (one slice per dim; whole for replicated tensors and at T = 1)."""
+        return {n: local_slices(t) for n, t in self.model.state_dict().items()}
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full tensor, one at a time, in sorted name order, on the engine's device.
+        Tensor parallel: each split tensor is all-gathered over :attr:`tp_group` when its
+        turn comes (a collective: every rank of the group must iterate to the end), so at
+        most one full tensor exists besides the slices; T = 1: :meth:`weights`' tensors,
+        no communication."""
+        own = self.model.state_dict()
+        for name in sorted(own):  # sorted: every rank of the group gathers the same tensor at once
+            yield name, full_tensor(own[name])
 
     def load_checkpoint(self, directory: Path) -> None:
-        """Refit in place from every ``*.safetensors`` file of ``directory`` (a ``step_N/``).
+        """Refit in place from every ``*.safetensors`` file of ``directory`` (a ``step_N/``
+        or a model directory), one tensor at a time; tensor parallel: only this rank's
+        slice of each tensor is read (safetensors slicing).
 
         Raises:
             ValueError: a weight is missing or unknown to the model, or no weight file.
@@ -251,10 +317,14 @@ class HFEngine:
         files = sorted(Path(directory).glob("*.safetensors"))
         if not files:
             raise ValueError(f"{directory}: no *.safetensors weight file to refit from")
-        state_dict: dict[str, torch.Tensor] = {}
-        for path in files:
-            state_dict.update(load_file(str(path)))
-        self.load_weights(state_dict)
+        slices = self.weight_slices()
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(safe_open(str(path), framework="pt")) for path in files]
+            names = {name: f for f in opened for name in f.keys()}
+            self._check_weights(self.model.state_dict(), {n: f.get_slice(n).get_shape() for n, f in names.items()},
+                                complete=True)
+            self.load_weights((n, f.get_tensor(n) if self.tp_size == 1 else f.get_slice(n)[slices[n]])
+                              for n, f in names.items())
 
     @property
     def device(self) -> torch.device:
@@ -277,6 +347,7 @@ class HFEngine:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.model.device),
             "batch_size": self.batch_size,
+            "tensor_parallel_size": self.tp_size,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "sampler": "RowSeededSampler (per-row random.Random)",
@@ -284,8 +355,8 @@ class HFEngine:
 
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
-        with these names, in the engine's dtype."""
-        own = self.model.state_dict()
+        with these names, in the engine's dtype (tensor parallel: this rank's slices)."""
+        own = self.weights()
         return weights_fingerprint({n: own[n] for n in names})
 
     def close(self) -> None:
@@ -301,7 +372,7 @@ class HFEngine:
 
     def _tied_names(self, given: dict[str, object]) -> set[str]:
         """Names in the model that share storage with a name in ``given``."""
-        own = self.model.state_dict()
+        own = self.weights()
         given_ptrs = {own[n].data_ptr() for n in given if n in own}
         return {n for n, t in own.items() if n not in given and t.data_ptr() in given_ptrs}
 
@@ -365,6 +436,11 @@ class HFEngine:
     def _completion(self, prompt: list[int], ids: list[int], logprobs: list[float]) -> Completion:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return Completion(prompt_token_ids=list(prompt), token_ids=ids, logprobs=logprobs, text=text)
+
+
+def _accepted_shapes(target: torch.Tensor) -> set[tuple[int, ...]]:
+    """The shapes a refit may give for ``target``: the full tensor's and this rank's slice's."""
+    return {tuple(target.shape), tuple(local_tensor(target).shape)}
 
 
 def _single_id(token_id: int | list[int] | None) -> int | None:

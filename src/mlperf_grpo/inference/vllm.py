@@ -180,9 +180,20 @@ class VLLMEngine:
         self.llm.collective_rpc("refit_from_state_dict", args=(host, self.head_padding))
         self._reset_prefix_cache()
 
+    tp_size, tp_rank, tp_group = 1, 0, None
+    """One engine in this process (vLLM splits it over its own worker processes)."""
+
     def weights(self) -> None:
         """None: vLLM's kernels hold repacked weights, not the policy's tensors."""
         return None
+
+    def weight_slices(self) -> None:
+        """None, as :meth:`weights`."""
+        return None
+
+    def full_weights(self):
+        """Not available: vLLM's kernels hold repacked weights (raises NotImplementedError)."""
+        raise NotImplementedError("the vLLM engine does not hand out its weights")
 
     def load_checkpoint(self, directory: Path) -> None:
         """Refit in place from a ``step_N/`` directory: each worker reads its
