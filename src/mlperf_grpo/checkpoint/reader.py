@@ -360,23 +360,35 @@ def _read_hashed(path: Path, data: torch.Tensor, hashing: ThreadPoolExecutor, st
     return digest.hexdigest()
 
 
+def header_entries(header: dict, base: int, file_bytes: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """Tensor name -> ``(dtype, shape, start, end)`` (byte offsets in the file) of a
+    parsed safetensors header whose data starts at byte ``base`` of a file of
+    ``file_bytes``, each checked to lie in the file with the size of its shape.
+
+    Raises:
+        ValueError, KeyError, TypeError: the header is not valid safetensors.
+    """
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
+        start, end = (base + int(o) for o in meta["data_offsets"])
+        shape = [int(d) for d in meta["shape"]]
+        if not base <= start <= end <= file_bytes or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+        out[name] = (dtype, shape, start, end)
+    return out
+
+
 def _tensor_views(data: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file held in ``data`` (uint8), as views where aligned
     (the format's specification, https://github.com/huggingface/safetensors#format)."""
     try:
         size = int.from_bytes(bytes(data[:8].numpy()), "little")
         header = json.loads(bytes(data[8: 8 + size].numpy()))
-        base = 8 + size
         out = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
-            start, end = (base + int(o) for o in meta["data_offsets"])
-            shape = [int(d) for d in meta["shape"]]
-            count = math.prod(shape)
-            if not base <= start <= end <= data.numel() or end - start != count * dtype.itemsize:
-                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+        for name, (dtype, shape, start, end) in header_entries(header, 8 + size, data.numel()).items():
             raw = data[start:end]
             if start % dtype.itemsize:
                 raw = raw.clone()  # views of a wider dtype need an aligned start

@@ -29,12 +29,12 @@ import torch
 
 from mlperf_grpo.checkpoint.format import HASH_ALGORITHM, INFO_FILE, CheckpointCorruptError, CheckpointError, new_hasher
 from mlperf_grpo.checkpoint.reader import (
-    _SAFETENSORS_TORCH_DTYPES,
     READ_CHUNK_BYTES,
     Checkpoint,
     ReadBuffers,
     ReadStopped,
     _read_header,
+    header_entries,
 )
 
 Index = tuple[slice, ...]
@@ -134,14 +134,7 @@ def _layout(checkpoint: Checkpoint) -> dict[str, tuple[Path, torch.dtype, list[i
         with open(path, "rb") as f:
             base = 8 + int.from_bytes(f.read(8), "little")
         try:
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
-                start, end = (base + int(o) for o in meta["data_offsets"])
-                shape = [int(d) for d in meta["shape"]]
-                if not base <= start <= end <= size or end - start != math.prod(shape) * dtype.itemsize:
-                    raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+            for name, (dtype, shape, start, _) in header_entries(header, base, size).items():
                 out[name] = (path, dtype, shape, start)
         except (ValueError, KeyError, TypeError) as err:
             raise CheckpointCorruptError(f"{where}: not valid safetensors ({err})") from None

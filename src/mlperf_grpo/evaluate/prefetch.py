@@ -4,7 +4,8 @@ A background thread reads each submitted checkpoint with
 :func:`~mlperf_grpo.checkpoint.reader.read_verified` (hash-verified as read) into one of
 two reusable host buffer sets (pinned when the engine is on a GPU, so the refit is one
 DMA per tensor): while checkpoint ``k`` is refit and validated from one set, ``k+1`` is
-read into the other. Host memory: two checkpoints' weight bytes. Every set is allocated
+read into the other. Host memory: two checkpoints' weight bytes (a rank of a
+tensor-parallel worker of T ranks: two of its shares, about 2 total/T). Every set is allocated
 (pinned) by the thread right around the first read (the first set before it, the others
 just after it, sized by that checkpoint), while the engine starts: pinning stalls the
 device work of other threads, so none is left to happen during a refit or a validation.
@@ -43,7 +44,8 @@ class CheckpointPrefetcher:
         read: ``read(checkpoint, buffers, stop) -> tensors`` (our series:
             ``read_verified``, hash-verified as read, given up at the next chunk once the
             ``threading.Event`` ``stop`` is set; raises on a corrupt or unreadable
-            checkpoint).
+            checkpoint; a rank of a tensor-parallel worker: its share,
+            ``checkpoint/share_read.read_share``, one buffer of about total/T per set).
         pin: pin the host buffers (the engine is on a GPU).
         buffer_sets: host copies that may exist at once (2: one refit, one being read).
         reserve: allocate every set around the first read (:meth:`ReadBuffers.reserve`,
