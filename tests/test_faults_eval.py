@@ -989,7 +989,7 @@ def test_a_tensor_parallel_worker_of_two_ranks_logs_what_one_worker_logged(finis
 
 
 @pytest.mark.parametrize("world, t, refusal", [
-    (None, 2, "inference.tensor_parallel_size 2 splits each evaluation worker's hf engine over 2 ranks: run evaluate "
+    (None, 2, "inference.tensor_parallel_size 2 splits each evaluation worker's hf engine over 2 ranks: run evaluate RUN_DIR "
               "under torchrun with a multiple of 2 ranks (e.g. torchrun --nproc-per-node 2 ...), or set "
               "inference.tensor_parallel_size 1"),
     ("2", 4, "inference.tensor_parallel_size 4 does not divide the world size 2: set inference.tensor_parallel_size to "

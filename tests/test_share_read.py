@@ -14,7 +14,7 @@ import torch
 from mlperf_grpo.checkpoint import CheckpointCorruptError, TrainingInfo, discover_checkpoints, read_weights
 from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.checkpoint.share_read import HASH_KEYS, SHARE_KEY, hashing_ranks, read_share
+from mlperf_grpo.checkpoint.share_read import HASH_KEYS, SHARE_KEY, hashing_ranks, read_share, reserve_share
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
 from mlperf_grpo.config import BUILTIN_MODEL
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, verify_refit
@@ -66,8 +66,11 @@ def test_read_share_gives_each_rank_exactly_its_slices_reading_only_those_bytes(
     for rank in range(size):
         slices = spec(full, rank, size)
         buffers = ReadBuffers()
+        reserve_share(buffers, checkpoint, slices)  # allocated ahead: the read allocates nothing
+        reserved = {key: buffers.get(key, n).data_ptr() for key, n in buffers.allocated().items()}
         read_bytes.clear()
         share = read_share(checkpoint, slices, buffers, rank, size)
+        assert {key: buffers.get(key, n).data_ptr() for key, n in buffers.allocated().items()} == reserved
         assert sorted(share) == sorted(full)
         for name, tensor in share.items():
             want = full[name][slices.get(name, ())]

@@ -88,15 +88,8 @@ def read_share(checkpoint: Checkpoint, slices: dict[str, Index], buffers: ReadBu
             :data:`HASH_ALGORITHM` differs. Combine the ranks' outcomes with
             :func:`agree_on_read`.
     """
-    layout = _layout(checkpoint)
-    plan, offset = [], 0
-    for name in sorted(layout):
-        path, dtype, shape, start = layout[name]
-        ranges = _ranges(slices.get(name, ()), shape, f"{checkpoint.path.name}: {name}")
-        local = [len(range(*r)) for r in ranges]
-        plan.append((name, path, dtype, shape, start, ranges, local, offset))
-        offset += -(-math.prod(local) * dtype.itemsize // _ALIGN) * _ALIGN
-    share = buffers.get(SHARE_KEY, offset)
+    plan, share_bytes = _plan(checkpoint, slices)
+    share = buffers.get(SHARE_KEY, share_bytes)
     view = memoryview(share.numpy())
     tensors: dict[str, torch.Tensor] = {}
     descriptors: dict[Path, int] = {}
@@ -115,6 +108,34 @@ def read_share(checkpoint: Checkpoint, slices: dict[str, Index], buffers: ReadBu
         if owners[path.name] == group_rank:
             _check_hash(checkpoint, path, buffers, stop)
     return tensors
+
+
+def reserve_share(buffers: ReadBuffers, checkpoint: Checkpoint, slices: dict[str, Index]) -> None:
+    """Allocate (and pin, when ``buffers`` pin) now what :func:`read_share` of
+    ``checkpoint`` with ``slices`` needs, so the read allocates nothing (page-locking
+    kept away from a refit or a generation: see ``ReadBuffers.reserve``). A checkpoint
+    whose files or headers are unusable gets nothing here: its read reports it."""
+    try:
+        share_bytes = _plan(checkpoint, slices)[1]
+    except CheckpointError:
+        return
+    buffers.get(SHARE_KEY, share_bytes)
+    for key in HASH_KEYS:
+        buffers.get(key, READ_CHUNK_BYTES, pin=False)
+
+
+def _plan(checkpoint: Checkpoint, slices: dict[str, Index]) -> tuple[list[tuple], int]:
+    """Per tensor, in name order, ``(name, path, dtype, full shape, data offset in the
+    file, ranges, local shape, offset in the share buffer)``; and the share's bytes."""
+    layout = _layout(checkpoint)
+    plan, offset = [], 0
+    for name in sorted(layout):
+        path, dtype, shape, start = layout[name]
+        ranges = _ranges(slices.get(name, ()), shape, f"{checkpoint.path.name}: {name}")
+        local = [len(range(*r)) for r in ranges]
+        plan.append((name, path, dtype, shape, start, ranges, local, offset))
+        offset += -(-math.prod(local) * dtype.itemsize // _ALIGN) * _ALIGN
+    return plan, offset
 
 
 def _layout(checkpoint: Checkpoint) -> dict[str, tuple[Path, torch.dtype, list[int], int]]:

@@ -18,6 +18,7 @@ Store keys (under the work queue's prefix)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -26,7 +27,7 @@ import torch
 
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.checkpoint.share_read import agree_on_read, read_share
+from mlperf_grpo.checkpoint.share_read import agree_on_read, read_share, reserve_share
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
 from mlperf_grpo.evaluate.workers import STORE_TIMEOUT, WorkQueue, _wait_for
@@ -57,7 +58,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None) -> None:
         return
     if not world_size:
         raise EvaluationError(
-            f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run evaluate "
+            f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run evaluate RUN_DIR "
             f"under torchrun with a multiple of {t} ranks (e.g. torchrun --nproc-per-node {t} ...), or set "
             "inference.tensor_parallel_size 1")
     memory_plan.check_tensor_parallel(memory_plan.load_model_config(check_model_path(config.model.path)), world_size, t)
@@ -99,8 +100,8 @@ class TensorParallelGroup:
     def __init__(self, engine, store, worker: int) -> None:
         self.engine, self.store, self.worker = engine, store, worker
         self.leader = engine.tp_rank == 0
-        self.reserve = False  # the share's size is known at the first read; it allocates there
         self._slices = engine.weight_slices()
+        self.reserve = functools.partial(reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
         self._turns = {"claim": 0, "go": 0}
 
     def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
