@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from mlperf_grpo import fingerprint
 from mlperf_grpo.fingerprint import (
     FINGERPRINT_V1,
     FINGERPRINT_V2,
@@ -47,7 +48,10 @@ def test_v2_of_a_whole_tensor_matches_python_ints(dtype):
 
 @pytest.mark.parametrize("shape, spec", [((12, 10), "dim0"), ((12, 10), "dim1"), ((6, 8, 5), "dim1"), ((30,), "dim0")])
 @pytest.mark.parametrize("parts", [2, 3])
-def test_v2_partials_of_slices_add_up_to_the_full_tensor(shape, spec, parts):
+@pytest.mark.parametrize("block", [None, 7])
+def test_v2_partials_of_slices_add_up_to_the_full_tensor(shape, spec, parts, block, monkeypatch):
+    if block is not None:  # many blocks of rows (one row when a row is longer)
+        monkeypatch.setattr(fingerprint, "_CHUNK_ELEMENTS", {"cpu": block, "device": block})
     torch.manual_seed(1)
     full = torch.randn(shape).to(torch.bfloat16)
     dim = 0 if spec == "dim0" else 1
