@@ -128,6 +128,14 @@ def test_verify_uses_the_recorded_algorithm_and_refuses_v1_at_tensor_parallel_si
     finally:
         engine.weights()["model.norm.weight"].copy_(saved)
 
+    class WithoutWeights:  # an engine that hands out no weights (vLLM) computes v2 only
+        tp_size, canary_is_log_softmax = 1, False
+        weights = staticmethod(lambda: None)
+        canary_logits = staticmethod(engine.canary_logits)
+
+    assert verify_refit(WithoutWeights(), old, names) == (
+        f"canary (fingerprint unchecked: algorithm '{FINGERPRINT_V1}' not computed by this engine)")
+
     class TwoRanks:  # refused before any collective: the group is never used
         tp_size = 2
 

@@ -304,7 +304,9 @@ def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[st
             raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
         checked = "fingerprint+canary"
     else:
-        why = f"algorithm {recorded['algorithm']!r} unknown" if recorded.get("algorithm") else "none recorded"
+        algorithm = recorded.get("algorithm")
+        why = ("none recorded" if not algorithm else f"algorithm {algorithm!r} unknown" if algorithm not in FINGERPRINT_ALGORITHMS
+               else f"algorithm {algorithm!r} not computed by this engine")
         checked = f"canary (fingerprint unchecked: {why})"
     worst = canary_mismatch(
         checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype, up_to_constant=engine.canary_is_log_softmax
