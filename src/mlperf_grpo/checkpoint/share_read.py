@@ -94,7 +94,7 @@ def read_share(checkpoint: Checkpoint, slices: dict[str, Index], buffers: ReadBu
     tensors: dict[str, torch.Tensor] = {}
     descriptors: dict[Path, int] = {}
     try:
-        for name, path, dtype, shape, start, ranges, local, at in plan:
+        for name, path, dtype, shape, start, ranges, local, at in sorted(plan, key=lambda p: (p[1], p[4])):  # file order
             if path not in descriptors:
                 descriptors[path] = os.open(path, os.O_RDONLY)
             nbytes = math.prod(local) * dtype.itemsize
