@@ -206,7 +206,7 @@ def test_before_publish_runs_in_the_writer_before_the_rename_and_its_failure_pub
 # --------------------------------------------------------------------------- device fingerprint, verified reads
 
 def _words_reference(t: torch.Tensor) -> list[int]:
-    """tensor_checksums computed independently: Python ints over 8-byte little-endian
+    """tensor_checksums_v1 computed independently: Python ints over 8-byte little-endian
     words of the tensor's bytes (zero-padded), reduced modulo 2**64 as signed int64."""
     import struct
 
@@ -222,14 +222,14 @@ def _words_reference(t: torch.Tensor) -> list[int]:
 
 
 @pytest.mark.parametrize("shape, dtype", [((37, 29), torch.bfloat16), ((1001,), torch.float32), ((3,), torch.bfloat16), ((1,), torch.float32)])
-def test_tensor_checksums_match_an_independent_computation(shape, dtype):
-    from mlperf_grpo.fingerprint import tensor_checksums
+def test_tensor_checksums_v1_match_an_independent_computation(shape, dtype):
+    from mlperf_grpo.fingerprint import tensor_checksums_v1
 
     torch.manual_seed(0)
     t = (torch.randn(shape) * 1e3).to(dtype)
-    assert tensor_checksums(t).tolist() == _words_reference(t)
+    assert tensor_checksums_v1(t).tolist() == _words_reference(t)
     unaligned = torch.cat([torch.zeros(1, dtype=dtype), t.reshape(-1)])[1:]  # storage offset of one element
-    assert tensor_checksums(unaligned).tolist() == _words_reference(t)
+    assert tensor_checksums_v1(unaligned).tolist() == _words_reference(t)
 
 
 def test_fingerprint_catches_swapped_words_a_transpose_and_a_changed_value():

@@ -964,3 +964,48 @@ def test_old_checkpoint_without_a_fingerprint_is_reported_unchecked(engine_resul
     engine.load_weights(read_weights(checkpoints[18]))
     with pytest.raises(RefitError, match="canary logits differ"):  # the canary is still checked
         verify_refit(engine, old, list(weights))
+
+
+# --------------------------------------------------------------------------- tensor-parallel workers (issue 28)
+
+def _set_tensor_parallel_size(run, t):
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config.setdefault("inference", {})["tensor_parallel_size"] = t
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_a_tensor_parallel_worker_of_two_ranks_logs_what_one_worker_logged(finished, trained, tmp_path):
+    """torchrun world 2, inference.tensor_parallel_size 2: one worker whose engine is split
+    over both ranks (each reads its share, the fingerprint is combined over the group)."""
+    run = copy_run(trained, tmp_path / "run")
+    _set_tensor_parallel_size(run, 2)
+    proc = torchrun_evaluate(run, ["--standalone", "--nproc-per-node", "2"], timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert normalized(run / "mlperf.log") == normalized(finished / "mlperf.log")
+    for step in eval_steps(finished / "mlperf.log"):
+        header, _ = read_results(run / "eval" / f"step_{step}.jsonl")
+        assert header["refit_check"] == "fingerprint+canary"
+        assert header["engine"]["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("world, t, refusal", [
+    (None, 2, "inference.tensor_parallel_size 2 splits each evaluation worker's hf engine over 2 ranks: run evaluate RUN_DIR "
+              "under torchrun with a multiple of 2 ranks (e.g. torchrun --nproc-per-node 2 ...), or set "
+              "inference.tensor_parallel_size 1"),
+    ("2", 4, "inference.tensor_parallel_size 4 does not divide the world size 2: set inference.tensor_parallel_size to "
+             "a common divisor of the world size and the heads, or launch a multiple of 4 ranks"),
+])
+def test_a_tensor_parallel_evaluation_that_cannot_form_its_groups_is_refused(run, monkeypatch, capsys, world, t, refusal):
+    _set_tensor_parallel_size(run, t)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    if world is not None:  # rank 0 of a torchrun world (serving the store itself)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+                            "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}.items():
+            monkeypatch.setenv(name, value)
+    assert main(["evaluate", str(run)]) == 2
+    assert error_lines(capsys.readouterr().err) == f"mlperf-grpo: error: {refusal}"
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before

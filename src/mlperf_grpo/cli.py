@@ -275,6 +275,7 @@ def _evaluate_foreign(args: argparse.Namespace) -> int:
     (check's messages), then evaluate the series through the offline evaluator."""
     from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
     from mlperf_grpo.evaluate.foreign import build_source, evaluate_checkpoints
+    from mlperf_grpo.evaluate.worker_group import check_worker_groups
     from mlperf_grpo.evaluate.offline import retain_requested
 
     missing = [flag for flag, v in (("--checkpoints", args.checkpoints), ("--mllog", args.mllog), ("--config", args.config)) if v is None]
@@ -284,6 +285,7 @@ def _evaluate_foreign(args: argparse.Namespace) -> int:
         raise BadInput("--workers applies to RUN_DIR (a run our trainer wrote); another trainer's series is evaluated by one worker")
     retain = retain_requested(args.retain_checkpoints)
     config = _config(args)
+    check_worker_groups(config, None)  # another trainer's series: one worker of one rank
     if args.eval_log is not None and args.eval_log.resolve() == args.mllog.resolve():
         raise BadInput("--eval-log names the training log; leave it out to append to the training log")
     steps = build_source(args.checkpoints, args.format or "auto", config).published_steps()

@@ -269,13 +269,18 @@ class ReadBuffers:
         self.pin = pin
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, size_bytes: int) -> torch.Tensor:
-        """A uint8 buffer of exactly ``size_bytes`` for shard ``name``."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < size_bytes:
-            buffer = page_locked_empty(size_bytes) if self.pin else torch.empty(size_bytes, dtype=torch.uint8)
+    def get(self, name: str, size_bytes: int, pin: bool | None = None) -> torch.Tensor:
+        """A uint8 buffer of exactly ``size_bytes`` for shard ``name`` (or another use's
+        key); page-locked when ``pin`` (default: the set's ``pin``)."""
+        if name not in self._buffers or self._buffers[name].numel() < size_bytes:
+            self._buffers.pop(name, None)  # the old one is freed before the new one is allocated
+            buffer = page_locked_empty(size_bytes) if (self.pin if pin is None else pin) else torch.empty(size_bytes, dtype=torch.uint8)
             self._buffers[name] = buffer
-        return buffer[:size_bytes]
+        return self._buffers[name][:size_bytes]
+
+    def allocated(self) -> dict[str, int]:
+        """Key -> bytes of every buffer allocated so far (the host memory this set holds)."""
+        return {name: buffer.numel() for name, buffer in self._buffers.items()}
 
     def reserve(self, checkpoint: Checkpoint) -> None:
         """Allocate (and pin) now the buffers a read of ``checkpoint`` needs, at the
@@ -355,23 +360,35 @@ def _read_hashed(path: Path, data: torch.Tensor, hashing: ThreadPoolExecutor, st
     return digest.hexdigest()
 
 
+def header_entries(header: dict, base: int, file_bytes: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """Tensor name -> ``(dtype, shape, start, end)`` (byte offsets in the file) of a
+    parsed safetensors header whose data starts at byte ``base`` of a file of
+    ``file_bytes``, each checked to lie in the file with the size of its shape.
+
+    Raises:
+        ValueError, KeyError, TypeError: the header is not valid safetensors.
+    """
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
+        start, end = (base + int(o) for o in meta["data_offsets"])
+        shape = [int(d) for d in meta["shape"]]
+        if not base <= start <= end <= file_bytes or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+        out[name] = (dtype, shape, start, end)
+    return out
+
+
 def _tensor_views(data: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file held in ``data`` (uint8), as views where aligned
     (the format's specification, https://github.com/huggingface/safetensors#format)."""
     try:
         size = int.from_bytes(bytes(data[:8].numpy()), "little")
         header = json.loads(bytes(data[8: 8 + size].numpy()))
-        base = 8 + size
         out = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_TORCH_DTYPES[meta["dtype"]]
-            start, end = (base + int(o) for o in meta["data_offsets"])
-            shape = [int(d) for d in meta["shape"]]
-            count = math.prod(shape)
-            if not base <= start <= end <= data.numel() or end - start != count * dtype.itemsize:
-                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+        for name, (dtype, shape, start, end) in header_entries(header, 8 + size, data.numel()).items():
             raw = data[start:end]
             if start % dtype.itemsize:
                 raw = raw.clone()  # views of a wider dtype need an aligned start

@@ -37,6 +37,7 @@ from mlperf_grpo.evaluate.commit import StepOrderCommitter, plan_evaluation
 from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series, retain_requested
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
 from mlperf_grpo.evaluate.worker import evaluate_claimed
+from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.evaluate.workers import local_queue
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
@@ -75,6 +76,7 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
     config, mllog_file = _wait_for_run(run, poll_s)
     retain = retain or run.retain_recorded()
     check_engine_available(config)
+    check_worker_groups(config, None)  # one worker of one rank: a tensor-parallel engine is refused
     if not _trainer_running(run) and not run.follow_log.is_file():
         print(f"note: the training of {run.root} has ended; evaluating it as 'mlperf-grpo evaluate' does", file=sys.stderr)
         return evaluate_run(run.root, retain_checkpoints=retain, show_progress=show_progress, merge=merge)

@@ -50,6 +50,7 @@ from mlperf_grpo.evaluate.commit import (
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource, series_by_step
 from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_claimed, evaluate_rank
+from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch, local_queue
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
@@ -145,6 +146,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     config, mllog_file = run.load()
     retain = retain or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
+    check_worker_groups(config, None if ranks is None else ranks.world_size)
     if run.follow_log.is_file():
         if merge is None:
             raise EvaluationError(f"{run.root} was followed during training ({run.follow_log}); "

@@ -4,7 +4,8 @@ A background thread reads each submitted checkpoint with
 :func:`~mlperf_grpo.checkpoint.reader.read_verified` (hash-verified as read) into one of
 two reusable host buffer sets (pinned when the engine is on a GPU, so the refit is one
 DMA per tensor): while checkpoint ``k`` is refit and validated from one set, ``k+1`` is
-read into the other. Host memory: two checkpoints' weight bytes. Every set is allocated
+read into the other. Host memory: two checkpoints' weight bytes (a rank of a
+tensor-parallel worker of T ranks: two of its shares, about 2 total/T). Every set is allocated
 (pinned) by the thread right around the first read (the first set before it, the others
 just after it, sized by that checkpoint), while the engine starts: pinning stalls the
 device work of other threads, so none is left to happen during a refit or a validation.
@@ -43,17 +44,20 @@ class CheckpointPrefetcher:
         read: ``read(checkpoint, buffers, stop) -> tensors`` (our series:
             ``read_verified``, hash-verified as read, given up at the next chunk once the
             ``threading.Event`` ``stop`` is set; raises on a corrupt or unreadable
-            checkpoint).
+            checkpoint; a rank of a tensor-parallel worker: its share,
+            ``checkpoint/share_read.read_share``, one buffer of about total/T per set).
         pin: pin the host buffers (the engine is on a GPU).
         buffer_sets: host copies that may exist at once (2: one refit, one being read).
-        reserve: allocate every set around the first read (:meth:`ReadBuffers.reserve`,
-            our series); off for sources whose ``read`` does not use the buffers.
+        reserve: allocate every set around the first read: True with
+            :meth:`ReadBuffers.reserve` (our series' whole shards), or
+            ``reserve(buffers, checkpoint)`` (a tensor-parallel rank's share); False for
+            sources whose ``read`` does not use the buffers.
     Use: :meth:`submit` a checkpoint, :meth:`take` it (blocks until read), give its
     buffers back with :meth:`release` once the engine holds the weights; :meth:`close`.
     """
 
     def __init__(self, read: Callable[[Checkpoint, ReadBuffers, threading.Event], dict[str, torch.Tensor]], pin: bool, buffer_sets: int = 2,
-                 reserve: bool = True) -> None:
+                 reserve: bool | Callable[[ReadBuffers, Checkpoint], None] = True) -> None:
         self._read = read
         self._todo: queue.Queue[tuple[int, Checkpoint] | None] = queue.Queue()
         self._done: queue.Queue[Prefetched] = queue.Queue()
@@ -62,6 +66,7 @@ class CheckpointPrefetcher:
         for buffers in sets:
             self._free.put(buffers)
         self._unreserved = sets if reserve else []  # the sets not yet allocated ahead
+        self._reserve = reserve if callable(reserve) else ReadBuffers.reserve
         self._stop = threading.Event()  # set by close(): the thread gives up what it does
         self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
         self._thread.start()
@@ -100,7 +105,7 @@ class CheckpointPrefetcher:
             index, checkpoint = job
             try:
                 if self._unreserved:
-                    buffers.reserve(checkpoint)
+                    self._reserve(buffers, checkpoint)
                 self._done.put(Prefetched(index, checkpoint, self._read(checkpoint, buffers, self._stop), None, buffers))
             except BaseException as err:  # noqa: BLE001  (re-raised by the taker, at this checkpoint: any failure,
                 # DCP's CheckpointException (a BaseException) included, or the taker would wait forever)
@@ -114,6 +119,6 @@ class CheckpointPrefetcher:
             if self._stop.is_set():
                 return
             try:
-                buffers.reserve(checkpoint)
+                self._reserve(buffers, checkpoint)
             except Exception:  # noqa: BLE001  (a checkpoint with bad sizes fails at its own read)
                 return

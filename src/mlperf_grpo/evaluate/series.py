@@ -31,11 +31,20 @@ from mlperf_grpo.checkpoint import (
     published_steps,
     read_training_end,
     remove_checkpoints,
+    tensor_specs,
 )
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
-from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, canary_mismatch
+from mlperf_grpo.fingerprint import (
+    DEVICE_FINGERPRINT_ALGORITHM,
+    FINGERPRINT_ALGORITHMS,
+    FINGERPRINT_V1,
+    FINGERPRINT_V2,
+    canary_mismatch,
+    sharded_fingerprint,
+    weights_fingerprint,
+)
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
 from mlperf_grpo.model import check_model_path
@@ -272,24 +281,32 @@ class RunSeries:
 
 def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[str]) -> str:
     """Prove the engine runs ``checkpoint`` after a refit: the fingerprint of the engine's
-    tensors ``names`` (computed on the engine's device) against the one training recorded
-    (``weights.fingerprint``), and the engine's canary logits against the recorded ones.
+    tensors ``names`` (computed on the engine's device, by the algorithm the checkpoint
+    records; a tensor-parallel engine's slices combined over its group) against the one
+    training recorded (``weights.fingerprint``), and the engine's canary logits against
+    the recorded ones. At ``engine.tp_size > 1`` every rank of the group calls it.
 
     Returns:
         ``"fingerprint+canary"``; ``"canary (fingerprint unchecked: ...)"`` for a
-        checkpoint that records no fingerprint of this algorithm (written before it
-        existed): the canary is then the only check, and the caller says so.
+        checkpoint that records no fingerprint of an algorithm this engine computes
+        (written before it existed): the canary is then the only check, and the caller
+        says so.
     Raises:
         RefitError: the fingerprints differ, or the canary logits differ beyond the dtype's
             tolerance.
+        EvaluationError: a tensor-parallel engine and a checkpoint whose algorithm cannot
+            be combined over slices (v1).
     """
     recorded = checkpoint.info.weights.get("fingerprint") or {}
-    if recorded.get("algorithm") == DEVICE_FINGERPRINT_ALGORITHM:
-        if engine.weights_fingerprint(names) != recorded.get("digest"):
+    digest = engine_fingerprint(engine, checkpoint, names, recorded.get("algorithm"))
+    if digest is not None:
+        if digest != recorded.get("digest"):
             raise RefitError(f"{checkpoint.path.name}: the engine's weights differ from the checkpoint after refit")
         checked = "fingerprint+canary"
     else:
-        why = f"algorithm {recorded['algorithm']!r} unknown" if recorded.get("algorithm") else "none recorded"
+        algorithm = recorded.get("algorithm")
+        why = ("none recorded" if not algorithm else f"algorithm {algorithm!r} unknown" if algorithm not in FINGERPRINT_ALGORITHMS
+               else f"algorithm {algorithm!r} not computed by this engine")
         checked = f"canary (fingerprint unchecked: {why})"
     worst = canary_mismatch(
         checkpoint.info.canary_logits, engine.canary_logits(), checkpoint.info.dtype, up_to_constant=engine.canary_is_log_softmax
@@ -300,6 +317,40 @@ def verify_refit(engine: InferenceEngine, checkpoint: Checkpoint, names: list[st
             "the engine is not running these weights"
         )
     return checked
+
+
+def engine_fingerprint(engine: InferenceEngine, checkpoint: Checkpoint, names: list[str], algorithm: str | None) -> str | None:
+    """The fingerprint (``algorithm``) of the engine's tensors ``names``, or ``None``
+    when this engine cannot compute that algorithm (unknown, or v1 on an engine that
+    hands out no weights). A tensor-parallel engine (``tp_size > 1``): its local slices'
+    v2 partials summed over ``engine.tp_group``
+    (:func:`~mlperf_grpo.fingerprint.sharded_fingerprint`; full shapes from the
+    checkpoint's headers), a collective.
+
+    Raises:
+        EvaluationError: ``tp_size > 1`` and a v1 checkpoint.
+        RefitError: the group's slices or replicas disagree.
+    """
+    if getattr(engine, "tp_size", 1) > 1:
+        if algorithm == FINGERPRINT_V1:
+            raise EvaluationError(
+                f"{checkpoint.path.name} records fingerprint algorithm {FINGERPRINT_V1}, which cannot be combined over "
+                "tensor-parallel slices: evaluate with inference.tensor_parallel_size 1"
+            )
+        if algorithm != FINGERPRINT_V2:
+            return None
+        own, specs = engine.weights(), tensor_specs(checkpoint)
+        local = {n: own[n] for n in names}
+        try:
+            return sharded_fingerprint(local, engine.weight_slices(),
+                                       {n: (str(t.dtype).removeprefix("torch."), specs[n][1]) for n, t in local.items()},
+                                       engine.tp_group)
+        except ValueError as err:
+            raise RefitError(f"{checkpoint.path.name}: {err}") from None
+    if algorithm == DEVICE_FINGERPRINT_ALGORITHM:
+        return engine.weights_fingerprint(names)
+    own = engine.weights() if algorithm in FINGERPRINT_ALGORITHMS else None
+    return None if own is None else weights_fingerprint({n: own[n] for n in names}, algorithm)
 
 
 def read_error(checkpoint: Checkpoint, err: BaseException) -> BaseException:

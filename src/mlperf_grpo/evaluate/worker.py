@@ -28,6 +28,7 @@ from mlperf_grpo.evaluate.commit import WORKER_ERRORS, EvalPlan, StepOrderCommit
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
 from mlperf_grpo.evaluate.validator import validate
+from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group
 from mlperf_grpo.evaluate.workers import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
@@ -40,29 +41,35 @@ RANK_MODULE = __name__
 server imports ahead (``evaluate/prestart.py``)."""
 
 def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, checkpoints: dict[int, Checkpoint],
-                     plan: EvalPlan, engine: Callable[[], InferenceEngine], after_each=lambda: None) -> None:
+                     plan: EvalPlan, engine: Callable[[], InferenceEngine], after_each=lambda: None,
+                     group: SoloWorker | TensorParallelGroup | None = None) -> None:
     """One worker: claim the next pending checkpoint, refit from its prefetched verified
     read (the next one is read meanwhile), verify, validate, write its results to
     ``eval/unlogged/`` and publish its result (or its error) until none is left or the
     run is decided. ``engine()`` gives the worker's engine; it is called once, after the
     first claim, so an engine started then (:class:`EngineAtFirstUse`) starts while its
     first checkpoint is read. ``after_each()`` runs after every publish (the serial
-    committer)."""
+    committer). ``group``: this rank's part of a worker spanning a tensor-parallel group
+    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`: its leader claims,
+    writes and publishes; every rank reads its share, refits, verifies and generates);
+    default one rank (:class:`~mlperf_grpo.evaluate.worker_group.SoloWorker`)."""
     suite = load_suite(config)
     tasks = validation_tasks(suite, config.validation.num_tasks)
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
-    prefetcher = CheckpointPrefetcher(source.read, pin=_pins_host_buffers(config), reserve=isinstance(source, RunSeries))
+    group = SoloWorker(source) if group is None else group
+    prefetcher = CheckpointPrefetcher(group.read, pin=_pins_host_buffers(config), reserve=group.reserve)
     try:
-        claimed = _claim(queue, plan, checkpoints, prefetcher)
+        claimed = _claim(queue, group, plan, checkpoints, prefetcher)
         worker_engine = engine() if claimed else None
-        while claimed and not queue.stopped():
+        while claimed and group.go(queue):
             wait_start_s = time.perf_counter()
             item = prefetcher.take()
-            claimed = _claim(queue, plan, checkpoints, prefetcher)  # read it while this one is validated
+            claimed = _claim(queue, group, plan, checkpoints, prefetcher)  # read it while this one is validated
+            error = group.agree(item.error)  # the group's ranks fail together
             try:
-                if item.error is not None:
-                    raise read_error(item.checkpoint, item.error)
+                if error is not None:
+                    raise read_error(item.checkpoint, error)
                 start_ms, refit_start_s = now_ms(), time.perf_counter()
                 worker_engine.load_weights(item.weights)  # refit, no optimizer state; waits for the copies
                 checked = source.verify(worker_engine, item.checkpoint, item.weights)
@@ -70,13 +77,15 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
                 generation_start_s = time.perf_counter()
                 accuracy, results = validate(worker_engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
                 generation_stop_s = time.perf_counter()
-                write_results(run, item.checkpoint.step, results, params, config.seed, worker_engine.describe(), checked,
-                              unlogged_results(run, item.checkpoint.step))
-                record_timing(run, item.checkpoint.step, read_wait_s=refit_start_s - wait_start_s,
-                              refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s)
-                queue.publish(item.index, {"accuracy": accuracy, "start_ms": start_ms, "stop_ms": now_ms()})
+                if group.leader:
+                    write_results(run, item.checkpoint.step, results, params, config.seed, worker_engine.describe(), checked,
+                                  unlogged_results(run, item.checkpoint.step))
+                    record_timing(run, item.checkpoint.step, read_wait_s=refit_start_s - wait_start_s,
+                                  refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s)
+                    queue.publish(item.index, {"accuracy": accuracy, "start_ms": start_ms, "stop_ms": now_ms()})
             except tuple(WORKER_ERRORS.values()) as err:
-                queue.publish(item.index, {"error": type(err).__name__, "message": str(err)})
+                if group.leader:
+                    queue.publish(item.index, {"error": type(err).__name__, "message": str(err)})
             after_each()
     finally:
         prefetcher.close()
@@ -172,8 +181,9 @@ def record_startup(run: RunDir, **fields: float | None) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _claim(queue: WorkQueue, plan: EvalPlan, checkpoints: dict[int, Checkpoint], prefetcher: CheckpointPrefetcher) -> bool:
-    index = queue.claim()
+def _claim(queue: WorkQueue, group: SoloWorker | TensorParallelGroup, plan: EvalPlan, checkpoints: dict[int, Checkpoint],
+           prefetcher: CheckpointPrefetcher) -> bool:
+    index = group.claim(queue)
     if index is None:
         return False
     prefetcher.submit(index, checkpoints[plan.pending_steps[index]])
@@ -223,7 +233,11 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     connection) to ``mllog_file`` (the evaluator's, resolved when it took the lock).
     Dies with the launching evaluator (it holds the lock; :func:`die_with_launcher`).
     ``launch_unix_s``: when the evaluator launched the ranks (Unix s; for
-    ``eval/startup.jsonl``).
+    ``eval/startup.jsonl``). With the ``hf`` engine and ``inference.tensor_parallel_size``
+    T > 1 (under torchrun, world = workers x T): the rank joins a process group, every
+    rank builds its engine at once (tensor-parallel over ranks ``w T .. w T + T - 1``),
+    and the ``T`` ranks of a group are one worker
+    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`).
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
@@ -240,6 +254,8 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    t = group_size(config)
+    joined = join_process_group(config) if t > 1 else False
     engine = EngineAtFirstUse(run, config, launch_unix_s)
     failure: list[dict] = []
     committer_thread = None
@@ -247,6 +263,8 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
         source = RunSeries(run.checkpoints)
         checkpoints = series_by_step(source)
         queue = rank_queue(len(plan.pending_steps), serve=True)
+        # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
+        group = TensorParallelGroup(engine(), queue.store, rank // t) if t > 1 else None
         if rank == 0:
             committer = StepOrderCommitter(run, config, Path(mllog_file), plan, checkpoints,
                                            rank_queue(len(plan.pending_steps), serve=False), show_progress)
@@ -261,9 +279,11 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
 
             committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
             committer_thread.start()
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine)
+        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, group=group)
     finally:
         engine.close()
+        if joined:
+            torch.distributed.destroy_process_group()
     if committer_thread is not None:
         committer_thread.join()
     return failure[0] if failure else None
