@@ -53,27 +53,33 @@ class RankGroup:
     store: dist.Store | None = None
 
     @classmethod
-    def of_process_group(cls, root: str) -> "RankGroup":
-        """This rank of the default process group, over its store (torchrun's TCPStore),
-        keys prefixed by the checkpoint root ``root`` (two series never share a key)."""
-        store = dist.PrefixStore(f"{STORE_PREFIX}/{root}/", dist.distributed_c10d._get_default_store())
+    def of_process_group(cls) -> "RankGroup":
+        """This rank of the default process group, over its store (torchrun's TCPStore;
+        one checkpoint series per job, keys under :data:`STORE_PREFIX`)."""
+        store = dist.PrefixStore(f"{STORE_PREFIX}/", dist.distributed_c10d._get_default_store())
         return cls(dist.get_rank(), dist.get_world_size(), store)
 
     def send_report(self, step: int, report: dict) -> None:
         """Publish this rank's report of ``step`` (any JSON object) for rank 0."""
         self.store.set(_report_key(step, self.rank), json.dumps(report))
 
-    def await_report(self, step: int, rank: int, stall_s: float = STALL_S) -> dict:
+    def await_report(self, step: int, rank: int, stall_s: float | None = None) -> dict:
         """Rank ``rank``'s report of ``step``, waiting as long as that rank beats.
 
         Raises:
-            RankReportError: the rank stopped beating for ``stall_s`` before it reported,
-                or its report says its write failed (``{"error": message}``).
+            RankReportError: the rank stopped beating for ``stall_s`` (default
+                :data:`STALL_S`) before it reported, or its report says its write failed
+                (``{"error": message}``).
         """
-        key, beat_key = _report_key(step, rank), _beat_key(rank)
+        stall_s = STALL_S if stall_s is None else stall_s
+        key, beat_key, end_key = _report_key(step, rank), _beat_key(rank), _end_key(rank)
         beats, changed = None, time.monotonic()
         wake = threading.Event()
         while not self.store.check([key]):
+            # it ended training without saving this step (its reports precede its end)
+            if self.store.check([end_key]) and not self.store.check([key]):
+                raise RankReportError(f"rank {rank} ended training without staging step_{step} "
+                                      f"(its last checkpoint: {self.store.get(end_key).decode()})")
             now, seen = time.monotonic(), self.store.add(beat_key, 0)
             if seen != beats:
                 beats, changed = seen, now
@@ -86,6 +92,12 @@ class RankGroup:
         if "error" in report:
             raise RankReportError(f"rank {rank} could not write its part of step_{step}: {report['error']}")
         return report
+
+
+    def send_end(self, last: str) -> None:
+        """Tell rank 0 that this rank has sent the reports of every checkpoint it saved
+        (``last``: the last one's name, for the message): one it still waits for will not come."""
+        self.store.set(_end_key(self.rank), last)
 
 
 class Heartbeat:
@@ -116,6 +128,10 @@ class Heartbeat:
 
 def _report_key(step: int, rank: int) -> str:
     return f"step_{step}/report/{rank}"
+
+
+def _end_key(rank: int) -> str:
+    return f"end/{rank}"
 
 
 def _beat_key(rank: int) -> str:

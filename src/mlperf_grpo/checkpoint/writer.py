@@ -334,7 +334,8 @@ class AsyncCheckpointer:
             self._jobs.shutdown(wait=True)
             self._shards.shutdown(wait=True)
             self._fingerprints.shutdown(wait=True)
-            if self._heartbeat is not None:
+            if self._heartbeat is not None:  # a rank other than 0: its reports are all sent
+                self._send_end()
                 self._heartbeat.stop()
             if record_end and self.group.rank == 0 and (self.root.is_dir() or self._futures):
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -459,6 +460,12 @@ class AsyncCheckpointer:
             self.group.send_report(step, report)
         except dist.DistError as err:  # the store is gone: rank 0 sees this rank stall instead
             self._fail(CheckpointWriteError(f"cannot report step_{step} to rank 0: {err}"))
+
+    def _send_end(self) -> None:
+        try:
+            self.group.send_end(f"step_{max(self.timings)}" if self.timings else "none")
+        except dist.DistError:  # the store is gone: rank 0 sees this rank stall instead
+            pass
 
     def _write_shards(self, tmp: Path, slot: StagingSlot) -> tuple[dict[str, dict], list]:
         """Write this rank's shards in parallel (no fsync yet); returns the per-shard
