@@ -19,8 +19,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file
 
 import mlperf_grpo
-from mlperf_grpo.checkpoint import (AsyncCheckpointer, CheckpointWriteError, RankGroup, TrainingInfo, read_training_info,
-                                   write_checkpoint)
+from mlperf_grpo.checkpoint import (AsyncCheckpointer, CheckpointWriteError, RankGroup, TrainingInfo,
+                                   engine_checkpoint_weights, read_training_info, write_checkpoint)
 from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES
 from mlperf_grpo.checkpoint.format import END_FILE, INDEX_FILE
 from mlperf_grpo.checkpoint.shard_plan import plan_shards, tensor_bytes
@@ -83,6 +83,33 @@ def test_one_rank_plans_the_files_a_one_process_writer_always_wrote():
     split = split_torch_state_dict_into_shards(state, max_shard_size=SHARD_BYTES)
     assert [list(group) for _, group in plan.files] == list(split.filename_to_tensors.values())
     assert plan.weight_map() == dict(sorted(split.tensor_to_filename.items()))
+
+
+class _Engine:
+    """The engine interface's checkpoint side (inference/base.py): ``weights()`` this
+    rank's tensors (tied names sharing storage), ``full_weights()`` every full tensor in
+    name order, fresh each time (a gather at ``tp_size > 1``)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], tp_size: int) -> None:
+        self.state, self.tp_size, self.iterated = state, tp_size, 0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def full_weights(self):
+        for name in sorted(self.state):
+            self.iterated += 1
+            yield name, self.state[name].clone()
+
+
+def test_a_replica_engine_is_staged_from_its_weights_and_a_sharded_one_from_its_full_weights():
+    state = _weights()
+    replica = _Engine(state, tp_size=1)
+    assert engine_checkpoint_weights(replica) is state and replica.iterated == 0  # no communication
+    sharded = _Engine(state, tp_size=2)
+    pairs = list(engine_checkpoint_weights(sharded))
+    assert [n for n, _ in pairs] == sorted(unique_tensors(state))  # the tied lm_head.weight once
+    assert sharded.iterated == len(state)  # the collective is consumed to its end
 
 
 # ---------------------------------------------------------------- N ranks write, rank 0 publishes

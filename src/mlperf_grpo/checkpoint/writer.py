@@ -188,7 +188,10 @@ def staged_checksums(slot: StagingSlot) -> dict[str, list[int]]:
     tensor of a filled slot, computed on the CPU from the staged host copy (in the writer,
     off the training path). The sums modulo 2**64 do not depend on the order of additions,
     so they equal the checksums of the source tensors on their device."""
-    return {name: tensor_checksums(t).tolist() for name, t in slot.tensors.items()}
+    if not slot.tensors:
+        return {}
+    values = torch.stack([tensor_checksums(t) for t in slot.tensors.values()]).tolist()  # one read-back
+    return dict(zip(slot.tensors, values))
 
 
 def combined_fingerprint(plan: ShardPlan, checksums: dict[str, list[int]]) -> dict:
@@ -386,7 +389,8 @@ class AsyncCheckpointer:
                     copies.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(copies):
                         owned[name].copy_(src, non_blocking=True)
-                    src.record_stream(copies)  # its memory is not reused before the copy ends
+                    if src.is_cuda:  # its memory is not reused before the copy ends
+                        src.record_stream(copies)
         copied = torch.cuda.Event()
         copied.record(copies)
         # on the compute stream, overlapping the copies (which only the copy engine does):
