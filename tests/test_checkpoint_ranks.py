@@ -277,7 +277,8 @@ def test_a_rank_killed_while_it_writes_publishes_nothing_half_written(tmp_path):
                              "--output", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=tmp_path)
     deadline = time.monotonic() + 300
-    while not (tmp_path / "rank1_writes_step_3").exists():
+    # rank 1 is inside its write of step 3, and step 2 (written by another writer thread) is out
+    while not ((tmp_path / "rank1_writes_step_3").exists() and (run / "checkpoints" / "step_2").is_dir()):
         assert proc.poll() is None and time.monotonic() < deadline, "rank 1 did not reach its write of step 3"
         time.sleep(0.05)
     os.kill(_rank_pid(proc.pid, rank=1), signal.SIGKILL)
