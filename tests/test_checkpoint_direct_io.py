@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo, discover_checkpoints, read_weights, write_checkpoint
 from mlperf_grpo.checkpoint import direct_io
 from mlperf_grpo.checkpoint import writer as writer_module
-from mlperf_grpo.checkpoint.writer import StagingSlot, staged_fingerprint
+from mlperf_grpo.checkpoint.writer import combined_fingerprint, staged_checksums
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, load_model
 
@@ -149,7 +149,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, device):
+def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, device, tmp_path):
     torch.manual_seed(0)
     # odd sizes put later tensors at addresses that are not multiples of 8 in the slot
     state = {
@@ -160,13 +160,14 @@ def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, de
         "e.weight": torch.randn(5, 7).to(dtype),
     }
     state = {n: t.to(device) for n, t in state.items()}
-    slot = StagingSlot()
-    info = AsyncCheckpointer._stage(state, slot, 1 << 30, _info(1))
+    writer = AsyncCheckpointer(tmp_path, BUILTIN_MODEL_DIR)
+    slot = writer._free.get()
+    info = writer._stage(state, slot, _info(1))
     assert info.current_step == 1
     assert any(t.data_ptr() % 8 for t in slot.tensors.values())  # the padded path is taken
     assert all(t.device.type == "cpu" for t in slot.tensors.values())
     expected = weights_fingerprint(state)  # on the source tensors' device
-    assert staged_fingerprint(slot)["digest"] == expected
+    assert combined_fingerprint(writer.plan, staged_checksums(slot))["digest"] == expected
     changed = dict(state, **{"c.weight": state["c.weight"].clone()})
     changed["c.weight"][7, 3] += 1
     assert weights_fingerprint(changed) != expected

@@ -421,14 +421,13 @@ def test_two_ranks_publish_the_same_checkpoints(runs):
     one, two, _ = runs
     steps = sorted(p.name for p in (one / "checkpoints").glob("step_*"))
     assert steps == sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
-    for step in steps:
-        files = sorted(p.name for p in (one / "checkpoints" / step).glob("*.safetensors"))
-        assert files == sorted(p.name for p in (two / "checkpoints" / step).glob("*.safetensors"))
-        for name in files:
-            wa, wb = load_file(one / "checkpoints" / step / name), load_file(two / "checkpoints" / step / name)
-            assert wa.keys() == wb.keys()
-            for key in wa:
-                torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
+    for step in steps:  # each rank wrote its own files: the same tensors, in other files
+        files = {run: sorted((run / "checkpoints" / step).glob("*.safetensors")) for run in (one, two)}
+        assert (len(files[one]), len(files[two])) == (1, 2)
+        wa, wb = ({k: v for f in files[run] for k, v in load_file(f).items()} for run in (one, two))
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
 
 
 def test_rank_0_alone_writes_a_log_that_describes_the_layout(runs):

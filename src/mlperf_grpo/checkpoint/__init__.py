@@ -1,7 +1,10 @@
 """Deferred checkpoints: each ``step_N/`` a complete Hugging Face model directory.
 
 ``format`` (layout, ``training_info.json``), ``writer`` (asynchronous staging and
-publish), ``direct_io`` (shard files written with O_DIRECT from aligned memory), ``reader``
+publish, on every rank), ``shard_plan`` (which rank writes which tensors, in which file),
+``rank_group`` (the ranks' reports to rank 0 through the store), ``engine_weights`` (what
+a rank stages from its engine), ``direct_io`` (shard files written with O_DIRECT from
+aligned memory), ``reader``
 (discovery, header and file checks, verified reads), ``foreign`` (other trainers' layouts)
 and ``dcp_read`` (their torch distributed checkpoints, read in one process).
 """
@@ -32,12 +35,14 @@ from mlperf_grpo.checkpoint.reader import (
     tensor_specs,
 )
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer, CheckpointTiming, write_checkpoint
+from mlperf_grpo.checkpoint.engine_weights import engine_checkpoint_weights
+from mlperf_grpo.checkpoint.rank_group import RankGroup
 
 
 __all__ = [
     "END_FILE", "HASH_ALGORITHM", "INDEX_FILE", "INFO_FILE", "AsyncCheckpointer", "Checkpoint",
-    "CheckpointCorruptError", "CheckpointError", "CheckpointTiming", "CheckpointWriteError", "TrainingEnd",
+    "CheckpointCorruptError", "CheckpointError", "CheckpointTiming", "CheckpointWriteError", "RankGroup", "TrainingEnd",
     "TrainingInfo", "check_model_files", "check_same_tensors", "discover_checkpoints", "discover_series", "published_steps", "read_training_end",
     "read_training_info", "read_weights", "remove_checkpoints", "sha256_file", "tensor_specs",
-    "write_checkpoint",
+    "engine_checkpoint_weights", "write_checkpoint",
 ]

@@ -4,31 +4,40 @@ On the training path (:meth:`AsyncCheckpointer.save`), right after the weight up
 
 1. take a free slot of the host staging pool (at most ``max_in_flight`` checkpoints exist
    at once; when all are taken, training waits: back-pressure, bounded memory);
-2. copy the rollout-dtype weights into the slot's reused host buffers (pinned, with
-   ``non_blocking`` device-to-host copies on their own CUDA stream, overlapping what
-   ``info`` computes on the compute stream, and one sync; a memcpy on CPU), so training
-   may change the weights as soon as ``save`` returns. Nothing else runs on the clock.
+2. copy the rollout-dtype weights this rank owns (all of them on one rank; see
+   :mod:`~mlperf_grpo.checkpoint.shard_plan`) into the slot's reused host buffers
+   (pinned, with ``non_blocking`` device-to-host copies on their own CUDA stream,
+   overlapping what ``info`` computes on the compute stream, and one sync; a memcpy on
+   CPU), so training may change the weights as soon as ``save`` returns. Nothing else
+   runs on the clock.
 
-In the background, one writer thread per checkpoint in flight:
+In the background, one writer thread per checkpoint in flight, on every rank:
 
-3. write ``tmp_step_N/``: the weight shards in parallel (transformers' sharded
+3. write this rank's shard files into ``tmp_step_N/`` in parallel (transformers' sharded
    safetensors format). The slot holds each shard's exact file image at an aligned
    address (header included), so a shard is written with O_DIRECT straight from it
    (:mod:`~mlperf_grpo.checkpoint.direct_io`; buffered where O_DIRECT is refused) and
    hashed with xxh3_128 from the same memory at the same time, while another thread
-   computes the weights' fingerprint (:mod:`mlperf_grpo.fingerprint`) from the same host
-   copy; then the slot is free again; fsync the shards, write the index, the non-weight
-   files (snapshotted when training started), ``training_info.json``; fsync the directory;
-4. wait until ``step_{N-1}`` is published, call ``before_publish`` (the trainer makes its
-   MLPerf log durable there), then rename to ``step_N/`` (so ``N+1`` is never
-   published before ``N``, and nothing is published past a checkpoint that failed).
+   computes the fingerprint checksums of the rank's tensors
+   (:func:`mlperf_grpo.fingerprint.tensor_checksums`) from the same host copy; then the
+   slot is free again; fsync the shards. A rank other than 0 then sends rank 0 its report
+   (files, hashes, sizes, checksums; or its error) through the job's store
+   (:mod:`~mlperf_grpo.checkpoint.rank_group`) and is done with the step;
+4. rank 0 waits for every rank's report (a rank that stops beating fails the step), writes
+   the index, the non-weight files (snapshotted when training started),
+   ``training_info.json`` (every rank's hashes; the fingerprint digest of all ranks'
+   checksums, the same as one rank computes over all tensors), fsyncs the directory,
+5. waits until ``step_{N-1}`` is published, calls ``before_publish`` (the trainer makes its
+   MLPerf log durable there), then renames to ``step_N/`` (so ``N+1`` is never published
+   before ``N``, nothing is published past a checkpoint that failed, and nothing before
+   every rank's files are on disk).
 
 This is the scheme of torchtitan's async checkpoint mode and ``torch.distributed.
 checkpoint.async_save`` (stage into pinned memory, write in a background thread), kept
 here as plain threads because the on-disk format is transformers' own, not DCP's.
-``finish`` waits for every write and records the last published step
-(``training_end.json``). A SIGKILL at any moment leaves only complete ``step_N/``
-directories (and possibly ``tmp_step_*`` that are never read).
+``finish`` waits for every write and rank 0 records the last published step
+(``training_end.json``). A SIGKILL of any rank at any moment leaves only complete
+``step_N/`` directories (and possibly ``tmp_step_*`` that are never read).
 """
 
 from __future__ import annotations
@@ -39,13 +48,14 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+import torch.distributed as dist
 
 from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES, aligned_empty, write_file_image
 from mlperf_grpo.checkpoint.format import (
@@ -62,12 +72,18 @@ from mlperf_grpo.checkpoint.format import (
     hash_bytes,
     new_hasher,
     safetensors_header,
-    shard_name,
     tensor_specs_digest,
     write_file_synced,
     SAFETENSORS_DTYPES,
 )
-from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, weights_fingerprint
+from mlperf_grpo.checkpoint.rank_group import Heartbeat, RankGroup, RankReportError
+from mlperf_grpo.checkpoint.shard_plan import ShardPlan, layout_of, plan_shards, spec_of, tensor_bytes
+from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest, tensor_checksums
+
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""What :meth:`AsyncCheckpointer.save` takes: a state dict (tied names found by storage
+and stored once) or ``(name, tensor)`` pairs, each a distinct tensor (e.g. a
+tensor-parallel engine's ``full_weights()``, every rank iterating it to the end)."""
 
 SHARD_WRITERS = 4
 """Threads writing the shards of one checkpoint in parallel."""
@@ -87,48 +103,51 @@ class CheckpointTiming:
 
 @dataclass
 class StagingSlot:
-    """One host copy of the weights, laid out as the shard files' exact bytes: one flat
-    byte buffer (pinned when the weights are on CUDA) holding shard after shard, each
-    starting at a multiple of :data:`~mlperf_grpo.checkpoint.direct_io.ALIGNMENT_BYTES`
-    with its safetensors header (spaces pad it so the data starts aligned too) followed
-    by its tensors back to back, exactly as in the file. So a shard is written with
-    O_DIRECT and hashed as one contiguous aligned range. The headers depend only on the
-    tensors' names, dtypes and shapes: written once, when the slot is built. Reused from
-    checkpoint to checkpoint; rebuilt only if the tensors' layout changes."""
+    """One host copy of the weights this rank owns, laid out as its shard files' exact
+    bytes: one flat byte buffer (pinned when the weights are on CUDA) holding shard after
+    shard, each starting at a multiple of
+    :data:`~mlperf_grpo.checkpoint.direct_io.ALIGNMENT_BYTES` with its safetensors header
+    (spaces pad it so the data starts aligned too) followed by its tensors back to back,
+    exactly as in the file. So a shard is written with O_DIRECT and hashed as one
+    contiguous aligned range. The headers depend only on the tensors' names, dtypes and
+    shapes: written once, when the slot is built. Reused from checkpoint to checkpoint;
+    rebuilt only if the plan changes."""
 
     layout: tuple = ()
+    plan: ShardPlan | None = None
     flat: torch.Tensor | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """name -> view into ``flat`` with the tensor's dtype and shape."""
+    """name -> view into ``flat`` with the tensor's dtype and shape (this rank's only)."""
+    files: list[str] = field(default_factory=list)
+    """This rank's shard file names (the plan's global numbering), one per ``shards`` entry."""
     shards: list[tuple[list[str], int, int]] = field(default_factory=list)
     """(tensor names in file order, start byte, end byte of the file image) per shard."""
 
-    def build(self, unique: dict[str, torch.Tensor], max_shard_size: int | str) -> None:
-        split = split_torch_state_dict_into_shards(unique, max_shard_size=max_shard_size)
+    def build(self, plan: ShardPlan, rank: int, pin: bool) -> None:
+        """Lay out ``rank``'s files of ``plan`` (page-locked memory when ``pin``)."""
+        mine = plan.rank_files(rank)
         # largest element size first keeps every view aligned (safetensors orders so too)
-        groups = [sorted(group, key=lambda n: -unique[n].element_size()) for group in split.filename_to_tensors.values()]
-        headers = [safetensors_header([(n, unique[n]) for n in names], {"format": "pt"}, ALIGNMENT_BYTES) for names in groups]
+        groups = [sorted(group, key=lambda n: -plan.specs[n].element_size()) for _, group in mine]
+        headers = [safetensors_header([(n, plan.specs[n]) for n in names], {"format": "pt"}, ALIGNMENT_BYTES)
+                   for names in groups]
         offsets, self.shards, offset = {}, [], 0
         for names, header in zip(groups, headers):
             start = offset
             offset += len(header)
             for n in names:
                 offsets[n] = offset
-                offset += unique[n].numel() * unique[n].element_size()
+                offset += tensor_bytes(plan.specs[n])
             self.shards.append((names, start, offset))
             offset = -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        self.flat = aligned_empty(offset, pin=any(t.is_cuda for t in unique.values()))
+        self.flat = aligned_empty(offset, pin=pin)
         for header, (_, start, _) in zip(headers, self.shards):
             self.flat[start: start + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         self.tensors = {
-            n: self.flat[offsets[n]: offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for n, t in unique.items()
+            n: self.flat[offsets[n]: offsets[n] + tensor_bytes(t)].view(t.dtype).view(t.shape)
+            for n, t in plan.owned(rank).items()
         }
-        self.layout = _layout(unique)
-
-
-def _layout(unique: dict[str, torch.Tensor]) -> tuple:
-    return tuple((n, t.dtype, tuple(t.shape)) for n, t in unique.items())
+        self.files = [name for name, _ in mine]
+        self.plan, self.layout = plan, plan.layout
 
 
 def snapshot_model_files(model_dir: Path) -> dict[str, bytes]:
@@ -141,7 +160,7 @@ def files_record(files: dict[str, bytes]) -> dict[str, dict]:
     return {name: {"hash": hash_bytes(data), "bytes": len(data)} for name, data in sorted(files.items())}
 
 
-def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop names that are the same tensor as an earlier name (tied embeddings, e.g.
     ``lm_head.weight``), as ``save_pretrained`` stores them: once, under the first name;
     ``from_pretrained`` re-ties them.
@@ -164,14 +183,29 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def staged_fingerprint(slot: StagingSlot) -> dict:
-    """``training_info.json``'s ``weights.fingerprint`` of a filled slot: ``{"algorithm":
-    DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}``, computed on the CPU from the staged
-    host copy (in the writer, off the training path). The algorithm's sums modulo 2**64 do
-    not depend on the order of additions, so this equals
-    :func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the source tensors on their
-    device, which is what the evaluator computes from the engine's tensors."""
-    return {"algorithm": DEVICE_FINGERPRINT_ALGORITHM, "digest": weights_fingerprint(slot.tensors)}
+def staged_checksums(slot: StagingSlot) -> dict[str, list[int]]:
+    """name -> :func:`~mlperf_grpo.fingerprint.tensor_checksums` ``[sum, product]`` of each
+    tensor of a filled slot, computed on the CPU from the staged host copy (in the writer,
+    off the training path). The sums modulo 2**64 do not depend on the order of additions,
+    so they equal the checksums of the source tensors on their device."""
+    if not slot.tensors:
+        return {}
+    values = torch.stack([tensor_checksums(t) for t in slot.tensors.values()]).tolist()  # one read-back
+    return dict(zip(slot.tensors, values))
+
+
+def combined_fingerprint(plan: ShardPlan, checksums: dict[str, list[int]]) -> dict:
+    """``training_info.json``'s ``weights.fingerprint``, ``{"algorithm":
+    DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}``, from every rank's per-tensor checksums:
+    :func:`~mlperf_grpo.fingerprint.fingerprint_digest` over all the plan's tensors, so
+    it equals :func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the whole
+    checkpoint on one rank, which is what the evaluator computes from the engine's tensors.
+
+    Raises:
+        KeyError: a tensor of the plan has no checksums.
+    """
+    values = torch.tensor([checksums[name] for name in sorted(plan.specs)], dtype=torch.int64).view(-1, 2)
+    return {"algorithm": DEVICE_FINGERPRINT_ALGORITHM, "digest": fingerprint_digest(plan.specs, values)}
 
 
 class AsyncCheckpointer:
@@ -182,29 +216,38 @@ class AsyncCheckpointer:
         model_dir: the local model directory; its non-weight files are read now (training
             start) and copied into every checkpoint.
         max_in_flight: K, checkpoints staged but not yet written (each holds one host copy
-            of the rollout-dtype weights: host memory is K x the weights' bytes).
+            of the rollout-dtype weights this rank owns: host memory is K x about
+            ``1 / world_size`` of the weights' bytes, :attr:`staged_bytes`).
         max_shard_size: bytes (or ``"5GB"``) per shard; default: transformers' own.
-        before_publish: called in the writer thread right before each ``step_N/`` is
+        before_publish: called in rank 0's writer thread right before each ``step_N/`` is
             renamed into place; an exception from it fails that checkpoint like an I/O error.
+        group: the ranks writing this series (:meth:`RankGroup.of_process_group` under
+            torchrun; every rank builds its checkpointer and calls ``prepare``, ``save``
+            and ``finish`` at the same steps); default: one rank.
     """
 
     def __init__(
         self, checkpoint_root: Path, model_dir: Path, max_in_flight: int = 2, max_shard_size: int | str | None = None,
-        before_publish: Callable[[], None] | None = None,
+        before_publish: Callable[[], None] | None = None, group: RankGroup | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.root = checkpoint_root
         self.max_in_flight = max_in_flight
         self.max_shard_size = default_max_shard_size() if max_shard_size is None else max_shard_size
+        self.group = group or RankGroup()
         self.model_files = snapshot_model_files(model_dir)
         self.files = files_record(self.model_files)
         self.before_publish = before_publish
         self.timings: dict[int, CheckpointTiming] = {}
         self.published_steps: list[int] = []
+        """Steps published so far (rank 0's record: the other ranks publish nothing)."""
+        self.plan: ShardPlan | None = None
+        self._pin = False
+        self._slots = [StagingSlot() for _ in range(max_in_flight)]
         self._free: queue.Queue[StagingSlot] = queue.Queue()
-        for _ in range(max_in_flight):
-            self._free.put(StagingSlot())
+        for slot in self._slots:
+            self._free.put(slot)
         self._jobs = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-writer")
         self._shards = ThreadPoolExecutor(max_workers=SHARD_WRITERS, thread_name_prefix="checkpoint-shard")
         self._fingerprints = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-fingerprint")
@@ -212,11 +255,19 @@ class AsyncCheckpointer:
         self._error: CheckpointWriteError | None = None
         self._lock = threading.Lock()
         self._finished = False
+        self._heartbeat = Heartbeat(self.group) if self.group.rank != 0 else None
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of this rank's host staging buffers (all ``max_in_flight`` slots, headers
+        and alignment padding included), measured from the buffers themselves."""
+        return sum(slot.flat.numel() for slot in self._slots if slot.flat is not None)
 
     # ------------------------------------------------------------------ training path
 
-    def save(self, state_dict: dict[str, torch.Tensor], info: TrainingInfo | Callable[[], TrainingInfo]) -> CheckpointTiming:
-        """Stage ``state_dict`` (rollout dtype, any device) and queue ``step_N/`` for writing.
+    def save(self, weights: Weights, info: TrainingInfo | Callable[[], TrainingInfo]) -> CheckpointTiming:
+        """Stage this rank's share of ``weights`` (rollout dtype, any device; see
+        :data:`Weights`) and queue ``step_N/`` for writing.
 
         ``info`` may be a function: it is called while the device-to-host copies run (on
         CUDA they run on their own stream), so work it does on the device, such as the
@@ -225,13 +276,15 @@ class AsyncCheckpointer:
         Raises:
             CheckpointWriteError: an earlier background write failed (nothing more is
                 published; the run is evaluable up to the last published checkpoint).
+            ValueError: ``weights`` are pairs that differ from those given to
+                :meth:`prepare` (pairs are checked as they come, so prepare first).
         """
         start = time.perf_counter()
         self.raise_if_failed()
         slot = self._free.get()  # back-pressure: at most max_in_flight staged copies
         waited = time.perf_counter()
         try:
-            info = self._stage(state_dict, slot, self.max_shard_size, info)
+            info = self._stage(weights, slot, info)
         except BaseException:
             slot.layout = ()  # partly copied: rebuilt and refilled on next use
             self._free.put(slot)
@@ -243,15 +296,24 @@ class AsyncCheckpointer:
         self.timings[info.current_step] = timing
         return timing
 
-    def prepare(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Allocate every staging slot for these weights now (call before ``run_start``:
-        allocating pinned memory is slow and belongs off the clock)."""
-        unique = unique_tensors(state_dict)
+    def prepare(self, weights: Weights) -> None:
+        """Plan the shards and allocate every staging slot for these weights now (call
+        before ``run_start``: allocating pinned memory is slow and belongs off the clock).
+        Pairs (:data:`Weights`) are iterated to the end, keeping only names, dtypes and
+        shapes: :meth:`save` needs this first for pairs."""
+        if isinstance(weights, Mapping):
+            self._plan_for(unique_tensors(weights))
+        else:
+            specs, pin = {}, False
+            for name, t in weights:
+                specs[name], pin = spec_of(t), pin or t.is_cuda
+            self._pin = pin
+            self.plan = plan_shards(specs.items(), self.group.world_size, self.max_shard_size)
         slots = [self._free.get() for _ in range(self.max_in_flight)]
         try:
             for slot in slots:
-                if slot.layout != _layout(unique):
-                    slot.build(unique, self.max_shard_size)
+                if slot.layout != self.plan.layout:
+                    slot.build(self.plan, self.group.rank, self._pin)
         finally:
             for slot in slots:
                 self._free.put(slot)
@@ -263,7 +325,7 @@ class AsyncCheckpointer:
 
     def finish(self, reason: str = "finished", raise_error: bool = True, record_end: bool = True) -> None:
         """Wait for every queued checkpoint to be published (or discarded after a failure),
-        stop the writer threads and write ``training_end.json``. Idempotent.
+        stop the writer threads and, on rank 0, write ``training_end.json``. Idempotent.
 
         Raises:
             CheckpointWriteError: a background write failed (when ``raise_error``).
@@ -275,7 +337,10 @@ class AsyncCheckpointer:
             self._jobs.shutdown(wait=True)
             self._shards.shutdown(wait=True)
             self._fingerprints.shutdown(wait=True)
-            if record_end and (self.root.is_dir() or self._futures):
+            if self._heartbeat is not None:  # a rank other than 0: its reports are all sent
+                self._send_end()
+                self._heartbeat.stop()
+            if record_end and self.group.rank == 0 and (self.root.is_dir() or self._futures):
                 self.root.mkdir(parents=True, exist_ok=True)
                 last = self.published_steps[-1] if self.published_steps else None
                 end = TrainingEnd(last, self.max_in_flight, reason if self._error is None else "write_failed")
@@ -287,25 +352,47 @@ class AsyncCheckpointer:
         if raise_error:
             self.raise_if_failed()
 
-    @staticmethod
-    def _stage(
-        state_dict: dict[str, torch.Tensor], slot: StagingSlot, max_shard_size: int | str,
-        info: TrainingInfo | Callable[[], TrainingInfo],
-    ) -> TrainingInfo:
-        unique = unique_tensors(state_dict)
-        if slot.layout != _layout(unique):
-            slot.build(unique, max_shard_size)
+    def _plan_for(self, unique: dict[str, torch.Tensor]) -> None:
+        """Keep the plan when ``unique``'s layout is the planned one, else plan again."""
+        if self.plan is None or self.plan.layout != layout_of(unique.items(), self.group.world_size):
+            self._pin = any(t.is_cuda for t in unique.values())
+            self.plan = plan_shards(unique.items(), self.group.world_size, self.max_shard_size)
+
+    def _stage(self, weights: Weights, slot: StagingSlot, info: TrainingInfo | Callable[[], TrainingInfo]) -> TrainingInfo:
+        persistent = isinstance(weights, Mapping)
+        if persistent:
+            unique = unique_tensors(weights)
+            self._plan_for(unique)
+            pairs = unique.items()
+        elif self.plan is None:
+            raise ValueError("save() of (name, tensor) pairs needs prepare() with the same pairs first")
+        else:
+            pairs = _as_planned(weights, self.plan)
+        if slot.layout != self.plan.layout:
+            slot.build(self.plan, self.group.rank, self._pin)
+        owned = slot.tensors
         if not slot.flat.is_pinned():  # CPU: a memcpy
-            for name, src in unique.items():
-                slot.tensors[name].copy_(src)
+            for name, src in pairs:
+                if name in owned:
+                    owned[name].copy_(src)
             return info() if callable(info) else info
         copies = torch.cuda.Stream()
-        copies.wait_stream(torch.cuda.current_stream())  # the weights as the optimizer left them
-        with torch.cuda.stream(copies):
-            for name, src in unique.items():
-                slot.tensors[name].copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(copies)
+        if persistent:  # the engine's own tensors: one wait for the weights as the optimizer left them
+            copies.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(copies):
+                for name, src in pairs:
+                    if name in owned:
+                        owned[name].copy_(src, non_blocking=True)
+        else:  # each pair made on the compute stream (a gather) just now, and freed after
+            for name, src in pairs:  # the generator runs here, on the compute stream
+                if name in owned:
+                    copies.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(copies):
+                        owned[name].copy_(src, non_blocking=True)
+                    if src.is_cuda:  # its memory is not reused before the copy ends
+                        src.record_stream(copies)
+        copied = torch.cuda.Event()
+        copied.record(copies)
         # on the compute stream, overlapping the copies (which only the copy engine does):
         # whatever ``info`` computes (the canary logits)
         info = info() if callable(info) else info
@@ -318,26 +405,38 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ background
 
     def _write(self, info: TrainingInfo, slot: StagingSlot, previous: Future | None) -> int:
-        step = info.current_step
-        staged = slot.tensors
+        step, plan, rank = info.current_step, slot.plan, self.group.rank
         tmp = self.root / f"tmp_step_{step}"
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-            fingerprint = self._fingerprints.submit(staged_fingerprint, slot)  # beside the writes
+            tmp.mkdir(parents=True, exist_ok=True)  # every rank writes its own files into it
+            checksums = self._fingerprints.submit(staged_checksums, slot)  # beside the writes
             try:
-                shards, weight_map, files = self._write_shards(tmp, slot)
+                shards, files = self._write_shards(tmp, slot)
             finally:
-                wait([fingerprint])
+                wait([checksums])
                 self._free.put(slot)  # the buffers are no longer read
-            fingerprint = fingerprint.result()
+            checksums = checksums.result()
             self._sync_shards(files)
-            self._write_metadata(tmp, info, staged, shards, weight_map, fingerprint)
+        except BaseException as err:
+            error = self._write_error(tmp, plan, err)
+            if rank != 0:
+                self._send_report(step, {"error": str(error)})
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._fail(error)
+            raise
+        if rank != 0:  # rank 0 publishes once every rank's files are on disk
+            self._send_report(step, {"shards": shards, "checksums": checksums})
+            return step
+        try:
+            for other in range(1, self.group.world_size):
+                report = self.group.await_report(step, other)
+                shards.update(report["shards"])
+                checksums.update(report["checksums"])
+            self._write_metadata(tmp, info, plan, shards, combined_fingerprint(plan, checksums))
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            self._fail(self._write_error(tmp, staged, err))
+            self._fail(self._write_error(tmp, plan, err))
             raise
         if previous is not None and previous.exception() is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # never publish past a missing checkpoint
@@ -351,7 +450,7 @@ class AsyncCheckpointer:
             os.rename(tmp, final)
             fsync_path(self.root)
         except OSError as err:
-            self._fail(self._write_error(tmp, staged, err))
+            self._fail(self._write_error(tmp, plan, err))
             raise
         with self._lock:
             self.published_steps.append(step)
@@ -360,15 +459,24 @@ class AsyncCheckpointer:
                 self.timings[step] = replace(timing, publish_s=time.time() - info.training_step_end_time_ms / 1000)
         return step
 
-    def _write_shards(self, tmp: Path, slot: StagingSlot) -> tuple[dict[str, dict], dict[str, str], list]:
-        """Write the shards in parallel (no fsync yet); returns the per-shard records, the
-        index's ``weight_map`` (tensor name -> shard file) and the open files."""
-        count = len(slot.shards)
-        names = [shard_name(i + 1, count) for i in range(count)]
-        written = list(self._shards.map(lambda a: self._write_shard(tmp / a[0], a[1], slot), zip(names, slot.shards)))
-        records = {name: record for name, (_, record) in zip(names, written)}
-        weight_map = {t: name for name, (group, _, _) in zip(names, slot.shards) for t in group}
-        return records, weight_map, [f for f, _ in written]
+    def _send_report(self, step: int, report: dict) -> None:
+        try:
+            self.group.send_report(step, report)
+        except dist.DistError as err:  # the store is gone: rank 0 sees this rank stall instead
+            self._fail(CheckpointWriteError(f"cannot report step_{step} to rank 0: {err}"))
+
+    def _send_end(self) -> None:
+        try:
+            self.group.send_end(f"step_{max(self.timings)}" if self.timings else "none")
+        except dist.DistError:  # the store is gone: rank 0 sees this rank stall instead
+            pass
+
+    def _write_shards(self, tmp: Path, slot: StagingSlot) -> tuple[dict[str, dict], list]:
+        """Write this rank's shards in parallel (no fsync yet); returns the per-shard
+        records (file name -> ``{"hash", "bytes"}``) and the open files."""
+        written = list(self._shards.map(lambda a: self._write_shard(tmp / a[0], a[1], slot), zip(slot.files, slot.shards)))
+        records = {name: record for name, (_, record) in zip(slot.files, written)}
+        return records, [f for f, _ in written]
 
     def _sync_shards(self, files: list) -> None:
         def sync(f) -> None:
@@ -395,18 +503,18 @@ class AsyncCheckpointer:
             hasher.join()
         return f, {"hash": digest.hexdigest(), "bytes": end - start}
 
-    def _write_metadata(self, tmp: Path, info: TrainingInfo, staged: dict, shards: dict[str, dict], weight_map: dict[str, str],
+    def _write_metadata(self, tmp: Path, info: TrainingInfo, plan: ShardPlan, shards: dict[str, dict],
                         fingerprint: dict) -> None:
-        total = sum(t.numel() * t.element_size() for t in staged.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
         write_file_synced(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
         for name, data in self.model_files.items():
             write_file_synced(tmp / name, data)
-        specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in staged.items()}
-        weights = {"hash_algorithm": HASH_ALGORITHM, "shards": shards, "tensors": tensor_specs_digest(specs),
-                   "fingerprint": fingerprint}
+        specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in plan.specs.items()}
+        weights = {"hash_algorithm": HASH_ALGORITHM, "shards": dict(sorted(shards.items())),
+                   "tensors": tensor_specs_digest(specs), "fingerprint": fingerprint}
         record = replace(info, weights=weights, files=self.files)
         write_file_synced(tmp / INFO_FILE, record.to_json().encode())
+        _remove_other_than(tmp, {*shards, INDEX_FILE, INFO_FILE, *self.model_files})
         fsync_path(tmp)
 
     def _fail(self, error: CheckpointWriteError) -> None:
@@ -414,13 +522,42 @@ class AsyncCheckpointer:
             if self._error is None:
                 self._error = error
 
-    def _write_error(self, tmp: Path, staged: dict, err: BaseException) -> CheckpointWriteError:
-        needed = sum(t.numel() * t.element_size() for t in staged.values()) + sum(len(d) for d in self.model_files.values())
+    def _write_error(self, tmp: Path, plan: ShardPlan, err: BaseException) -> CheckpointWriteError:
+        if isinstance(err, (RankReportError, CheckpointWriteError)):
+            return CheckpointWriteError(f"cannot write checkpoint {tmp}: {err}")
+        needed = plan.total_bytes + sum(len(d) for d in self.model_files.values())
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         return CheckpointWriteError(
             f"cannot write checkpoint {tmp}: {reason}; it needs about {needed} bytes and {free} bytes are free"
         )
+
+
+def _as_planned(pairs: Iterable[tuple[str, torch.Tensor]], plan: ShardPlan) -> Iterable[tuple[str, torch.Tensor]]:
+    """``pairs`` as they come, each checked against the plan's next tensor (name, dtype,
+    shape), all of them consumed.
+
+    Raises:
+        ValueError: a pair differs from the plan, or one is missing or extra.
+    """
+    expected = iter(plan.specs.items())
+    for name, src in pairs:
+        planned, spec = next(expected, (None, None))
+        if name != planned or src.dtype != spec.dtype or src.shape != spec.shape:
+            raise ValueError(f"the weights given to save differ from those given to prepare at {name!r} "
+                             f"(planned: {planned!r}): call prepare with these weights")
+        yield name, src
+    missing = next(expected, None)
+    if missing is not None:
+        raise ValueError(f"the weights given to save lack {missing[0]!r}, given to prepare")
+
+
+def _remove_other_than(directory: Path, keep: set[str]) -> None:
+    """Remove whatever ``directory`` holds besides ``keep`` (left by an earlier attempt at
+    the same step), so the published directory holds this checkpoint's files only."""
+    for path in directory.iterdir():
+        if path.name not in keep:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def write_checkpoint(checkpoint_root: Path, state_dict: dict[str, torch.Tensor], info: TrainingInfo, model_dir: Path,

@@ -39,7 +39,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
 from mlperf_grpo import memory_plan, rules
-from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, TrainingInfo
+from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, RankGroup, TrainingInfo, engine_checkpoint_weights
 from mlperf_grpo.config import GRPOConfig, RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
@@ -310,7 +310,7 @@ def train(
     if not writer:
         with GracefulStop() as stopper:
             setup = _setup(config, train_pool)
-            return _train(config, None, None, config_filename, False, None, stopper, setup, suite)
+            return _train(config, None, None, config_filename, False, None, stopper, setup, suite, run.checkpoints)
     root_existed = run.root.exists()
     try:
         run.root.mkdir(parents=True, exist_ok=True)
@@ -447,6 +447,7 @@ def _train(
     stopper: GracefulStop,
     setup: _Setup,
     suite: tasks.TaskSuite,
+    checkpoint_root: Path | None = None,  # a rank other than 0 (run is None): where it writes its shards
 ) -> TrainResult:
     here = distributed.layout()
     log = MLLogWriter(mllog_file) if mllog_file is not None else DiscardingLogWriter()  # rank 0 writes
@@ -460,9 +461,11 @@ def _train(
     checkpoint_dtype = DTYPES[config.model.dtype]
     evaluation = evaluation_settings(config, tasks.validation_tasks(suite, config.validation.num_tasks))
     # the non-weight files are snapshotted (and fingerprinted) now, at training start
-    checkpointer = None if inline_eval is not None or run is None else AsyncCheckpointer(
-        run.checkpoints, check_model_path(config.model.path), config.checkpoint.max_in_flight,
+    checkpoint_root = run.checkpoints if run is not None else checkpoint_root  # every rank writes its shards
+    checkpointer = None if inline_eval is not None or checkpoint_root is None else AsyncCheckpointer(
+        checkpoint_root, check_model_path(config.model.path), config.checkpoint.max_in_flight,
         before_publish=log.sync,  # a step_N/ never outlives its step's log lines
+        group=RankGroup.of_process_group() if distributed.in_process_group() else None,
     )
 
     if checkpointer is not None:
@@ -561,6 +564,7 @@ def _train(
         log.commit()  # durable: the whole log is on disk before training returns
         distributed.barrier()  # past every rank's last collective: see distributed.barrier
     except BaseException as err:
+        stopper.stopping()  # a SIGTERM now (torchrun's, after another rank failed) waits for the publish
         if checkpointer is not None:  # publish what is in flight (SIGTERM, Ctrl-C, errors)
             checkpointer.finish(type(err).__name__, raise_error=False)
         # The run's one run_stop: once a checkpoint is published it is the offline
@@ -585,11 +589,12 @@ def _stop_request(run: RunDir | None) -> dict | None:
     return distributed.broadcast_object(run.training_stop_request() if run is not None else None)
 
 
-def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _rollout_weights(engine: InferenceEngine, policy: torch.nn.Module, dtype: torch.dtype):
     """The rollout-dtype weights a checkpoint stores: the engine's own tensors where it
     hands them out (the HF engine's, refit already, so nothing is cast on the clock;
-    under torchrun the only full copy), else the (unsharded) policy's cast to ``dtype``."""
-    held = engine.weights()
+    under torchrun the only full copy; :func:`engine_checkpoint_weights`), else the
+    (unsharded) policy's cast to ``dtype``."""
+    held = engine_checkpoint_weights(engine)
     if held is not None:
         return held
     return {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}

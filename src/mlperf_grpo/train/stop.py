@@ -44,6 +44,12 @@ class GracefulStop:
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGTERM, self._previous)
 
+    def stopping(self) -> None:
+        """The caller is stopping already (handling an error, publishing the checkpoints
+        in flight): from now on SIGTERM is ignored, as after the first one (under torchrun
+        the SIGTERM that follows another rank's failure must not cut that short)."""
+        self._stopping = True
+
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """Hold SIGTERM until the block ends, then stop if one arrived."""
