@@ -381,10 +381,6 @@ def check_planned_memory(config: RunConfig) -> None:
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
     if distributed.launched() or hf:  # the hf engine splits over the world's ranks
         memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
-    if t > 1 and hf:  # until every rank writes its checkpoint share (issue 28 item 2)
-        raise memory_plan.MemoryPlanError(
-            f"inference.tensor_parallel_size {t} with engine hf: this build writes checkpoints from rank 0's engine, "
-            f"which holds 1/{t} of the model; train with inference.tensor_parallel_size: 1")
     if config.model.device != "cuda" or not memory_plan.counts(model):
         return
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
