@@ -3,6 +3,7 @@
     python benchmarks/grpo_step.py [--steps 6] [--repeat 1] [--device cpu|cuda]
                                    [--max-trajectory-age-steps 0|1] [--compute-dtype auto] [--compile auto|on|off] [--no-trl]
                                    [--model builtin:arithmetic-tiny | --model-shape qwen3-1.4b]
+                                   [--decode auto|generate|slots ...] [--max-new-tokens T] [--ignore-eos]
 
 **Ours** trains the built-in arithmetic task with the reference algorithm
 (``rules.REFERENCE_ALGORITHM``: clip-higher, forced ratio, IS correction with
@@ -28,6 +29,14 @@ prompts and the same reward function (through our scorer),
 step), ``max_completion_length`` = the rules' new tokens, temperature 1, top_p 1,
 ``beta`` 0 (no KL, no reference model), its default token-level ``dapo`` loss. A step is
 the time between consecutive ``on_step_end`` callbacks.
+
+``--decode`` sets how the ``hf`` engine decodes (``HFEngine``'s ``decode``: ``auto``
+= the slot decoder on CUDA, ``generate`` = the engine before it); with several values,
+ours is measured once per value in the same run (TRL once), and ``decode_arms`` gives
+each one's ``ours_step_s`` and ``phases_s``, and ``rollout_speedup`` the first value's
+``rollout_s`` over each other's. ``--max-new-tokens`` sets ``grpo.max_new_tokens``;
+``--ignore-eos`` gives the engine no EOS id, so every completion runs to it (a random
+model ends rows early and unevenly).
 
 Step 1 of each is left out (warm-up). Each side runs ``--repeat`` times, alternating
 which goes first. Prints ONE JSON line: ``ours_step_s`` and ``trl_step_s`` (medians;
@@ -96,7 +105,7 @@ def make_qwen3(shape: str, out: Path) -> Path:
 
 
 def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
-               compute_dtype: str = "auto", compile_policy: str = "auto"):
+               compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None):
     """The trainer's config for this benchmark (also where TRL's prompts and reward come from)."""
     data = {
         "seed": 1,
@@ -105,6 +114,8 @@ def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompt
         "grpo": {**rules.REFERENCE_ALGORITHM, "max_trajectory_age_steps": age, "num_prompts_per_step": prompts,
                  "micro_batch_size": micro, "max_steps": steps, "first_eval_step": steps},
     }
+    if max_new_tokens is not None:
+        data["grpo"]["max_new_tokens"] = max_new_tokens
     return parse_config(data, "grpo_step")
 
 
@@ -140,10 +151,31 @@ def phase_timers(device: str):
             setattr(loop, name, fn)
 
 
-def measure_ours(config, device: str, tmp: Path) -> list[dict]:
-    """Train ``config``; per step from step 2: ``step_s`` and the :data:`PHASE_NAMES` seconds."""
+@contextlib.contextmanager
+def engine_decode(decode: str, ignore_eos: bool):
+    """Every ``HFEngine`` built inside decodes as ``decode`` (and, with ``ignore_eos``,
+    has no EOS id); restored on exit."""
+    from mlperf_grpo.inference.hf import HFEngine
+
+    original = HFEngine._init
+
+    def _init(self, model, tokenizer, batch_size, model_path, _decode):
+        original(self, model, tokenizer, batch_size, model_path, decode)
+        if ignore_eos:
+            self.eos_token_ids = []
+
+    HFEngine._init = _init
+    try:
+        yield
+    finally:
+        HFEngine._init = original
+
+
+def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eos: bool = False) -> list[dict]:
+    """Train ``config`` with the engine decoding as ``decode``; per step from step 2:
+    ``step_s`` and the :data:`PHASE_NAMES` seconds."""
     run = RunDir(tmp / f"ours-{len(list(tmp.glob('ours-*')))}")
-    with phase_timers(device) as seconds:
+    with phase_timers(device) as seconds, engine_decode(decode, ignore_eos):
         loop.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
     log = read_log(log_file)
@@ -235,6 +267,10 @@ def main() -> None:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="our model.compile (auto: each decoder layer compiled on the cuda bfloat16 path)")
     parser.add_argument("--no-trl", action="store_true", help="measure ours only")
+    parser.add_argument("--decode", nargs="+", choices=("auto", "generate", "slots"), default=["auto"],
+                        help="the hf engine's decode; several values: ours measured once per value, side by side")
+    parser.add_argument("--max-new-tokens", type=int, help="grpo.max_new_tokens (default: the config's)")
+    parser.add_argument("--ignore-eos", action="store_true", help="the engine gets no EOS id: completions run to the limit")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                         help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
     args = parser.parse_args()
@@ -247,14 +283,21 @@ def main() -> None:
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
         config = run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
-                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile)
+                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile,
+                            args.max_new_tokens)
         ours: list[dict] = []
+        arms: dict[str, list[dict]] = {d: [] for d in args.decode}
         trl_steps: list[float] = []
         for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
             sides = ["ours", "trl"] if with_trl else ["ours"]
             for side in sides[::-1] if r % 2 else sides:
                 if side == "ours":
-                    ours += measure_ours(config, args.device, tmp)
+                    for decode in args.decode:
+                        arms[decode] += measure_ours(config, args.device, tmp, decode, args.ignore_eos)
+                        gc.collect()
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
+                    ours = arms[args.decode[0]]
                 else:
                     trl_steps += measure_trl(config, check_model_path(model), args.device, args.trl_model_dtype, tmp)
                 gc.collect()  # both sides share this process: free one's model and optimizer first
@@ -276,11 +319,27 @@ def main() -> None:
         "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
         "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),
         "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
-        "phases_s": {k: round(statistics.median(s[k] for s in ours), 4) for k in PHASE_NAMES},
+        "phases_s": _phases(ours),
+        "max_new_tokens": config.grpo.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
+        "decode_arms": {d: {"ours_step_s": round(statistics.median(s["step_s"] for s in steps), 4),
+                            "phases_s": _phases(steps)} for d, steps in arms.items()},
+        "rollout_speedup": {d: _ratio(statistics.median(s["rollout_s"] for s in arms[args.decode[0]]),
+                                      statistics.median(s["rollout_s"] for s in steps)) for d, steps in arms.items()},
         "torch": torch.__version__,
         "trl": _version("trl") if with_trl else None,
         "trl_model_dtype": args.trl_model_dtype if with_trl else None,
     }))
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator`` rounded, None when the denominator is 0 (rollouts hidden)."""
+    return round(numerator / denominator, 3) if denominator > 0 else None
+
+
+def _phases(steps: list[dict]) -> dict[str, float]:
+    """Median seconds of each of :data:`PHASE_NAMES` over ``steps``."""
+    return {k: round(statistics.median(s[k] for s in steps), 4) for k in PHASE_NAMES}
 
 
 def _version(name: str) -> str:

@@ -54,6 +54,24 @@ def test_completions_do_not_depend_on_slot_count_order_or_neighbours():
             assert decoder.decode_steps == _makespan([lengths[i] for i in perm], slots)
 
 
+def test_steps_between_looks_keep_each_completion():
+    """With check_every > 1 rows end between two host looks: an ended row keeps its
+    count and writes past its tokens (at its limit into a spare column), so every
+    completion still equals the reference, and a freed slot waits at most
+    check_every - 1 steps (the loop runs at most that much longer per admission)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(14, seed=3)
+    expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
+    lengths = [len(tokens) for tokens, _ in expected]
+    for every in (3, 8):
+        decoder = SlotDecoder(model, 3, pad_token_id=0, cuda_graphs=False, key_block=4, check_every=every)
+        out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
+            assert tokens == want_tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
+        assert _makespan(lengths, 3) <= decoder.decode_steps <= _makespan(lengths, 3) + (every - 1) * len(prompts)
+
+
 def test_slot_decoding_equals_generate_on_the_builtin_model():
     generate = HFEngine("builtin:arithmetic-tiny", "float32", batch_size=16, decode="generate")
     slots = HFEngine.from_model(generate.model, generate.tokenizer, batch_size=16, decode="slots")
@@ -96,7 +114,8 @@ def test_cuda_graph_replays_give_the_eager_steps():
     prompts, seeds = _prompts(40, seed=11)
     runs = {}
     for graphs in (False, True):
-        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8)
+        # the same schedule (looks every 4 steps): buckets and compaction as in the graphs
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4)
         for _ in range(2):  # the second call replays the graphs the first captured
             runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
                                             PARAMS.max_new_tokens, [EOS])

@@ -17,7 +17,11 @@ columns), so attention reads the columns in use, not the whole cache; once no pr
 waits, the live slots are moved to the front and the step shrinks to a smaller bucket.
 On CUDA each ``(rows, key_length)`` step is captured once as a ``torch.cuda.CUDAGraph``
 (forward, sampling and the bookkeeping; one memory pool shared by all) and replayed:
-one launch a token instead of thousands. Prefill stays eager.
+one launch a token instead of thousands. The host looks at which rows ended every
+``check_every`` steps (8 with graphs), so it enqueues several replays while the device
+runs; a row that ends between two looks keeps its count and its tokens. Attention is
+:func:`slot_attention` (two batched products over the cache view). Prefill stays eager
+and computes the last position's logits only.
 
 Sampling is :func:`sample_tokens`, the same as ``RowSeededSampler``'s: row ``i``'s
 ``t``-th token is the inverse CDF of ``softmax(top_p(logits / temperature))`` at the
@@ -46,32 +50,52 @@ SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
 ``AttentionInterface``; the model's own is restored after each step)."""
 
-DECODE_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""Kernels a decode step may use: a slot's visible columns need a mask, which flash
-attention does not take; cuDNN's took about 200 us a layer at 256 rows x 256 keys on one
-H200 (torch 2.11, profiled), several times the time its keys and values take to read."""
-
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, *DECODE_SDPA_BACKENDS]
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Kernels a prefill may use: not cuDNN's, which plans every new shape (prefill widths
 vary; see ``hf.GENERATION_SDPA_BACKENDS``)."""
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   attention_mask: torch.Tensor, dropout: float = 0.0, scaling: float | None = None,
                    **kwargs) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention of one new token per row: ``[b, Hq, 1, D]`` queries
-    grouped per KV head as ``[b, Hkv, Hq / Hkv, D]``, so grouped-query attention reads
-    the ``[b, Hkv, K, D]`` cache as it is (``transformers`` 5.17 copies it to ``Hq`` heads
-    every layer and step, ``repeat_kv``; 5.24's ``pack_gqa`` groups as here).
-    ``attention_mask``: ``[b, 1, 1, K]`` bool, True where a row may attend.
+    """Attention of one new token per row over its slot's cache row, as two batched
+    matrix products: the ``[b, Hq, 1, D]`` queries grouped per KV head as
+    ``[b x Hkv, Hq / Hkv, D]`` read the ``[b, Hkv, K, D]`` cache as it is (a view: no
+    copy to ``Hq`` heads, ``transformers``' ``repeat_kv``). Scores and softmax are float32
+    (``torch.bmm``'s ``out_dtype`` on CUDA), the probabilities are rounded to the value
+    dtype for the second product, as flash attention rounds them.
 
+    Why not ``scaled_dot_product_attention``: a slot's visible columns need a mask, which
+    flash attention does not take, and the memory-efficient kernel with a mask took
+    224 us a layer at 256 rows x 256 columns on one H200 (torch 2.11, 1.65B Qwen3-shaped
+    model, ``torch.profiler``): 43% of a decode step, several times the time its keys and
+    values take to read; cuDNN's took about 200 us.
+
+    Args:
+        attention_mask: ``[b, 1, 1, K]`` float32, 0 where a row may attend, ``-inf``
+            elsewhere (built once a step, shared by the layers).
     Returns:
         ``([b, 1, Hq, D] output, None)``, as ``transformers``' attention functions.
     """
     b, heads, q_len, dim = query.shape
-    grouped = query.reshape(b, key.shape[1], heads // key.shape[1] * q_len, dim)  # q_len is 1: heads in a group are queries
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(b, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+    kv_heads, columns = key.shape[1], key.shape[2]
+    group = heads // kv_heads * q_len  # q_len is 1: the heads of a group are its queries
+    q = query.reshape(b * kv_heads, group, dim)
+    keys = key.reshape(b * kv_heads, columns, dim)  # a view of the cache rows (their rows and heads merge)
+    scores = _bmm_float32(q, keys.transpose(1, 2)).view(b, kv_heads, group, columns)
+    scores.mul_(dim**-0.5 if scaling is None else scaling).add_(attention_mask)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b * kv_heads, group, columns)
+    out = torch.bmm(probs, value.reshape(b * kv_heads, columns, value.shape[-1]))  # [b x Hkv, group, D]
+    return out.view(b, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched) accumulated and returned in float32."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())  # the CPU has no bmm with out_dtype
 
 
 AttentionInterface.register(SLOT_ATTENTION, slot_attention)
@@ -79,12 +103,11 @@ AttentionInterface.register(SLOT_ATTENTION, slot_attention)
 
 @contextlib.contextmanager
 def _decode_attention(model: PreTrainedModel):
-    """The model runs :func:`slot_attention` (and only the listed SDPA kernels) inside."""
+    """The model runs :func:`slot_attention` inside."""
     before = model.config._attn_implementation
     model.config._attn_implementation = SLOT_ATTENTION
     try:
-        with sdpa_kernel(DECODE_SDPA_BACKENDS):
-            yield
+        yield
     finally:
         model.config._attn_implementation = before
 
@@ -188,6 +211,9 @@ class SlotDecoder:
         pad_token_id: the id left padding uses in a prefill.
         cuda_graphs: capture each decode step as a CUDA graph (needs a CUDA model).
         key_block: key-length buckets are multiples of this many columns.
+        check_every: decode steps between two host reads of which rows ended (a slot
+            freed mid-block waits for the next read; default: 8 with CUDA graphs, so
+            the host enqueues several replays while the device runs, else 1).
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -196,7 +222,7 @@ class SlotDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int, cuda_graphs: bool,
-                 key_block: int = 256) -> None:
+                 key_block: int = 256, check_every: int | None = None) -> None:
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         self.model = model
@@ -204,13 +230,19 @@ class SlotDecoder:
         self.pad_token_id = pad_token_id
         self.cuda_graphs = cuda_graphs
         self.key_block = key_block
+        self.check_every = check_every if check_every is not None else (8 if cuda_graphs else 1)
         self.cache: SlotCache | None = None
         self.state: _SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._eos: dict[tuple[int, ...], torch.Tensor] = {}  # device copies a graph reads
         self._pool = None
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        forward_args = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        # a prefill needs the last position's logits only ([n, W, V] would be 2.5 GB at 256 x 32 x 151,936 bf16)
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
+        if self.check_every < 1:
+            raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
 
     @torch.no_grad()
     def generate(
@@ -257,10 +289,12 @@ class SlotDecoder:
         admit(list(range(slots)))
         state = self.state
         while True:
-            done = state.done[:rows].tolist()  # the one host sync of a step
+            # the one host sync of a block of steps: which rows ended, and their lengths
+            status = torch.cat([state.done[:rows].long(), state.counts[:rows]]).tolist()
+            done, counts = status[:rows], status[rows:]
             finished = [s for s in range(rows) if owner[s] >= 0 and done[s]]
-            for slot in finished:
-                results[owner[slot]] = state.take(slot)
+            for slot, row in zip(finished, state.take(finished, [counts[s] for s in finished])):
+                results[owner[slot]] = row
                 owner[slot] = -1
             admit(finished)
             live = [s for s in range(rows) if owner[s] >= 0]
@@ -272,9 +306,13 @@ class SlotDecoder:
                 state.permute(order, self.cache)
                 owner[:rows] = [owner[s] for s in order]
                 rows, live = smaller, list(range(len(live)))
-            key_length = min(length, _round_up(max(state.column_cpu[s] for s in live) + 1, self.key_block))
-            self._step(call, rows, key_length)
-            self.decode_steps += 1
+            # up to check_every steps before the next look, none after every live row has
+            # reached its limit (a live row has not ended: its count is the host mirror's)
+            steps = max(1, min(self.check_every, max_new_tokens - min(state.count_cpu[s] for s in live)))
+            key_length = min(length, _round_up(max(state.column_cpu[s] for s in live) + steps, self.key_block))
+            for _ in range(steps):
+                self._step(call, rows, key_length)
+            self.decode_steps += steps
         return results  # type: ignore[return-value]
 
     def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: _Call, slots: int,
@@ -290,7 +328,8 @@ class SlotDecoder:
         prefill_cache = DynamicCache(config=self.model.config)
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, **{self._cache_arg: prefill_cache}).logits[:, -1]  # [n, V]
+                                use_cache=True, **{self._cache_arg: prefill_cache}, **self._last_logits
+                                ).logits[:, -1]  # [n, V]
         layers = [(layer.keys, layer.values) for layer in prefill_cache.layers]
         self._ensure([(k.shape[1], k.shape[3]) for k, _ in layers], slots, length, call.max_new_tokens,
                      layers[0][0].dtype)
@@ -365,21 +404,25 @@ class SlotDecoder:
         columns = cache.write_columns[:rows]  # [r]
         ar = state.arange[:key_length]
         visible = (ar >= state.starts[:rows, None]) & (ar <= columns[:, None])  # [r, K]
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, -torch.inf)
         with _decode_attention(self.model):
             logits = self.model(
                 input_ids=state.last[:rows, None], position_ids=state.positions[:rows, None],
-                attention_mask=visible[:, None, None, :], use_cache=True, **{self._cache_arg: cache},
+                attention_mask=bias[:, None, None, :], use_cache=True, **{self._cache_arg: cache},
             ).logits[:, -1]  # [r, V]
-        counts = state.counts[:rows]
-        at = counts.clamp(max=call.max_new_tokens - 1)[:, None]  # [r, 1]
-        chosen, logprob = sample_tokens(logits, state.uniforms[:rows].gather(1, at), call.temperature, call.top_p)
+        counts, done = state.counts[:rows], state.done[:rows]
+        # a row that has ended keeps its count and writes past its tokens (at its limit:
+        # the spare column), so steps may run between two looks at which rows ended
+        at = counts[:, None]  # [r, 1]
+        uniforms = state.uniforms[:rows].gather(1, at.clamp(max=call.max_new_tokens - 1))
+        chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
         state.tokens[:rows].scatter_(1, at, chosen)
         state.logprobs[:rows].scatter_(1, at, logprob)
         state.last[:rows] = chosen[:, 0]
         columns.add_(1).clamp_(max=cache.length - 1)
         state.positions[:rows].add_(1)
-        counts.add_(1)
-        state.done[:rows] = (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)
+        counts.add_((~done).long())
+        done |= (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)
 
 
 class _SlotState:
@@ -396,8 +439,9 @@ class _SlotState:
         self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # tokens sampled so far
         self.done = torch.zeros(slots, dtype=torch.bool, device=device)
         self.uniforms = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
-        self.tokens = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
+        # one spare column: the steps after a row ended at its limit write there
+        self.tokens = torch.zeros(slots, max_new_tokens + 1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(slots, max_new_tokens + 1, dtype=torch.float32, device=device)
         self.count_cpu = [0] * slots
         self.column_cpu = [0] * slots
 
@@ -429,16 +473,20 @@ class _SlotState:
             self.count_cpu[slot] = 1
 
     def advance_cpu(self, rows: int) -> None:
-        """Host mirrors after a decode step of the first ``rows`` slots."""
+        """Host mirrors after a decode step of the first ``rows`` slots (a row that has
+        not ended: its count and write column; an ended row's are upper bounds)."""
         for s in range(rows):
             self.count_cpu[s] += 1
             self.column_cpu[s] += 1
 
-    def take(self, slot: int) -> tuple[list[int], list[float]]:
-        """The ended row of ``slot`` (read right after the step that ended it): its tokens
-        through its first EOS or its limit, and their log-probabilities."""
-        count = self.count_cpu[slot]
-        return self.tokens[slot, :count].tolist(), self.logprobs[slot, :count].tolist()
+    def take(self, slots: list[int], counts: list[int]) -> list[tuple[list[int], list[float]]]:
+        """The ended rows of ``slots``, ``counts`` tokens each (their device counts): the
+        tokens through the first EOS or the limit, and their log-probabilities."""
+        if not slots:
+            return []
+        index = torch.tensor(slots, device=self.device)
+        tokens, logprobs = self.tokens[index].tolist(), self.logprobs[index].tolist()
+        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, counts)]
 
     def permute(self, order: list[int], cache: SlotCache) -> None:
         """Slot ``i`` takes slot ``order[i]``'s state and cache row."""
