@@ -1,188 +1,36 @@
-"""Data-parallel training under ``torchrun``: the one place that decides who does what.
+"""The policy FSDP2-sharded over the ranks: built sharded from the files, gradients
+summed, and its weights handed out one parameter at a time for a refit.
 
-Launched by ``torchrun`` (``torch.distributed.is_torchelastic_launched()``), every rank
-runs the same trainer; without it the process is rank 0 of a world of 1 and nothing here
-communicates (every helper is then the identity), so single-process runs behave as
-before. "Distributed" is decided from torchrun's environment (:func:`in_process_group`),
-never from ``torch.distributed.is_initialized()`` alone: the vLLM engine initialises a
-process group of its own inside a single process. The decisions, in one place:
-
-- **process group**: :func:`process_group` (gloo for CPU tensors, NCCL for CUDA tensors
-  when CUDA is present; each rank on the CUDA device ``LOCAL_RANK``).
-- **prompts**: :func:`prompt_share`; rank ``r`` of ``N`` generates prompts
-  ``[r P/N, (r+1) P/N)`` of the step, with the per-completion seeds of their global
-  index, so a completion does not depend on ``N``; a prompt group never spans ranks.
-- **policy**: :func:`load_sharded_policy` builds it sharded from the start: the
-  architecture on the meta device, :func:`shard_policy` (FSDP2 ``fully_shard`` on each
-  decoder layer and the root: fp32 master weights, optional bf16 compute, fp32 gradient
-  reduction, gradients summed, not averaged, because the loss is already normalized by
-  the global token count: :func:`all_reduce_sum`), storage for this rank's shards only on
-  its device, then each rank reads its own rows of each tensor from the safetensors
-  files. No rank ever holds the whole fp32 model, on the host or on a device.
-- **engine**: :func:`engine_from_policy` gives each rank a full rollout-dtype copy on
-  its device, filled by a refit from the sharded policy (the files are read once).
-- **refit**: :func:`policy_weights` hands the policy to the engine's one refit entry
-  (``engine.load_weights``) one parameter at a time (``DTensor.full_tensor()``), never
-  the whole model gathered; the same call refits from an unsharded policy.
-- **who writes**: rank 0 alone writes the run directory, the MLPerf log and the deferred
-  checkpoints (from its engine, which holds the full rollout-dtype weights after the
-  refit); :func:`is_writer`.
+:func:`load_sharded_policy` builds it sharded from the start: the architecture on the
+meta device, :func:`shard_policy` (FSDP2 ``fully_shard`` on each decoder layer and the
+root: fp32 master weights, optional bf16 compute, fp32 gradient reduction, gradients
+summed, not averaged, because the loss is already normalized by the global token count:
+:func:`~mlperf_grpo.train.collectives.all_reduce_sum`), storage for this rank's shards
+only on its device, then each rank reads its own rows of each tensor from the safetensors
+files. No rank ever holds the whole fp32 model, on the host or on a device.
+:func:`policy_weights` hands the policy to the engine's one refit entry
+(``engine.load_weights``) one parameter at a time (``DTensor.full_tensor()``), never the
+whole model gathered; the same call refits from an unsharded policy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from mlperf_grpo.config import ConfigError, RunConfig
-from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model import (
     ModelLoadError,
     check_model_path,
     check_weights,
     compile_decoder_layers,
     decoder_layers,
-    load_tokenizer,
     materialize,
     model_skeleton,
     tied_groups,
 )
 from mlperf_grpo.weight_names import ExpertParts, UnsupportedConversionError, saved_sources
-
-
-class LayoutError(ConfigError):
-    """The config does not divide over the launched ranks (exit 2)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits: ``rank`` of ``world_size`` data-parallel ranks."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def distributed(self) -> bool:
-        """True under ``torchrun`` (even with one rank): the policy is FSDP-sharded."""
-        return in_process_group()
-
-
-def launched() -> bool:
-    """True when this process was started by ``torchrun`` (its environment is set)."""
-    return dist.is_available() and dist.is_torchelastic_launched()
-
-
-def in_process_group() -> bool:
-    """True when this process is a torchrun rank that has joined its process group
-    (:func:`process_group`): the one test of "distributed" every helper here uses. A
-    group that something else initialised in a process torchrun did not start (vLLM's,
-    of world size 1) does not count."""
-    return launched() and dist.is_initialized()
-
-
-def layout() -> Layout:
-    """This process's :class:`Layout` (rank 0 of 1 outside a torchrun process group)."""
-    if in_process_group():
-        return Layout(dist.get_rank(), dist.get_world_size())
-    return Layout()
-
-
-def is_writer() -> bool:
-    """True on the one rank that writes the run directory, the log and checkpoints."""
-    return layout().rank == 0
-
-
-@contextlib.contextmanager
-def process_group() -> Iterator[Layout]:
-    """Under ``torchrun``: join the process group for the duration (rank ``RANK`` of
-    ``WORLD_SIZE``, rendezvous from torchrun's environment), pin this rank to CUDA device
-    ``LOCAL_RANK`` when CUDA is present, and send the stdout of ranks other than 0 to
-    ``/dev/null`` (rank 0 prints the run's outcome). Without torchrun: nothing.
-
-    Yields:
-        The :class:`Layout`.
-    """
-    if not launched() or dist.is_initialized():
-        yield layout()
-        return
-    if torch.cuda.is_available():
-        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device_id)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device_id)  # the small CPU stats go through gloo
-    else:
-        dist.init_process_group("gloo")
-    try:
-        with rank_zero_stdout():
-            yield layout()
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def rank_zero_stdout() -> Iterator[None]:
-    """Under ``torchrun``, send the stdout of ranks other than 0 to ``/dev/null`` for the
-    duration (rank 0 prints the outcome; errors still reach stderr). Without: nothing."""
-    saved_stdout = sys.stdout
-    if launched() and int(os.environ.get("RANK", "0")) != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (closed below)
-    try:
-        yield
-    finally:
-        if sys.stdout is not saved_stdout:
-            sys.stdout.close()
-            sys.stdout = saved_stdout
-
-
-def check_layout(config: RunConfig, world_size: int | None = None, deferred: bool = True) -> None:
-    """Refuse a config that does not divide over ``world_size`` ranks (default: this
-    process's world).
-
-    Raises:
-        LayoutError: ``num_prompts_per_step`` is not a multiple of the world size, the
-            per-rank rows ``GBS / N`` are not a multiple of ``micro_batch_size``, or a
-            feature that runs in one process only (the vLLM engine, inline evaluation)
-            was asked for under torchrun or with more than one rank.
-    """
-    n = layout().world_size if world_size is None else world_size
-    if n > 1 or launched():  # the policy is FSDP-sharded: these read it as one module
-        if config.inference.engine != "hf":
-            raise LayoutError(f"inference.engine {config.inference.engine} runs in one process, not under torchrun: use engine hf")
-        if not deferred:
-            raise LayoutError("DEFERRED_OFFLINE_EVAL=0 (inline evaluation) runs in one process, not under torchrun: unset it")
-    if n == 1:
-        return
-    g = config.grpo
-    if g.num_prompts_per_step % n:
-        raise LayoutError(
-            f"grpo.num_prompts_per_step {g.num_prompts_per_step} (GBS {config.global_batch_size}) does not divide over "
-            f"{n} ranks: each rank generates whole prompt groups; use a multiple of {n} or another --nproc-per-node"
-        )
-    rows = config.global_batch_size // n
-    if rows % g.micro_batch_size:
-        raise LayoutError(
-            f"grpo.micro_batch_size {g.micro_batch_size} does not divide the {rows} rows each of {n} ranks trains on "
-            f"(GBS {config.global_batch_size} / {n}); set it to a divisor of {rows}"
-        )
-
-
-def prompt_share(num_prompts: int, here: Layout | None = None) -> slice:
-    """The prompts of a step this rank generates and trains on: ``[r P/N, (r+1) P/N)``.
-
-    Raises:
-        LayoutError: ``num_prompts`` is not a multiple of the world size.
-    """
-    here = layout() if here is None else here
-    if num_prompts % here.world_size:
-        raise LayoutError(f"{num_prompts} prompts do not divide over {here.world_size} ranks")
-    per_rank = num_prompts // here.world_size
-    return slice(here.rank * per_rank, (here.rank + 1) * per_rank)
 
 
 def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
@@ -351,26 +199,6 @@ def _expert_views(directory: Path, name: str, tensor: torch.Tensor, parts: Exper
     return views
 
 
-def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
-    """This rank's rollout engine (``inference.engine: hf``): a full copy of the model in
-    ``model.dtype`` on ``model.device``, built empty there
-    (:func:`~mlperf_grpo.model.materialize`) and filled by a refit (:func:`policy_weights`) from the
-    sharded policy (every rank must call this), so the weight files are not read again
-    and no host copy is made. The weights equal ``load_model(path, model.dtype)``'s:
-    a cast of the same values to the same dtype.
-
-    Returns:
-        An :class:`~mlperf_grpo.inference.hf.HFEngine` with the model's tokenizer.
-    Raises:
-        ModelLoadError: the model or its tokenizer does not load.
-    """
-    model = model_skeleton(config.model.path, config.model.dtype)
-    materialize(model, config.model.device)
-    engine = HFEngine.from_model(model, load_tokenizer(config.model.path), model_path=config.model.path)
-    engine.load_weights(policy_weights(policy))
-    return engine
-
-
 def _plain_name(name: str) -> str:
     """A parameter's name without activation checkpointing's wrapper (its name in the files)."""
     return name.replace("._checkpoint_wrapped_module", "")
@@ -389,55 +217,3 @@ def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     for name, tensor in policy.state_dict().items():
         tensor = tensor.detach()
         yield _plain_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """The sum over ranks of each value (float64 on the CPU, gloo); the values
-    themselves outside a torchrun process group."""
-    if not in_process_group():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's ``[n, ...]`` CPU tensor along dim 0, in rank order
-    (``[N n, ...]``); ``t`` itself outside a torchrun process group."""
-    if not in_process_group():
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
-
-
-def barrier() -> None:
-    """Wait for every rank (e.g. after the optimizer step, so the weight-update time is
-    when all ranks' updates returned); nothing without a process group.
-
-    Training also ends with one, after its last collective, for a reason of gloo's: its
-    worker threads drop their reference to a finished collective's tensors after the
-    caller has moved on, and that takes the GIL. A worker still waiting for it when the
-    interpreter finalizes is ended by CPython inside C++, and the process aborts after a
-    run that succeeded ("terminate called without an active exception", SIGABRT;
-    pytorch/pytorch#190489, open). The barrier's wait releases the GIL to them.
-    """
-    if in_process_group():
-        dist.barrier()
-
-
-def broadcast_object(obj: object) -> object:
-    """Rank 0's ``obj`` on every rank; ``obj`` outside a torchrun process group."""
-    if not in_process_group():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def full_value(t: torch.Tensor) -> float:
-    """A scalar as a Python float; a ``DTensor`` (e.g. the gradient norm that
-    ``clip_grad_norm_`` computes over sharded gradients) is reduced over its ranks first."""
-    from torch.distributed.tensor import DTensor
-
-    return float(t.full_tensor() if isinstance(t, DTensor) else t)
