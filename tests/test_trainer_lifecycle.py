@@ -5,13 +5,17 @@ write nothing (``NoRunOutput``: ``DiscardingLogWriter``, ``NoCheckpoints``)."""
 import dataclasses
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from mlperf_grpo import tasks
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import parse_config
 from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.inputs import check_training_inputs
+from mlperf_grpo.train.optimize import OptimizeSettings
 from mlperf_grpo.train.outputs import NoRunOutput
 from mlperf_grpo.train.stop import GracefulStop
 from mlperf_grpo.train.trainer import Trainer, train
@@ -62,3 +66,17 @@ def test_a_rank_that_writes_nothing_trains_the_same_steps(tmp_path, monkeypatch)
         return dataclasses.replace(stats, weight_update_time_ms=0)
 
     assert [untimed(s) for s in silent.steps] == [untimed(s) for s in written.steps]
+
+
+def test_optimize_settings_of_a_config():
+    """``OptimizeSettings.of`` reads what the trainer passed as 12 parameters before; a
+    log-prob error threshold without the prev log-probs is refused when the settings are made."""
+    config = parse_config({"grpo": {"micro_batch_size": 4}, "model": {"dtype": "bfloat16", "compute_dtype": "bfloat16"},
+                           "distributed": {"reshard_every_micro_batch": False}})
+    g = config.grpo
+    assert OptimizeSettings.of(config, compiled=True) == OptimizeSettings(
+        4, g.rollout_temperature, PGLossOptions.of(g), config.gradient_clip_norm, g.seq_logprob_error_threshold,
+        g.needs_prev_logprobs, torch.bfloat16, width_multiple=8, reshard_every_micro_batch=False)
+    assert OptimizeSettings.of(config).width_multiple == 1
+    with pytest.raises(ValueError, match="needs the prev log-probs"):
+        OptimizeSettings(4, 1.0, PGLossOptions(), 1.0, seq_logprob_error_threshold=2.0)
