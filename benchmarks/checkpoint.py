@@ -5,7 +5,7 @@
 
 Builds a Qwen3-shaped model of about ``--params`` parameters from a ``transformers``
 config (random init, the shipped tokenizer; nothing is downloaded), saves it as a local
-model directory, and runs our trainer (``mlperf_grpo.train.loop.train``) twice for
+model directory, and runs our trainer (``mlperf_grpo.train.trainer.train``) twice for
 ``--steps`` steps: checkpoints off, then a checkpoint after every step. Prints one JSON
 line:
 
@@ -54,7 +54,7 @@ from mlperf_grpo.config import parse_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, DTYPES
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.train.loop import train
+from mlperf_grpo.train.trainer import train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -8,7 +8,7 @@
 
 Builds a random-init Qwen3-shaped model directory (``benchmarks/checkpoint.py``'s
 ``build_model_dir``; bfloat16 on CUDA, float32 on CPU), then runs the real trainer
-(``mlperf_grpo.train.loop.train``, FSDP2 under torchrun: ``train/distributed.py``) in a
+(``mlperf_grpo.train.trainer.train``, FSDP2 under torchrun: ``train/fsdp.py``) in a
 worker launched with ``torchrun --standalone --nproc-per-node K`` for K = 1 and K =
 ``--nproc`` (``--large``: K = ``--nproc`` only), same config, same global batch.
 
@@ -37,7 +37,7 @@ plus the bfloat16 engine copy, more than one H200's 141 GB) runs ``--nproc`` ran
 GBS 256 and micro-batches of 16 rows, 4 steps: it shows that the model starts and trains
 sharded, not how fast. Each rank builds the policy on the meta device, shards it, and
 reads only its rows of each tensor from the safetensors files; its engine is filled
-from the shards (``train/distributed.py``): no rank holds the whole fp32 model on the
+from the shards (``train/fsdp.py``): no rank holds the whole fp32 model on the
 host or on its GPU (``startup_s_n``). Estimated on 2 H200s (40 layers of hidden size
 4096): about 1 min to write the model directory, under 1 min to start, under 1 min of
 compilation in the first step, about 15 s a step, and one 16 GB checkpoint at the end:
@@ -123,11 +123,11 @@ def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
 
     from mlperf_grpo.config import load_config
     from mlperf_grpo.rundir import RunDir
-    from mlperf_grpo.train import distributed
-    from mlperf_grpo.train.loop import train
+    from mlperf_grpo.train import ranks
+    from mlperf_grpo.train.trainer import train
 
     config = load_config(str(config_file))
-    with distributed.process_group() as here:
+    with ranks.process_group() as here:
         train(config, RunDir(out_dir), config_filename=config_file.name, show_progress=False)
         if config.model.device == "cuda":
             peak = torch.cuda.max_memory_allocated()

@@ -68,7 +68,7 @@ from mlperf_grpo.config import parse_config  # noqa: E402
 from mlperf_grpo.model import DTYPES  # noqa: E402
 from mlperf_grpo.mllog import PREFIX  # noqa: E402
 from mlperf_grpo.rundir import RunDir  # noqa: E402
-from mlperf_grpo.train.loop import train  # noqa: E402
+from mlperf_grpo.train.trainer import train  # noqa: E402
 
 
 def make_run(root: Path, args: argparse.Namespace, dtype: str) -> tuple[Path, int]:

@@ -8,14 +8,14 @@
 **Ours** trains the built-in arithmetic task with the reference algorithm
 (``rules.REFERENCE_ALGORITHM``: clip-higher, forced ratio, IS correction with
 ``seq-mask-tis``, the prev log-prob pass for the log-prob error filter) through the real
-trainer (``train.loop.train``) at the asked ``max_trajectory_age_steps``, and reads each
+trainer (``train.trainer.train``) at the asked ``max_trajectory_age_steps``, and reads each
 step's time from its MLPerf log (``block_stop`` to ``block_stop``; ``train_step_time`` of
 the ``tracked_stats`` events leaves out what happens between steps). The phase split wraps
 the loop's own calls (``score``, ``optimize_step``) with timers:
 
 - ``rollout_s``: time the step waited for its rollouts (exposed generation);
 - ``reward_s``: scoring the completions; ``logprob_s``: a separate no-grad prev log-prob
-  pass, 0 since the prev log-probs come from the loss pass (``train.loop.optimize_step``);
+  pass, 0 since the prev log-probs come from the loss pass (``train.optimize.optimize_step``);
 - ``update_s``: the loss passes over micro-batches, gradient clip and optimizer step;
 - ``refit_s``: engine <- policy; ``other_s``: the rest (advantages, batching, logging).
 
@@ -73,7 +73,7 @@ from mlperf_grpo.config import parse_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, check_model_path
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.train import loop
+from mlperf_grpo.train import trainer as trainer_module
 
 SHAPES = {
     # Qwen3-1.7B's blocks (1.41e9 parameters with the built-in tokenizer's tiny vocabulary)
@@ -129,7 +129,7 @@ def phase_timers(device: str):
     """Wrap the loop's ``score`` and ``optimize_step`` with timers;
     yields ``{name: [seconds per call]}`` (restored on exit)."""
     seconds: dict[str, list[float]] = defaultdict(list)
-    originals = {name: getattr(loop, name) for name in ("score", "optimize_step")}
+    originals = {name: getattr(trainer_module, name) for name in ("score", "optimize_step")}
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -143,12 +143,12 @@ def phase_timers(device: str):
         return wrapper
 
     for name, fn in originals.items():
-        setattr(loop, name, timed(name, fn))
+        setattr(trainer_module, name, timed(name, fn))
     try:
         yield seconds
     finally:
         for name, fn in originals.items():
-            setattr(loop, name, fn)
+            setattr(trainer_module, name, fn)
 
 
 @contextlib.contextmanager
@@ -176,7 +176,7 @@ def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eo
     ``step_s`` and the :data:`PHASE_NAMES` seconds."""
     run = RunDir(tmp / f"ours-{len(list(tmp.glob('ours-*')))}")
     with phase_timers(device) as seconds, engine_decode(decode, ignore_eos):
-        loop.train(config, run, config_filename="grpo_step", show_progress=False)
+        trainer_module.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
     log = read_log(log_file)
     stats = [ev.value for ev in log.find("tracked_stats")]

@@ -30,7 +30,7 @@ from mlperf_grpo.config import parse_config
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights, sha256_file
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.train.loop import train
+from mlperf_grpo.train.trainer import train
 
 OUT = BUILTIN_MODEL_DIR.parent / "arithmetic-tiny-closed"
 

@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 from mlperf_grpo.config import parse_config
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.train import loop
+from mlperf_grpo.train import trainer
 
 
 def _config(compile_policy: str, **model):
@@ -36,8 +36,8 @@ def test_compile_on_and_off_as_yaml_writes_them_unquoted(tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on the CPU needs a C compiler")
 def test_compiled_layers_give_the_eager_step(tmp_path):
-    eager = loop.train(_config("off"), RunDir(tmp_path / "eager"), config_filename="test", show_progress=False)
-    compiled = loop.train(_config("on"), RunDir(tmp_path / "compiled"), config_filename="test", show_progress=False)
+    eager = trainer.train(_config("off"), RunDir(tmp_path / "eager"), config_filename="test", show_progress=False)
+    compiled = trainer.train(_config("on"), RunDir(tmp_path / "compiled"), config_filename="test", show_progress=False)
     (a,), (b,) = eager.steps, compiled.steps
     assert a.grad_norm > 0
     assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)  # the same math, other kernels
@@ -96,7 +96,7 @@ def test_a_qwen3_5_moe_model_trains_with_the_default_config(tmp_path):
     config = parse_config({"model": {"path": str(directory)},
                            "grpo": {"max_steps": 1, "first_eval_step": 1, "num_prompts_per_step": 2,
                                     "micro_batch_size": 8}}, "test")
-    result = loop.train(config, RunDir(tmp_path / "run"), config_filename="test", show_progress=False)
+    result = trainer.train(config, RunDir(tmp_path / "run"), config_filename="test", show_progress=False)
     (step,) = result.steps  # a random model earns no reward here: advantages, loss and gradient are 0
     assert step.loss == 0.0 and step.grad_norm == 0.0
     assert "model.layers.0.linear_attn.A_log" in _checkpoint_names(tmp_path / "run")  # the step's checkpoint

@@ -26,9 +26,9 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import load_model
-from mlperf_grpo.train import distributed
+from mlperf_grpo.train import collectives, engine_setup, fsdp, ranks
 from mlperf_grpo.train.grpo import PGLossOptions
-from mlperf_grpo.train.loop import optimize_step
+from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
 
 pytestmark = pytest.mark.slow
 MODEL = "builtin:arithmetic-tiny"
@@ -46,7 +46,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def test_prompt_shares_cover_the_step_once_in_order():
-    shares = [distributed.prompt_share(16, distributed.Layout(r, 4)) for r in range(4)]
+    shares = [ranks.prompt_share(16, ranks.Layout(r, 4)) for r in range(4)]
     assert [list(range(16))[s] for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
@@ -56,9 +56,9 @@ def test_prompt_shares_cover_the_step_once_in_order():
 ])
 def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
     config = RunConfig.model_validate({"grpo": grpo})
-    with pytest.raises(distributed.LayoutError, match=needle):
-        distributed.check_layout(config, world_size=2)
-    distributed.check_layout(config, world_size=1)  # one rank: anything goes
+    with pytest.raises(ranks.LayoutError, match=needle):
+        ranks.check_layout(config, world_size=2)
+    ranks.check_layout(config, world_size=1)  # one rank: anything goes
 
 
 def test_a_process_group_that_torchrun_did_not_start_is_not_a_distributed_job(tmp_path, monkeypatch):
@@ -68,20 +68,20 @@ def test_a_process_group_that_torchrun_did_not_start_is_not_a_distributed_job(tm
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        assert not distributed.in_process_group() and not distributed.layout().distributed
-        assert distributed.all_reduce_sum([1.5]) == [1.5] and distributed.broadcast_object("x") == "x"
+        assert not ranks.in_process_group() and not ranks.layout().distributed
+        assert collectives.all_reduce_sum([1.5]) == [1.5] and collectives.broadcast_object("x") == "x"
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # the same group in a torchrun rank
-        assert distributed.in_process_group() and distributed.layout().distributed
+        assert ranks.in_process_group() and ranks.layout().distributed
     finally:
         dist.destroy_process_group()
 
 
 def test_single_process_features_are_refused_with_several_ranks():
-    with pytest.raises(distributed.LayoutError, match="inline"):
-        distributed.check_layout(RunConfig(), world_size=2, deferred=False)
-    with pytest.raises(distributed.LayoutError, match="engine vllm"):
-        distributed.check_layout(RunConfig.model_validate({"inference": {"engine": "vllm"}}), world_size=2)
-    distributed.check_layout(RunConfig(), world_size=1, deferred=False)  # one process, no torchrun: as before
+    with pytest.raises(ranks.LayoutError, match="inline"):
+        ranks.check_layout(RunConfig(), world_size=2, deferred=False)
+    with pytest.raises(ranks.LayoutError, match="engine vllm"):
+        ranks.check_layout(RunConfig.model_validate({"inference": {"engine": "vllm"}}), world_size=2)
+    ranks.check_layout(RunConfig(), world_size=1, deferred=False)  # one process, no torchrun: as before
 
 
 def test_torchrun_refuses_prompts_that_do_not_divide_with_one_line_per_rank(tmp_path):
@@ -132,7 +132,7 @@ def test_torchrun_refuses_a_tensor_parallel_size_that_does_not_divide_the_world(
 @contextlib.contextmanager
 def _joined(rank: int, world: int, init_file: str):
     """Rank ``rank`` of a gloo group for the duration, left as training leaves it: a
-    barrier after the last collective (why: :func:`distributed.barrier`), then destroyed.
+    barrier after the last collective (why: :func:`collectives.barrier`), then destroyed.
     After success the rank ends with ``os._exit(0)``, skipping interpreter finalization,
     where a gloo worker still releasing a tensor aborts the process
     (pytorch/pytorch#190489): these tests check the step's values, and the CLI's own exit
@@ -142,7 +142,7 @@ def _joined(rank: int, world: int, init_file: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         yield
-        distributed.barrier()
+        collectives.barrier()
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -159,17 +159,17 @@ def _rows(batch, rows: slice, prompts: slice):
 def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str, reshard: bool = True) -> None:
     with _joined(rank, world, init_file):
         torch.manual_seed(0)
-        policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True,
+        policy = fsdp.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True,
                                           reshard_every_micro_batch=reshard)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-        here = distributed.Layout(rank, world)
-        prompts = distributed.prompt_share(batch.rewards.shape[0], here)
+        here = ranks.Layout(rank, world)
+        prompts = ranks.prompt_share(batch.rewards.shape[0], here)
         g = batch.rewards.shape[1]
         share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
-        result = optimize_step(policy, opt, share, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9,
-                               reshard_every_micro_batch=reshard)
+        result = optimize_step(policy, opt, share, OptimizeSettings(micro, 1.0, PGLossOptions(), grad_clip_norm=1e9,
+                                                                 reshard_every_micro_batch=reshard))
         engine = HFEngine(MODEL, "float32")
-        engine.load_weights(distributed.policy_weights(policy))  # one parameter at a time
+        engine.load_weights(fsdp.policy_weights(policy))  # one parameter at a time
         if rank == 0:
             torch.save({"engine": engine.model.state_dict(), "loss": result.loss, "grad_norm": result.grad_norm,
                         "tokens": result.num_valid_tokens}, out)
@@ -187,7 +187,7 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path, reshard):
     whole_policy = load_model(MODEL, "float32")
     whole = _step(whole_policy, batch, micro=64)
     opt = torch.optim.SGD(load_model(MODEL, "float32").parameters(), lr=0.0)
-    expected = optimize_step(load_model(MODEL, "float32"), opt, batch, 64, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+    expected = optimize_step(load_model(MODEL, "float32"), opt, batch, OptimizeSettings(64, 1.0, PGLossOptions(), 1e9))
     out = tmp_path / "rank0.pt"
     mp.spawn(_sharded_step, args=(2, str(tmp_path / "pg"), batch, 16, str(out), reshard), nprocs=2, join=True)
     got = torch.load(out)
@@ -207,16 +207,16 @@ def _count_collectives(rank: int, world: int, init_file: str, batch, out: str) -
                     counts[_kind] += 1
                     return _call(*args, **kwargs)
                 setattr(dist, name, counted)
-        prompts = distributed.prompt_share(batch.rewards.shape[0], distributed.Layout(rank, world))
+        prompts = ranks.prompt_share(batch.rewards.shape[0], ranks.Layout(rank, world))
         g = batch.rewards.shape[1]
         share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
         got = {}
         for reshard in (True, False):
-            policy = distributed.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=False,
+            policy = fsdp.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=False,
                                               reshard_every_micro_batch=reshard)
             counts.update(all_gather=0, reduce_scatter=0)
-            optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), share, 8, 1.0, PGLossOptions(),
-                          grad_clip_norm=1e9, reshard_every_micro_batch=reshard)
+            optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), share,
+                          OptimizeSettings(8, 1.0, PGLossOptions(), 1e9, reshard_every_micro_batch=reshard))
             got[reshard] = dict(counts)
         if rank == 0:
             torch.save(got, out)
@@ -244,10 +244,10 @@ def test_sync_after_last_micro_batch_gathers_and_reduces_once_a_step(tmp_path):
 
 def _sharded_build(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
     with _joined(rank, world, init_file):
-        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True,
+        policy = fsdp.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True,
                                                  compile_layers=True)  # as on CUDA (compiled at the first forward)
         config = RunConfig.model_validate({"model": {"path": model_dir, "dtype": "bfloat16"}})
-        engine = distributed.engine_from_policy(config, policy)
+        engine = engine_setup.engine_from_policy(config, policy)
         full = {name: t.full_tensor() for name, t in policy.state_dict().items()}  # every rank gathers
         local_rows = {name: t.to_local().shape[0] for name, t in policy.state_dict().items()}
         if rank == 0:
@@ -299,7 +299,7 @@ MOE_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size
 
 def _sharded_gather(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
     with _joined(rank, world, init_file):
-        policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True)
+        policy = fsdp.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=True)
         full = {name: t.full_tensor() for name, t in policy.state_dict().items()}  # every rank gathers
         rows = {name: t.to_local().shape[0] for name, t in policy.state_dict().items()}
         if rank == 0:
@@ -362,7 +362,7 @@ def test_the_sharded_build_refuses_missing_or_misshapen_expert_parts(tmp_path, d
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         with pytest.raises(ModelLoadError, match=re.escape(message)) as err:
-            distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
+            fsdp.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
         assert "\n" not in str(err.value) and str(directory) in str(err.value)
     finally:
         dist.destroy_process_group()
@@ -543,7 +543,7 @@ def test_the_sharded_build_refuses_a_merge_it_does_not_perform(tmp_path, monkeyp
     try:
         with pytest.raises(ModelLoadError, match=r"is merged into model\.layers\.\d\.mlp\.experts\.down_proj by "
                                                  r"\['MergeModulelist'\].*train it in one process"):
-            distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
+            fsdp.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=False)
     finally:
         dist.destroy_process_group()
 
@@ -561,8 +561,8 @@ def test_the_sharded_build_takes_other_layer_lists_and_saved_names(tmp_path, mod
     directory = _saved_model(tmp_path, model_type, **sizes)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        policy = distributed.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=True)
-        got = {distributed._plain_name(n): t.full_tensor() for n, t in policy.state_dict().items()}
+        policy = fsdp.load_sharded_policy(str(directory), "cpu", None, activation_checkpointing=True)
+        got = {fsdp._plain_name(n): t.full_tensor() for n, t in policy.state_dict().items()}
     finally:
         dist.destroy_process_group()
     expected = load_model(str(directory), "float32").state_dict()

@@ -198,12 +198,12 @@ def test_failure_while_loading_the_model_removes_the_run_directory(tmp_path, cap
     """A failure after the checks (out of memory, Ctrl-C while loading) writes nothing:
     the model is loaded before the run directory's files, and the directory is removed."""
     from mlperf_grpo.model import ModelLoadError
-    from mlperf_grpo.train import loop
+    from mlperf_grpo.train import trainer
 
     def fail(*args, **kwargs):
         raise ModelLoadError("cannot load model: injected failure")
 
-    monkeypatch.setattr(loop, "load_model", fail)
+    monkeypatch.setattr(trainer, "load_model", fail)
     cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
     assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "r")]) == 2
     assert "injected failure" in _errors(capsys.readouterr().err)[0]
@@ -310,13 +310,13 @@ def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monk
 
 def test_a_default_output_is_removed_when_setup_fails(tmp_path, capsys, monkeypatch):
     from mlperf_grpo.model import ModelLoadError
-    from mlperf_grpo.train import loop
+    from mlperf_grpo.train import trainer
 
     def fail(*args, **kwargs):
         raise ModelLoadError("cannot load model: injected failure")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(loop, "load_model", fail)
+    monkeypatch.setattr(trainer, "load_model", fail)
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "user-file").write_text("kept")
     assert main(["train", "--config", str(_write(tmp_path / "c.yaml", TINY_OPEN))]) == 2

@@ -5,7 +5,7 @@ import yaml
 
 from mlperf_grpo import cli, linear_attention
 from mlperf_grpo.linear_attention import fla_refusal
-from mlperf_grpo.train import loop
+from mlperf_grpo.train import inputs
 from test_compile import _qwen3_5_moe_dir
 
 
@@ -23,7 +23,7 @@ def test_train_with_fla_on_a_bad_hopper_setup_is_one_line_and_exit_2(tmp_path, m
     model = _qwen3_5_moe_dir(tmp_path)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": {"path": str(model), "device": "cuda", "dtype": "bfloat16"}}))
-    monkeypatch.setattr(loop, "check_device", lambda device: None)  # this machine has no GPU: a Hopper one
+    monkeypatch.setattr(inputs, "check_device", lambda device: None)  # this machine has no GPU: a Hopper one
     monkeypatch.setattr(linear_attention, "_cuda_capability", lambda: (9, 0))
     monkeypatch.setattr(linear_attention, "_version", {"triton": "3.6.0", "fla-core": "0.6.0"}.get)
     output = tmp_path / "run"

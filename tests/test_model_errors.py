@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from mlperf_grpo.config import InferenceConfig
 from mlperf_grpo.inference.vllm import VLLMEngine
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, ModelLoadError, load_model
-from mlperf_grpo.train import distributed
+from mlperf_grpo.train import fsdp
 
 WEIGHTS = "model.safetensors"
 
@@ -112,7 +112,7 @@ def test_load_model_names_the_bad_file(damaged):
 def test_sharded_load_names_the_bad_file(damaged, one_rank_group):
     model, message = damaged
     with pytest.raises(ModelLoadError) as err:
-        distributed.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
+        fsdp.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
     _one_line(err, model, message)
 
 
@@ -122,10 +122,10 @@ def test_sharded_load_maps_a_failure_inside_the_distributed_load(damaged, one_ra
     (replaced in between): its ``CheckpointException``, a ``BaseException``, becomes
     one ModelLoadError line."""
     model, _ = damaged
-    good = distributed.check_weights(BUILTIN_MODEL_DIR)
-    monkeypatch.setattr(distributed, "check_weights", lambda directory: good)
+    good = fsdp.check_weights(BUILTIN_MODEL_DIR)
+    monkeypatch.setattr(fsdp, "check_weights", lambda directory: good)
     with pytest.raises(ModelLoadError) as err:
-        distributed.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
+        fsdp.load_sharded_policy(str(model), "cpu", None, activation_checkpointing=False)
     _one_line(err, model, "Size mismatch between saved torch.Size([14, 64]) and current: torch.Size([15, 64])")
     assert "copy the model's weight files there again" in str(err.value)
 

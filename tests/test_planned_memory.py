@@ -1,12 +1,12 @@
 """The trainer's set-up refuses, before anything is written, a layout whose planned
 per-rank device bytes exceed the device (CUDA, faked here), and under torchrun a
-tensor-parallel size that does not divide (train/loop.py check_planned_memory)."""
+tensor-parallel size that does not divide (train/inputs.py check_planned_memory)."""
 
 import pytest
 
 from mlperf_grpo.config import parse_config
 from mlperf_grpo.memory_plan import MemoryPlanError
-from mlperf_grpo.train import loop
+from mlperf_grpo.train import inputs
 
 # the built-in model (assets/arithmetic-tiny): hidden 64, 2 layers, 4 heads of 16 (4 KV),
 # MLP 256, vocab 15, tied embeddings; model.dtype float32
@@ -23,42 +23,42 @@ def test_built_in_model_count():
 
 
 def test_layout_past_the_device_memory_is_refused(monkeypatch):
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda: PLANNED_ONE_RANK - 1)
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: PLANNED_ONE_RANK - 1)
     with pytest.raises(MemoryPlanError) as err:
-        loop.check_planned_memory(cuda_config())
+        inputs.check_planned_memory(cuda_config())
     message = str(err.value)
     assert f"planned {PLANNED_ONE_RANK:,} bytes" in message and f"device's {PLANNED_ONE_RANK - 1:,} bytes" in message
     assert "more ranks" in message and "\n" not in message
 
 
 def test_layout_that_fits_passes(monkeypatch):
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda: PLANNED_ONE_RANK)
-    loop.check_planned_memory(cuda_config())
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: PLANNED_ONE_RANK)
+    inputs.check_planned_memory(cuda_config())
 
 
 def test_cpu_is_not_checked(monkeypatch):
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda: pytest.fail("CPU memory is not checked"))
-    loop.check_planned_memory(parse_config({}))
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: pytest.fail("CPU memory is not checked"))
+    inputs.check_planned_memory(parse_config({}))
 
 
 def test_vllm_engine_is_split_over_its_t(monkeypatch):
     config = parse_config({"model": {"device": "cuda"}, "inference": {"engine": "vllm", "tensor_parallel_size": 2}})
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda: PLANNED_ONE_RANK - PARAMETERS * 4 // 2)
-    loop.check_planned_memory(config)
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: PLANNED_ONE_RANK - PARAMETERS * 4 // 2)
+    inputs.check_planned_memory(config)
 
 
 @pytest.mark.parametrize("world, t, named", [(2, 4, "world size 2"), (8, 8, "4 attention heads")])
 def test_tensor_parallel_size_is_checked_under_torchrun(monkeypatch, world, t, named):
-    monkeypatch.setattr(loop.distributed, "launched", lambda: True)
-    monkeypatch.setattr(loop.distributed, "layout", lambda: loop.distributed.Layout(0, world))
+    monkeypatch.setattr(inputs.ranks, "launched", lambda: True)
+    monkeypatch.setattr(inputs.ranks, "layout", lambda: inputs.ranks.Layout(0, world))
     with pytest.raises(MemoryPlanError, match=named):
-        loop.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
+        inputs.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
 
 
 def test_tensor_parallel_size_that_divides_passes_under_torchrun(monkeypatch):
-    monkeypatch.setattr(loop.distributed, "launched", lambda: True)
-    monkeypatch.setattr(loop.distributed, "layout", lambda: loop.distributed.Layout(0, 4))
-    loop.check_planned_memory(parse_config({"inference": {"engine": "vllm", "tensor_parallel_size": 4}}))
+    monkeypatch.setattr(inputs.ranks, "launched", lambda: True)
+    monkeypatch.setattr(inputs.ranks, "layout", lambda: inputs.ranks.Layout(0, 4))
+    inputs.check_planned_memory(parse_config({"inference": {"engine": "vllm", "tensor_parallel_size": 4}}))
 
 
 @pytest.mark.parametrize("world, t, refusal", [
@@ -70,10 +70,10 @@ def test_tensor_parallel_size_that_divides_passes_under_torchrun(monkeypatch):
 def test_the_hf_engine_splits_over_the_world_and_the_vocabulary(monkeypatch, world, t, refusal):
     """The tensor-parallel hf engine: T ranks of the world (one process is a world of 1)
     and row-split embeddings (the built-in model's vocabulary of 15 does not split)."""
-    monkeypatch.setattr(loop.distributed, "launched", lambda: world > 1)
-    monkeypatch.setattr(loop.distributed, "layout", lambda: loop.distributed.Layout(0, world))
+    monkeypatch.setattr(inputs.ranks, "launched", lambda: world > 1)
+    monkeypatch.setattr(inputs.ranks, "layout", lambda: inputs.ranks.Layout(0, world))
     with pytest.raises(MemoryPlanError) as err:
-        loop.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
+        inputs.check_planned_memory(parse_config({"inference": {"tensor_parallel_size": t}}))
     assert str(err.value) == refusal
 
 

@@ -186,24 +186,26 @@ def _train_rank(rank: int, world: int, init_file: str, model_dir: str, out: str)
     from mlperf_grpo.config import RunConfig
     from mlperf_grpo.inference.tensor_parallel import rank_share
     from mlperf_grpo.tasks import arithmetic
-    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train import ranks
+    from mlperf_grpo.train.engine_setup import engine_from_policy
+    from mlperf_grpo.train.fsdp import load_sharded_policy, policy_weights
     from mlperf_grpo.train.grpo import PGLossOptions, group_advantages
-    from mlperf_grpo.train.loop import optimize_step
+    from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
     from mlperf_grpo.train.rollout import build_batch, generate_rollouts
 
     torch.set_num_threads(1)
     os.environ["TORCHELASTIC_RUN_ID"] = "test"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        here = distributed.Layout(rank, world)
+        here = ranks.Layout(rank, world)
         tasks = arithmetic.train_tasks(STEP_PROMPTS, 251, seed=3)
         report = {}
         for t in (1, 2):
             config = RunConfig.model_validate({"model": {"path": model_dir}, "inference": {"tensor_parallel_size": t}})
-            policy = distributed.load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=False)
-            engine = distributed.engine_from_policy(config, policy)
+            policy = load_sharded_policy(model_dir, "cpu", None, activation_checkpointing=False)
+            engine = engine_from_policy(config, policy)
             optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-            share = distributed.prompt_share(STEP_PROMPTS, here, t)
+            share = ranks.prompt_share(STEP_PROMPTS, here, t)
             steps = []
             for step in (1, 2):
                 group = generate_rollouts(engine, tasks[share], GENERATIONS, PARAMS, seed=5, step=step,
@@ -214,8 +216,8 @@ def _train_rank(rank: int, world: int, init_file: str, model_dir: str, out: str)
                                         for task, g in zip(tasks[share][mine], completions)])
                 batch = build_batch(completions, rewards, group_advantages(rewards), engine.tokenizer.pad_token_id,
                                     engine.eos_token_ids)
-                result = optimize_step(policy, optimizer, batch, GENERATIONS, 1.0, PGLossOptions(), grad_clip_norm=1e9)
-                engine.load_weights(distributed.policy_weights(policy))  # one gathered parameter at a time
+                result = optimize_step(policy, optimizer, batch, OptimizeSettings(GENERATIONS, 1.0, PGLossOptions(), grad_clip_norm=1e9))
+                engine.load_weights(policy_weights(policy))  # one gathered parameter at a time
                 group_tokens = [[c.token_ids for c in g] for g in group]
                 gathered = [None] * world
                 dist.all_gather_object(gathered, group_tokens)
@@ -258,7 +260,7 @@ def test_two_replicas_of_t2_train_as_four_replicas_of_t1(tmp_path):
 
 def test_a_group_generates_its_prompts_and_each_rank_trains_on_its_part():
     from mlperf_grpo.inference.tensor_parallel import rank_share
-    from mlperf_grpo.train.distributed import Layout, prompt_share
+    from mlperf_grpo.train.ranks import Layout, prompt_share
 
     prompts = list(range(8))
     groups = [prompts[prompt_share(8, Layout(r, 4), 2)] for r in range(4)]

@@ -10,7 +10,7 @@ from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model import load_model
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.train.grpo import PGLossOptions, group_advantages
-from mlperf_grpo.train.loop import optimize_step
+from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
 from mlperf_grpo.train.rollout import build_batch, generate_rollouts
 
 MODEL = "builtin:arithmetic-tiny"
@@ -28,7 +28,7 @@ def _batch():
 
 def _step(policy, batch, micro):
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    optimize_step(policy, opt, batch, micro, 1.0, PGLossOptions(), grad_clip_norm=1e9)
+    optimize_step(policy, opt, batch, OptimizeSettings(micro, 1.0, PGLossOptions(), 1e9))
     return {n: p.detach().clone() for n, p in policy.named_parameters()}
 
 
@@ -89,7 +89,7 @@ def test_aligned_micro_batch_widths_take_the_same_step():
     exact = _step(copy.deepcopy(base), batch, micro=16)
     policy = copy.deepcopy(base)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    optimize_step(policy, opt, batch, 16, 1.0, PGLossOptions(), grad_clip_norm=1e9, width_multiple=8)
+    optimize_step(policy, opt, batch, OptimizeSettings(16, 1.0, PGLossOptions(), 1e9, width_multiple=8))
     assert batch.input_ids.shape[1] % 8 != 0, "the batch must need padding for this test to mean anything"
     for name, p in policy.named_parameters():
         torch.testing.assert_close(p.detach(), exact[name], rtol=1e-5, atol=1e-6)
@@ -107,7 +107,8 @@ def test_reference_loss_on_policy_equals_the_plain_policy_gradient():
     plain = _step(copy.deepcopy(base), batch, micro=16)
     policy = copy.deepcopy(base)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    result = optimize_step(policy, opt, batch, 16, 1.0, PGLossOptions.of(g), 1e9, g.seq_logprob_error_threshold, g.needs_prev_logprobs)
+    result = optimize_step(policy, opt, batch, OptimizeSettings(16, 1.0, PGLossOptions.of(g), 1e9, g.seq_logprob_error_threshold,
+                                                                  g.needs_prev_logprobs))
     assert result.num_sequences_masked_by_is == 0 and result.num_sequences_masked_by_logprob_error == 0
     assert abs(result.importance_weight_mean - 1.0) < 1e-4
     for name, p in policy.named_parameters():
@@ -124,7 +125,7 @@ def test_bf16_compute_keeps_float32_master_weights_and_the_update():
     for dtype in (torch.float32, torch.bfloat16):
         policy = copy.deepcopy(base)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-        results[dtype] = optimize_step(policy, opt, batch, 16, 1.0, PGLossOptions(), 1e9, compute_dtype=dtype)
+        results[dtype] = optimize_step(policy, opt, batch, OptimizeSettings(16, 1.0, PGLossOptions(), 1e9, compute_dtype=dtype))
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in policy.parameters())
         updates[dtype] = torch.cat([(p.detach() - before[n]).flatten() for n, p in policy.named_parameters()])
     fp32, bf16 = updates[torch.float32], updates[torch.bfloat16]
@@ -156,7 +157,7 @@ def test_logprob_error_filter_in_the_loss_pass_equals_training_without_the_dropp
                                       ("expected", without, None, 16)):
         policy = copy.deepcopy(base)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-        result = optimize_step(policy, opt, b, micro, 1.0, PGLossOptions.of(g), 1e9, threshold, True)
+        result = optimize_step(policy, opt, b, OptimizeSettings(micro, 1.0, PGLossOptions.of(g), 1e9, threshold, True))
         updated[name] = ({n: p.detach().clone() for n, p in policy.named_parameters()}, result)
     for name in ("filtered", "filtered_whole"):
         weights, result = updated[name]
@@ -194,7 +195,7 @@ def test_bf16_compute_update_is_invariant_to_gradient_accumulation():
     for micro in (64, 16):
         policy = copy.deepcopy(base)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-        optimize_step(policy, opt, batch, micro, 1.0, PGLossOptions(), 1e9, compute_dtype=torch.bfloat16)
+        optimize_step(policy, opt, batch, OptimizeSettings(micro, 1.0, PGLossOptions(), 1e9, compute_dtype=torch.bfloat16))
         updates.append(torch.cat([p.detach().flatten() for p in policy.parameters()]) - before)
     # bfloat16 rounding differs with each micro-batch's width: equal to bfloat16 accuracy
     assert (updates[0] - updates[1]).norm() < 0.02 * updates[0].norm()
@@ -216,7 +217,7 @@ def test_one_closed_step_matches_the_recipe_by_hand():
     from mlperf_grpo.config import GRPOConfig
     from mlperf_grpo.inference.base import Completion
     from mlperf_grpo.train.grpo import token_logprobs
-    from mlperf_grpo.train.loop import training_batch
+    from mlperf_grpo.train.optimize import training_batch
 
     eos, pad = 2, 0
     g = GRPOConfig(**rules.REFERENCE_ALGORITHM)
@@ -281,8 +282,8 @@ def test_one_closed_step_matches_the_recipe_by_hand():
     (-(torch.tensor(expected_adv).unsqueeze(1) * w * lp * mask).sum() / mask.sum()).backward()
 
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    result = optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, 4, 1.0, PGLossOptions.of(g),
-                           1e9, g.seq_logprob_error_threshold, g.needs_prev_logprobs)
+    result = optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, OptimizeSettings(
+        4, 1.0, PGLossOptions.of(g), 1e9, g.seq_logprob_error_threshold, g.needs_prev_logprobs))
     assert result.num_valid_tokens == count == int(mask.sum())
     assert result.num_valid_sequences == valid_sequences == 8  # 12 - 3 truncated - 1 over the error threshold
     assert result.num_sequences_masked_by_logprob_error == 1 and result.num_sequences_masked_by_is == 1

@@ -102,44 +102,45 @@ def _note_open_differences(config) -> None:
 
 def _start_training(args: argparse.Namespace):
     """Check everything cheap (config, environment, model, tokenizer, output), then say
-    what differs from closed; returns ``(config, deferred)``. Nothing is written; a
-    missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS``."""
+    what differs from closed; returns ``(config, deferred, inputs)`` (the checked
+    :class:`~mlperf_grpo.train.inputs.TrainingInputs`). Nothing is written; a missing
+    ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS``."""
     from mlperf_grpo.rundir import RunDir
-    from mlperf_grpo.train.loop import check_training_inputs
-
-    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train import collectives, ranks
+    from mlperf_grpo.train.inputs import check_training_inputs
 
     config = _config(args)
     deferred = _deferred()
-    distributed.check_layout(config, deferred=deferred)
+    ranks.check_layout(config, deferred=deferred)
     if deferred:  # a bad RETAIN_GRPO_CHECKPOINTS fails before training; the choice is recorded in run.json
         from mlperf_grpo.evaluate.offline import retain_requested
 
         args.retain_recorded = retain_requested(getattr(args, "retain_checkpoints", False))
-    check_training_inputs(config, RunDir(args.output or RUNS_DIR), check_output=args.output is not None)
+    inputs = check_training_inputs(config, RunDir(args.output or RUNS_DIR), check_output=args.output is not None)
     if args.output is None:  # made by rank 0 once every check passed; its name on every rank
-        args.output = distributed.broadcast_object(_new_run_dir() if distributed.is_writer() else None)
-        args.made_output = distributed.is_writer()
+        args.output = collectives.broadcast_object(_new_run_dir() if ranks.is_writer() else None)
+        args.made_output = ranks.is_writer()
     _note_open_differences(config)  # after every check: never before an error
     print(f"run directory: {args.output}")
     args.phase = "train"
-    return config, deferred
+    return config, deferred, inputs
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train and write deferred checkpoints; no run_stop. DEFERRED_OFFLINE_EVAL=0: inline eval."""
     from mlperf_grpo.rundir import RunDir
-    from mlperf_grpo.train.loop import train
+    from mlperf_grpo.train.trainer import train
 
-    config, deferred = _start_training(args)
+    config, deferred, inputs = _start_training(args)
     with _removed_if_unwritten(args):
         if not deferred:
             from mlperf_grpo.evaluate.inline import train_with_inline_eval
 
-            outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default")
+            outcome = train_with_inline_eval(config, RunDir(args.output), config_filename=args.config or "builtin-default",
+                                             inputs=inputs)
             return _print_outcome(outcome, args.output)
         result = train(config, RunDir(args.output), config_filename=args.config or "builtin-default",
-                       retain_checkpoints=args.retain_recorded)
+                       retain_checkpoints=args.retain_recorded, inputs=inputs)
     steps = result.checkpoint_steps
     published = f"step_{steps[0]}..step_{steps[-1]}" if steps else "none"
     print(f"trained {len(result.steps)} steps; checkpoints {published} in {args.output}/checkpoints")
@@ -302,12 +303,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Train, then evaluate offline: the whole benchmark run."""
     from mlperf_grpo.evaluate.offline import evaluate_run
 
-    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train import ranks
 
     if not _deferred():
         return cmd_train(args)  # inline evaluation: training writes run_stop itself
     cmd_train(args)
-    if not distributed.is_writer():
+    if not ranks.is_writer():
         return EXIT_OK  # under torchrun rank 0 alone evaluates the run it wrote
     args.phase = "evaluate"
     outcome = evaluate_run(args.output, retain_checkpoints=args.retain_checkpoints, merge=_merge_in_place)
@@ -618,13 +619,13 @@ def _say(line: str) -> None:
 
 
 def _process_group(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """``train``/``run`` under torchrun: the ranks' process group (train/distributed.py);
+    """``train``/``run`` under torchrun: the ranks' process group (train/ranks.py);
     ``evaluate``: no process group (its ranks share torchrun's store), rank 0's stdout only."""
     if args.command not in ("train", "run") and not (args.command == "evaluate" and "TORCHELASTIC_RUN_ID" in os.environ):
         return contextlib.nullcontext()  # (evaluate imports nothing before it starts its fork server)
-    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train import ranks
 
-    return distributed.process_group() if args.command != "evaluate" else distributed.rank_zero_stdout()
+    return ranks.process_group() if args.command != "evaluate" else ranks.rank_zero_stdout()
 
 
 def _torchrun_rank() -> str:

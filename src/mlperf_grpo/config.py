@@ -165,7 +165,7 @@ class GRPOConfig(_Strict):
     truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
     seq_logprob_error_threshold: float | None = Field(None, gt=0)
     """Drop a sequence whose mean ``exp(|generation - prev|)`` exceeds this; needs the
-    ``prev`` log-probs (taken in the loss pass, ``train.loop.optimize_step``). Closed: 2."""
+    ``prev`` log-probs (taken in the loss pass, ``train.optimize.optimize_step``). Closed: 2."""
     use_leave_one_out_baseline: bool = True
     """A completion's baseline is the mean reward of the *other* completions of its prompt
     (RLOO) and its normalising std theirs; false: the group's mean and std
@@ -214,7 +214,7 @@ class GRPOConfig(_Strict):
     @property
     def needs_prev_logprobs(self) -> bool:
         """Whether the loss needs the training policy's ``prev`` log-probs (before the
-        update; ``train.loop.optimize_step`` takes them as ``sg(curr)`` of its loss pass,
+        update; ``train.optimize.optimize_step`` takes them as ``sg(curr)`` of its loss pass,
         where NeMo-RL runs a separate no-grad pass: one update per rollout batch, so the
         weights are the same).
 

@@ -47,7 +47,8 @@ def deferred_requested() -> bool:
 
 
 class InlineEvaluator:
-    """``inline_eval`` callback of :func:`mlperf_grpo.train.loop.train`.
+    """``inline_eval`` hook of :func:`mlperf_grpo.train.trainer.train`
+    (:class:`~mlperf_grpo.train.outputs.InlineEval`).
 
     Args:
         config: the run config (validation settings, GBS, target).
@@ -94,14 +95,16 @@ class InlineEvaluator:
         self.writer.commit()
 
 
-def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str) -> EvalOutcome:
+def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str, inputs=None) -> EvalOutcome:
     """Train with :class:`InlineEvaluator`; returns the outcome read back from the log.
+    ``inputs``: the caller's checked :class:`~mlperf_grpo.train.inputs.TrainingInputs`
+    (``None``: the trainer checks them).
 
     Raises:
         EvaluationError: training ended before the first eval step (nothing evaluated).
-        The errors of :func:`mlperf_grpo.train.loop.train`.
+        The errors of :func:`mlperf_grpo.train.trainer.train`.
     """
-    from mlperf_grpo.train.loop import train
+    from mlperf_grpo.train.trainer import train
 
     evaluator: InlineEvaluator | None = None
 
@@ -112,7 +115,7 @@ def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str)
         return evaluator(step, policy)
 
     try:
-        train(config, run, config_filename, inline_eval=inline_eval)
+        train(config, run, config_filename, inline_eval=inline_eval, inputs=inputs)
     finally:
         if evaluator is not None:
             evaluator.engine.close()

@@ -45,7 +45,7 @@ class Completion:
 Weights = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 """What a refit takes: a state dict, or ``(name, tensor)`` pairs produced one at a time
 (a sharded policy's parameters, each gathered only when its turn comes:
-:func:`~mlperf_grpo.train.distributed.policy_weights`). Names as in the policy's
+:func:`~mlperf_grpo.train.fsdp.policy_weights`). Names as in the policy's
 ``state_dict``; any dtype and device."""
 
 

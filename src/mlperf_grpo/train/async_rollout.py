@@ -140,7 +140,7 @@ class RolloutProducer:
         """Load the trainer's weights (after optimizer step ``weights_version``) into the
         engine through its one refit entry (``load_weights``); ``weights`` may be a
         sharded policy's parameters gathered one at a time
-        (:func:`~mlperf_grpo.train.distributed.policy_weights`).
+        (:func:`~mlperf_grpo.train.fsdp.policy_weights`).
 
         Waits for any generation in flight first (the reference's
         ``in_flight_weight_updates: false``), so it is not counted in the returned time.

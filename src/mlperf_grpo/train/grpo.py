@@ -17,7 +17,7 @@ at the rollout temperature):
   no-grad forward pass; with ``force_on_policy_ratio`` its loss uses ``curr.detach()``
   instead (equal in value: one update per rollout), and the separate pass only feeds the
   sequence log-prob error mask (:func:`seq_logprob_error_keep`). Our trainer takes
-  ``prev = curr.detach()`` from the loss pass itself (``train.loop.optimize_step``): the
+  ``prev = curr.detach()`` from the loss pass itself (``train.optimize.optimize_step``): the
   same weights, so the same values up to kernel numerics, without the second pass.
 
 The PPO ratio is ``curr / prev``; the importance-sampling (IS) weight that corrects for

@@ -1,0 +1,32 @@
+"""Each rank's rollout engine under ``torchrun``, built from the sharded policy."""
+
+from __future__ import annotations
+
+import torch
+
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.train.fsdp import policy_weights
+
+
+def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
+    """This rank's rollout engine (``inference.engine: hf``) in ``model.dtype`` on
+    ``model.device``: a full copy of the model at ``inference.tensor_parallel_size`` 1, else
+    this rank's slices of the model split over its tensor-parallel group of T ranks
+    (:mod:`~mlperf_grpo.inference.tensor_parallel`). Built empty there
+    (:meth:`~mlperf_grpo.inference.hf.HFEngine.for_refit`) and filled by a refit
+    (:func:`policy_weights`) from the sharded policy (every rank must call this): one
+    gathered parameter at a time, of which each rank keeps its slice, so the weight files
+    are not read again, no host copy is made and no rank holds the whole model at T > 1.
+    The weights equal ``load_model(path, model.dtype)``'s: a cast of the same values to
+    the same dtype.
+
+    Returns:
+        An :class:`~mlperf_grpo.inference.hf.HFEngine` with the model's tokenizer.
+    Raises:
+        ModelLoadError: the model or its tokenizer does not load.
+    """
+    engine = HFEngine.for_refit(config.model.path, config.model.dtype, device=config.model.device,
+                                tensor_parallel_size=config.inference.tensor_parallel_size)
+    engine.load_weights(policy_weights(policy))
+    return engine

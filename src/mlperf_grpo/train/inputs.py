@@ -1,0 +1,94 @@
+"""What training checks before anything is loaded or written, once per run.
+
+:func:`check_training_inputs` is the one place a training run's inputs are checked
+(task data, model files and tokenizer, device, kernels, planned memory, engine, output):
+the CLI calls it before it names the run directory and hands the result
+(:class:`TrainingInputs`: the task suite loaded once) to
+:func:`mlperf_grpo.train.trainer.train`, which checks only when it is given nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlperf_grpo import memory_plan, tasks
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.inference.base import check_engine_available
+from mlperf_grpo.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.model import check_device, check_model, check_model_path
+from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.tasks.lengths import check_prompt_lengths
+from mlperf_grpo.train import ranks
+
+
+@dataclass(frozen=True)
+class TrainingInputs:
+    """A run's checked task data (:func:`check_training_inputs`)."""
+
+    suite: tasks.TaskSuite
+    """The task suite (loaded once; its ``reward`` scores the rollouts)."""
+    train_pool: list[tasks.Task]
+    """The training prompts (``task.num_train_tasks``, none of them a validation task)."""
+    validation: list[tasks.Task]
+    """The validation tasks (``validation.num_tasks``), recorded in each checkpoint's
+    evaluation settings."""
+
+
+def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = True) -> TrainingInputs:
+    """Everything that can be checked before training starts, cheaply (no weights loaded);
+    the output only with ``check_output``.
+
+    Returns:
+        The :class:`TrainingInputs`.
+    Raises:
+        TaskError: the task data or entry point is unusable, or a task count is wrong
+            (PromptTooLongError: a prompt plus ``grpo.max_new_tokens`` exceeds the model's
+            context or ``grpo.max_sequence_length``).
+        ModelLoadError: the model directory, its weights' headers or its tokenizer are
+            unusable (see :func:`mlperf_grpo.model.check_model`), or no CUDA device.
+        MemoryPlanError: T does not divide, or the layout's planned bytes exceed the
+            device (:func:`check_planned_memory`).
+        RunDirError: the output already holds a run.
+    """
+    suite = tasks.load_suite(config)
+    validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
+    train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
+    check_model(config.model.path, sample_text=validation[0].prompt)
+    check_prompt_lengths(config, {"training": train_pool, "validation": validation})
+    check_device(config.model.device)
+    check_linear_attention_kernels(config.model.path, config.model.device)
+    check_planned_memory(config)
+    check_engine_available(config)
+    if check_output:
+        run.check_unused()
+    return TrainingInputs(suite, train_pool, validation)
+
+
+def device_memory_bytes() -> int:
+    """Total memory of this process's CUDA device, in bytes."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def check_planned_memory(config: RunConfig) -> None:
+    """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
+    that does not divide the world size or the model's heads / vocabulary / experts
+    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel` with the engine's rules); on
+    CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.memory_plan`:
+    FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not
+    checked, nor a model type the planner does not count.
+
+    Raises:
+        MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
+    """
+    model = memory_plan.load_model_config(check_model_path(config.model.path))
+    world_size = ranks.layout().world_size
+    t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
+    if ranks.launched() or hf:  # the hf engine splits over the world's ranks
+        memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
+    if config.model.device != "cuda" or not memory_plan.counts(model):
+        return
+    plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
+                                   config.inference.engine)
+    memory_plan.check_fits(plan, device_memory_bytes(), 1 if hf else t)

@@ -1,0 +1,243 @@
+"""One optimizer step of GRPO on a global batch: the batch, its settings, the step.
+
+:func:`training_batch` turns a step's scored rollouts into the batch,
+:class:`OptimizeSettings` holds what the config decides about the step, and
+:func:`optimize_step` accumulates the loss's gradient over micro-batches and steps the
+optimizer. Under torchrun each rank calls it on its share of the batch; the counts it
+returns are the global batch's (:mod:`~mlperf_grpo.train.collectives`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from mlperf_grpo.config import GRPOConfig, RunConfig
+from mlperf_grpo.inference.base import Completion
+from mlperf_grpo.model import DTYPES
+from mlperf_grpo.train import collectives
+from mlperf_grpo.train.fsdp import sync_after_micro_batch
+from mlperf_grpo.train.grpo import (
+    PGLossOptions,
+    clipped_pg_loss_sum,
+    group_advantages,
+    seq_logprob_error_keep,
+    token_logprobs,
+)
+from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
+
+COMPILED_WIDTH_MULTIPLE = 8
+"""Micro-batch widths of a compiled policy are multiples of this (see :class:`OptimizeSettings`)."""
+
+
+@dataclass
+class OptimizeResult:
+    """What one optimizer step measured (see :func:`optimize_step`)."""
+
+    loss: float
+    """Global-batch token-level mean loss."""
+    grad_norm: float
+    """Pre-clip gradient norm."""
+    num_valid_tokens: int
+    """Completion tokens of the sequences kept by the batch's ``sample_mask`` (overlong
+    filter) and the log-prob error filter (the normalizer)."""
+    num_valid_sequences: int
+    """Sequences kept by both (NeMo-RL's ``global_valid_seqs``: the sum of its final ``sample_mask``)."""
+    num_sequences_masked_by_is: int
+    num_sequences_masked_by_logprob_error: int
+    importance_weight_mean: float
+    """Mean IS weight over valid tokens (1 without the correction)."""
+
+
+@dataclass(frozen=True)
+class OptimizeSettings:
+    """What the config decides about :func:`optimize_step`.
+
+    Raises:
+        ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
+    """
+
+    micro_batch_size: int
+    """Rows per forward/backward pass (gradients accumulate over them)."""
+    temperature: float
+    """The rollouts' sampling temperature: the log-probs are of ``logits / temperature``."""
+    options: PGLossOptions
+    grad_clip_norm: float
+    """Clip of the global gradient norm (``clip_grad_norm_``)."""
+    seq_logprob_error_threshold: float | None = None
+    """Drop sequences whose prev/generation log-prob error exceeds it (``None``: no filter)."""
+    needs_prev_logprobs: bool = False
+    """Take ``prev`` from the loss pass (``GRPOConfig.needs_prev_logprobs``)."""
+    compute_dtype: torch.dtype = torch.float32
+    """The forward passes' autocast dtype (:func:`compute_autocast`); weights stay float32."""
+    width_multiple: int = 1
+    """Each micro-batch's width is rounded up to a multiple of it (the batch right-padded
+    with masked columns): a compiled policy then never sees a sequence length of another
+    alignment, which would recompile each decoder layer (inductor guards on
+    ``length % 8``). The masked columns change no value in exact arithmetic."""
+    reshard_every_micro_batch: bool = True
+    """False (an FSDP2 policy sharded with it, ``distributed.reshard_every_micro_batch``):
+    gradients are reduced once, after the last micro-batch
+    (:func:`~mlperf_grpo.train.fsdp.sync_after_micro_batch`)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_logprob_error_threshold is not None and not self.needs_prev_logprobs:
+            raise ValueError("seq_logprob_error_threshold needs the prev log-probs (needs_prev_logprobs=True)")
+
+    @classmethod
+    def of(cls, config: RunConfig, compiled: bool = False) -> OptimizeSettings:
+        """The settings of ``config``'s training step; ``compiled``: the policy's decoder
+        layers are compiled (widths a multiple of :data:`COMPILED_WIDTH_MULTIPLE`)."""
+        g = config.grpo
+        return cls(
+            g.micro_batch_size, g.rollout_temperature, PGLossOptions.of(g), config.gradient_clip_norm,
+            g.seq_logprob_error_threshold, g.needs_prev_logprobs, DTYPES[config.model.train_compute_dtype],
+            width_multiple=COMPILED_WIDTH_MULTIPLE if compiled else 1,
+            reshard_every_micro_batch=config.distributed.reshard_every_micro_batch,
+        )
+
+
+def training_batch(
+    completions: list[list[Completion]], rewards: torch.Tensor, grpo: GRPOConfig, pad_token_id: int,
+    eos_token_ids: list[int],
+) -> RolloutBatch:
+    """The step's batch: ``[P][G]`` completions, their ``[P, G]`` rewards, the advantages
+    the config's baseline gives (:func:`~mlperf_grpo.train.grpo.group_advantages`) and,
+    with ``overlong_filtering``, sample mask 0 for the truncated completions
+    (:func:`~mlperf_grpo.train.rollout.truncated_completions`).
+
+    As NeMo-RL's ``async_grpo_train``: the baseline takes every sample as valid (its
+    ``GRPOAdvantageEstimator`` passes ``valid_mask = ones``), so a truncated completion
+    still counts in its group's baseline and std; the filter only takes it out of the loss
+    and the valid-token and valid-sequence counts.
+    """
+    advantages = group_advantages(rewards, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                                  normalize_rewards=grpo.normalize_rewards)  # [P, G]
+    sample_mask = (~truncated_completions(completions, eos_token_ids)).float() if grpo.overlong_filtering else None
+    return build_batch(completions, rewards, advantages, pad_token_id, eos_token_ids, sample_mask)
+
+
+def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
+    passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
+    (master weights); log-probabilities are taken in float32 (:func:`token_logprobs`)."""
+    if compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
+
+
+class _Sums:
+    """The step's running sums, float64 scalars on the device (the same sums as Python
+    floats of each micro-batch's values; read back once, after the optimizer step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss, self.weight, self.masked_by_is, self.masked_by_error, self.tokens, self.sequences = (
+            torch.zeros((), dtype=torch.float64, device=device) for _ in range(6))
+
+
+def optimize_step(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, settings: OptimizeSettings,
+) -> OptimizeResult:
+    """One optimizer step on a global batch, accumulating gradients over micro-batches.
+
+    ``prev`` (the training policy's log-probs before the update) is needed with
+    ``settings.needs_prev_logprobs``. One optimizer step follows each rollout batch, so the
+    policy before the update is the policy of this step's loss pass: ``prev = sg(curr)``,
+    taken from each micro-batch's own forward, not from a second no-grad pass over the
+    batch (NeMo-RL runs one; the values are equal up to kernel numerics).
+    ``seq_logprob_error_threshold`` then drops sequences from the mask
+    (:func:`~mlperf_grpo.train.grpo.seq_logprob_error_keep`, per row, so per micro-batch).
+    Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
+    ``force_on_policy_ratio`` and else the rollout's generation log-probs. The batch's
+    ``sample_mask`` (the overlong filter) multiplies the completion mask first
+    (``RolloutBatch.loss_mask``): a row it leaves out still goes through the forward pass
+    but adds nothing to the loss, the token count or ``num_valid_sequences``.
+
+    The gradient is that of the token-level mean over the whole batch: without the filter
+    each micro-batch's loss sum is divided by the global valid-token count before its
+    backward; with the filter that count is known only after the last micro-batch, so the
+    summed gradient is divided by it then (equal in exact arithmetic). The forward passes
+    run under :func:`compute_autocast` of ``compute_dtype``; below float32 they compute
+    logits only from each micro-batch's first completion column on (HF ``logits_to_keep``;
+    the same log-probs, a smaller ``[mb, T, V]`` at a real vocabulary). The micro-batch loop
+    reads nothing back from the device. Under torchrun the batch is this rank's share and
+    the count is the global batch's (summed over ranks), as are the returned loss, counts
+    and IS weight mean; the gradient norm is over all shards.
+    """
+    filtered = settings.seq_logprob_error_threshold is not None
+    policy.train()
+    optimizer.zero_grad(set_to_none=True)
+    device = next(policy.parameters()).device  # the batch is built on the CPU
+    batch = batch.padded_to_multiple(settings.width_multiple)
+    mask = batch.loss_mask  # [B, L-1]: completion tokens of the rows sample_mask keeps (overlong filter)
+    # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
+    num_valid_tokens = 0 if filtered else int(collectives.all_reduce_sum([mask.sum().item()])[0])
+    loss_divisor = max(num_valid_tokens, 1)
+    sums = _Sums(device)
+    # to the device once a step (a copy from pageable host memory waits for the device)
+    on_device = tuple(t.to(device) for t in (
+        batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
+    spans = batch.micro_batch_spans(settings.micro_batch_size, settings.width_multiple)  # each cut to its longest row
+    for index, (rows, width) in enumerate(spans):
+        if not settings.reshard_every_micro_batch and index in (0, len(spans) - 1):  # the flags persist in between
+            sync_after_micro_batch(policy, last=index == len(spans) - 1)
+        _micro_batch(policy, batch, on_device, rows, width, settings, loss_divisor, sums)
+    if filtered:
+        num_valid_tokens = int(collectives.all_reduce_sum([sums.tokens.item()])[0])  # the global batch's
+        loss_divisor = max(num_valid_tokens, 1)
+        torch._foreach_div_([p.grad for p in policy.parameters() if p.grad is not None], float(loss_divisor))
+        sums.loss /= loss_divisor
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip_norm)
+    optimizer.step()
+    policy.eval()
+    grad_norm = collectives.full_value(grad_norm)  # over all shards
+    local = torch.stack([sums.loss, sums.weight, sums.masked_by_is, sums.masked_by_error, sums.sequences]).tolist()
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences = collectives.all_reduce_sum(local)
+    return OptimizeResult(
+        loss=loss_total,
+        grad_norm=grad_norm,
+        num_valid_tokens=num_valid_tokens,
+        num_valid_sequences=int(kept_sequences),
+        num_sequences_masked_by_is=int(masked_by_is),
+        num_sequences_masked_by_logprob_error=int(masked_by_error),
+        importance_weight_mean=weight_sum / loss_divisor,
+    )
+
+
+def _micro_batch(
+    policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], rows: slice, width: int,
+    settings: OptimizeSettings, loss_divisor: int, sums: _Sums,
+) -> None:
+    """Forward and backward of one micro-batch (``rows``, its first ``width`` columns),
+    its sums added to ``sums``; see :func:`optimize_step`."""
+    input_ids, attention_mask, token_mask, rollout_logprobs, advantages, sample_mask = on_device
+    ids = input_ids[rows, :width]
+    # Logits from the first completion column on (earlier ones would only score prompt
+    # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
+    start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(rows)
+    with compute_autocast(input_ids.device, settings.compute_dtype):
+        logits = policy(input_ids=ids, attention_mask=attention_mask[rows, :width],
+                        logits_to_keep=width - start).logits  # [mb, width-start, V]
+    curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], settings.temperature)  # [mb, width-1-start]
+    cols = slice(start, width - 1)
+    generation = rollout_logprobs[rows, cols]
+    rows_mask = token_mask[rows, cols]
+    options = settings.options
+    prev = curr.detach() if settings.needs_prev_logprobs else None if options.force_on_policy_ratio else generation
+    rows_kept = sample_mask[rows]  # [mb]
+    if settings.seq_logprob_error_threshold is not None:
+        keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, settings.seq_logprob_error_threshold)
+        sums.masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
+        rows_mask = rows_mask * keep.unsqueeze(1)
+        rows_kept = rows_kept * keep
+        sums.tokens += rows_mask.sum()
+    sums.sequences += rows_kept.sum()
+    part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
+    loss = part.loss / loss_divisor
+    loss.backward()
+    sums.loss += loss.detach()
+    sums.weight += part.importance_weight_sum
+    sums.masked_by_is += part.num_sequences_masked_by_is
+
