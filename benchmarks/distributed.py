@@ -78,11 +78,12 @@ Prints ONE JSON line:
 - with ``--tensor-parallel-size T`` > 1 (no training run: this build's trainer refuses
   T > 1 until every rank writes its share of a checkpoint) each of the ``--nproc`` ranks
   builds the sharded policy and its engine split over its group of T
-  (``train/distributed.engine_from_policy``), generates its group's prompts and refits
+  (``train/engine_setup.engine_from_policy``), generates its group's prompts and refits
   once; the line gives ``total_weight_bytes`` (the model's rollout-dtype bytes, tied
   tensors once), per rank ``engine_bytes`` (the bytes of the tensors the rank's engine
-  holds, measured from them), ``staged_bytes`` (null: the per-rank checkpoint writer's
-  ``AsyncCheckpointer.staged_bytes`` goes there), ``generation_s`` and ``refit_s``,
+  holds, measured from them), ``staged_bytes`` (``AsyncCheckpointer.staged_bytes``: this
+  rank's K = 2 host staging buffers, measured from them; bound K (total/N + the largest
+  tensor)), ``generation_s`` and ``refit_s``,
   beside the planner's ``planned_engine_bytes`` and ``planned_staging_bytes``
   (``memory_plan.plan_memory(..., engine="hf")``, the ``sharded`` layout) and the bound
   ``engine_bytes_bound`` = total / T + the largest tensor;
@@ -145,38 +146,47 @@ def tp_worker(config_file: Path, result_file: Path) -> None:
     refit; rank 0 writes every rank's figures to ``result_file``."""
     import torch.distributed as dist
 
+    from mlperf_grpo.checkpoint import AsyncCheckpointer, RankGroup, engine_checkpoint_weights
     from mlperf_grpo.config import load_config
     from mlperf_grpo.inference.base import SamplingParams
     from mlperf_grpo.inference.tensor_parallel import local_tensor
     from mlperf_grpo.tasks import arithmetic
-    from mlperf_grpo.train import distributed
+    from mlperf_grpo.train import collectives, ranks
+    from mlperf_grpo.train.engine_setup import engine_from_policy
+    from mlperf_grpo.train.fsdp import load_sharded_policy, policy_weights
     from mlperf_grpo.train.rollout import generate_rollouts
 
     config = load_config(str(config_file))
     g = config.grpo
-    with distributed.process_group() as here:
-        policy = distributed.load_sharded_policy(config.model.path, config.model.device, None, False)
-        engine = distributed.engine_from_policy(config, policy)
-        share = distributed.prompt_share(g.num_prompts_per_step, here, engine.tp_size)
+    with ranks.process_group() as here:
+        policy = load_sharded_policy(config.model.path, config.model.device, None, False)
+        engine = engine_from_policy(config, policy)
+        share = ranks.prompt_share(g.num_prompts_per_step, here, engine.tp_size)
         tasks = arithmetic.train_tasks(g.num_prompts_per_step, 251, seed=config.seed)[share]
         start = time.perf_counter()
         generate_rollouts(engine, tasks, g.num_generations_per_prompt,
                           SamplingParams(1.0, 1.0, g.max_new_tokens), config.seed, 1, share.start)
         generation_s = time.perf_counter() - start
         start = time.perf_counter()
-        engine.load_weights(distributed.policy_weights(policy))
+        engine.load_weights(policy_weights(policy))
         refit_s = time.perf_counter() - start
+        # the checkpoint's host staging buffers of this rank (the trainer's, before run_start)
+        checkpointer = AsyncCheckpointer(result_file.parent / "checkpoints", Path(config.model.path),
+                                         config.checkpoint.max_in_flight, group=RankGroup.of_process_group())
+        checkpointer.prepare(engine_checkpoint_weights(engine))
+        staged_bytes = checkpointer.staged_bytes
+        checkpointer.finish(record_end=False)
         held = {t.data_ptr(): t for t in engine.weights().values()}.values()  # tied tensors once
         # the same tensors as DTensors (their full shapes), keyed by their local storage
         full = {local_tensor(t).data_ptr(): t for t in engine.model.state_dict().values()}.values()
         figures = {"engine_bytes": sum(t.numel() * t.element_size() for t in held),
                    "total_weight_bytes": sum(t.numel() * t.element_size() for t in full),
                    "largest_tensor_bytes": max(t.numel() * t.element_size() for t in full),
-                   "staged_bytes": None,  # AsyncCheckpointer.staged_bytes once every rank writes its share
+                   "staged_bytes": staged_bytes,
                    "generation_s": round(generation_s, 3), "refit_s": round(refit_s, 3)}
         gathered = [None] * here.world_size
         dist.all_gather_object(gathered, figures)
-        distributed.barrier()
+        collectives.barrier()
         if here.rank == 0:
             result_file.write_text(json.dumps(gathered))
 
@@ -212,7 +222,7 @@ def tensor_parallel_figures(args: argparse.Namespace, dtype: str, params: float,
     return {"benchmark": "distributed", "device": args.device, "nproc": args.nproc, "tensor_parallel_size": t,
             "params": n_params, "dtype": dtype, "prompts": prompts, "total_weight_bytes": total,
             "engine_bytes": [r["engine_bytes"] for r in ranks], "engine_bytes_bound": total // t + largest,
-            "staged_bytes": [r["staged_bytes"] for r in ranks],
+            "staged_bytes": [r["staged_bytes"] for r in ranks], "staged_bytes_bound": 2 * (total // args.nproc + largest),
             "planned_engine_bytes": plan.sharded.engine_bytes, "planned_staging_bytes": plan.sharded.staging_bytes,
             "generation_s": [r["generation_s"] for r in ranks], "refit_s": [r["refit_s"] for r in ranks]}
 
