@@ -36,7 +36,7 @@ from pathlib import Path
 from mlperf_grpo import rules
 from mlperf_grpo.check import UnreadableLog, load_log_text
 from mlperf_grpo.check import find_run_dir
-from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number, _training_infos
+from mlperf_grpo.log_values import EVAL_KEYS, checkpoint_records, is_int, is_number, logged_global_batch_size
 from mlperf_grpo.check.shape import ms_text, samples_count_of
 from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 
@@ -90,7 +90,7 @@ def _mllog_part(lines: list[str], e: LogEvent) -> str:
 
 
 def _passes(e: LogEvent) -> bool:
-    return _is_number(e.value) and rules.is_passing(e.value)
+    return is_number(e.value) and rules.is_passing(e.value)
 
 
 def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> None:
@@ -123,7 +123,7 @@ def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None
     has no such event (one block spanning many steps has no ``block_stop`` between them:
     no lower bound)."""
     def ends(sc: int, keys: tuple[str, ...]) -> list[LogEvent]:
-        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and _is_number(e.time_ms)]
+        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and is_number(e.time_ms)]
     before = ends((step - 1) * gbs, ("block_stop",)) if step > 1 else train.find("run_start")
     after = ends(step * gbs, ("block_stop", "tracked_stats")) if step > 0 else train.find("run_start")
     return (max(before, key=lambda e: e.time_ms) if before else None,
@@ -155,7 +155,7 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
             raise MergeError(f"evaluation log {eval_log} line {events[0].line_no}: an evaluation of step {sc // gbs}, but "
                              f"the training log trained to step {last // gbs}; the logs are of different runs")
         start, _ = _step_window(train, sc // gbs, gbs)
-        begun = min((e for e in events if _is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
+        begun = min((e for e in events if is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
         if start is not None and begun is not None and begun.time_ms < start.time_ms:
             raise MergeError(f"evaluation log {eval_log} line {begun.line_no}: the evaluation of step {sc // gbs} began at "
                              f"{ms_text(begun.time_ms)} ms, before that step was trained (after {ms_text(start.time_ms)} ms, "
@@ -164,10 +164,10 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
         return ""
     stop = stops[0]
     sc = first_pass if stop.metadata.get("status") == "success" else samples_count_of(stop)
-    if sc is None or not _is_number(stop.time_ms):
+    if sc is None or not is_number(stop.time_ms):
         return "none: the run_stop names no step"
     step = sc // gbs
-    infos = _training_infos(find_run_dir(train_log))
+    infos = checkpoint_records(find_run_dir(train_log))
     if sc in infos:
         path, t_update = infos[sc]
         if stop.time_ms != t_update:
@@ -207,7 +207,7 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         raise MergeError(f"evaluation log {eval_log} line {line_no}: {reason}")
     if not train.find("run_start"):
         raise MergeError(f"training log {train_log} has no run_start")
-    gbs = _gbs(train)
+    gbs = logged_global_batch_size(train)
     if gbs is None:
         raise MergeError(f"training log {train_log} has no positive integer global_batch_size")
 
@@ -226,7 +226,7 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
             new_stops.append(e)
             continue
         sc = e.metadata.get("samples_count")
-        if not _is_int(sc):
+        if not is_int(sc):
             raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {e.key} has no integer samples_count")
         groups.setdefault(sc, []).append(e)
     for sc, events in groups.items():
@@ -238,14 +238,14 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
 
     other = [sc for sc in sorted(groups) if sc % gbs]
     if other:
-        ev_gbs = _gbs(ev)
+        ev_gbs = logged_global_batch_size(ev)
         hint = f" (the evaluation log declares global_batch_size {ev_gbs})" if ev_gbs not in (None, gbs) else ""
         raise MergeError(f"evaluation log {eval_log}: samples_count {other[0]} is not a whole step at the training log's "
                          f"global batch size {gbs}{hint}; the logs are of different runs")
     existing = [e for e in train.find("eval_accuracy")]
     series = [e.metadata.get("samples_count") for e in existing] + sorted(groups)
     s0_samples = rules.first_eval_step(gbs) * gbs
-    if train.first_value("submission_division") == "open" and series and _is_int(series[0]):
+    if train.first_value("submission_division") == "open" and series and is_int(series[0]):
         s0_samples = series[0]  # open division: the first eval step is free; contiguous from there
     expected = list(range(s0_samples, s0_samples + gbs * len(series), gbs))
     if series != expected:
@@ -277,7 +277,7 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
                          "would come after it and the RCP checker would find no convergence point")
     for stop in new_stops:
         sc = stop.metadata.get("samples_count")
-        if stop.metadata.get("status") == "success" and _is_int(sc) and sc != first_pass:
+        if stop.metadata.get("status") == "success" and is_int(sc) and sc != first_pass:
             raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at samples_count {sc}, but the first "
                              f"passing evaluation is at {first_pass}")
     result.tie = tie_to_training(Path(train_log), train, Path(eval_log), {g[0].metadata["samples_count"]: g for g in kept},

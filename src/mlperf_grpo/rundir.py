@@ -20,14 +20,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.config import RunConfig, dump_config, load_config
+from mlperf_grpo.step_dirs import published_steps
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 MLLOG_ENV = "MLPERF_MLLOG_FILE"
 """Environment variable of the reference launcher naming the MLPerf log file."""
 
@@ -179,9 +178,7 @@ class RunDir:
     def published_steps(self) -> list[int]:
         """Steps of the published ``checkpoints/step_N/`` directories, ascending (names
         only: a ``tmp_step_N/`` is unfinished and not counted)."""
-        if not self.checkpoints.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.checkpoints.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+        return published_steps(self.checkpoints)
 
     def check_unused(self) -> None:
         """Raises RunDirError when the path or a folder above it is a file (the directory

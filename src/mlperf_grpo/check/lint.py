@@ -12,7 +12,6 @@ log"), the 6.1.0 compliance configs ``training_6.1.0/{common,closed_qwen35_397b_
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Any, Callable
 from mlperf_grpo import rules
 from mlperf_grpo.check.evidence import stored_results
 from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.shape import DEFERRED, EVAL_KEYS, INLINE, evaluation_mode, int_or_none, ms_text, trained_samples
+from mlperf_grpo.check.shape import DEFERRED, INLINE, evaluation_mode, int_or_none, ms_text, trained_samples
+from mlperf_grpo.log_values import EVAL_KEYS, checkpoint_records, is_number, logged_global_batch_size
 from mlperf_grpo.mllog import LogEvent, ParsedLog, loads_line
 
 MAX_LINE_CHARS = 4096
@@ -63,27 +63,10 @@ class LintInput:
     notes: list[str] = field(default_factory=list)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _gbs(log: ParsedLog) -> int | None:
-    """The first logged global_batch_size, when it is a positive integer."""
-    found = log.find("global_batch_size")
-    value = found[0].value if found else None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return value if _is_int(value) and value > 0 else None
-
-
 def first_passing_eval(log: ParsedLog, target: float = rules.TARGET_ACCURACY) -> LogEvent | None:
     """The first ``eval_accuracy`` (file order) whose value is a number strictly above ``target``."""
     for e in log.find("eval_accuracy"):
-        if _is_number(e.value) and rules.is_passing(e.value, target):
+        if is_number(e.value) and rules.is_passing(e.value, target):
             return e
     return None
 
@@ -178,7 +161,7 @@ def _says(e: LogEvent) -> str:
     if e.value is not None:
         return f"value {_short(e.value)}"
     metadata = {k: v for k, v in e.metadata.items() if k not in _WRITER_METADATA}
-    return f"time_ms {ms_text(e.time_ms) if _is_number(e.time_ms) else _short(e.time_ms)}, metadata {_short(metadata, 120)}"
+    return f"time_ms {ms_text(e.time_ms) if is_number(e.time_ms) else _short(e.time_ms)}, metadata {_short(metadata, 120)}"
 
 
 def _repeats(inp: LintInput, key: str, rule: str, impact: str) -> list[Finding]:
@@ -246,7 +229,7 @@ def run_stop_order(inp: LintInput) -> list[Finding]:
         if stop.line_no < start.line_no:
             out.append(Finding("run-stop-order", stop.line_no, "run_stop", f"run_stop is written before run_start (line {start.line_no})",
                                "the compliance checker fails it and the summarizer pairs the wrong lines"))
-        if _is_number(stop.time_ms) and _is_number(start.time_ms) and stop.time_ms < start.time_ms:
+        if is_number(stop.time_ms) and is_number(start.time_ms) and stop.time_ms < start.time_ms:
             out.append(Finding("run-stop-order", stop.line_no, "run_stop",
                                f"run_stop time_ms {ms_text(stop.time_ms)} is before run_start time_ms {ms_text(start.time_ms)}",
                                "time-to-train is negative"))
@@ -283,7 +266,7 @@ def eval_series(inp: LintInput) -> list[Finding]:
     log's own series, ``samples_count = first + k * GBS`` from its first evaluation, which
     must be a whole step (a multiple of GBS). A note says which rule was applied.
     """
-    gbs = _gbs(inp.log)
+    gbs = logged_global_batch_size(inp.log)
     if gbs is None:
         inp.notes.append("eval series not checked: no positive integer global_batch_size in the log")
         return []
@@ -339,7 +322,7 @@ def eval_at_target(inp: LintInput) -> list[Finding]:
     return [
         Finding("eval-at-target", e.line_no, "eval_accuracy", f"accuracy {e.value} equals the target {inp.target}; a pass needs strictly more",
                 "a run stopped here did not converge; treating it as a pass understates time-to-train")
-        for e in inp.log.find("eval_accuracy") if _is_number(e.value) and e.value == inp.target
+        for e in inp.log.find("eval_accuracy") if is_number(e.value) and e.value == inp.target
     ]
 
 
@@ -406,27 +389,6 @@ def eval_pairing(inp: LintInput) -> list[Finding]:
     return out
 
 
-def _training_infos(run_dir: Path | None) -> dict[int, tuple[Path, int]]:
-    """samples_count -> (record path, weight-update time) from the checkpoints still on disk.
-
-    Reads only the two fields needed from each ``checkpoints/step_N/training_info.json``
-    (not :func:`mlperf_grpo.checkpoint.read_training_info`, which rejects records of
-    other format versions); unreadable records are skipped.
-    """
-    found: dict[int, tuple[Path, int]] = {}
-    root = run_dir / "checkpoints" if run_dir else None
-    if root is None or not root.is_dir():
-        return found
-    for path in sorted(root.glob("step_*/training_info.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):
-            continue
-        if isinstance(record, dict) and _is_int(record.get("samples_count")) and _is_int(record.get("training_step_end_time_ms")):
-            found[record["samples_count"]] = (path, record["training_step_end_time_ms"])
-    return found
-
-
 def run_stop_time(inp: LintInput) -> list[Finding]:
     """``run_stop.time_ms`` is not the weight-update time of its checkpoint.
 
@@ -439,7 +401,7 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     """
     log, out = inp.log, []
     stops = log.find("run_stop")
-    if not stops or not _is_number(stops[0].time_ms):
+    if not stops or not is_number(stops[0].time_ms):
         return out
     stop = stops[0]
     evals = [e for e in log.find("eval_accuracy") if e.line_no < stop.line_no]
@@ -468,15 +430,15 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
         return out
     blocks = {(e.key, sc_): e for e in log.events if e.key in ("block_start", "block_stop") and (sc_ := _sc_int(e)) is not None}
     block_stop = blocks.get(("block_stop", sc))
-    gbs = _gbs(log)
+    gbs = logged_global_batch_size(log)
     block_start = blocks.get(("block_start", sc - gbs)) if gbs else None
-    if block_stop is not None and _is_number(block_stop.time_ms) and stop.time_ms > block_stop.time_ms:
+    if block_stop is not None and is_number(block_stop.time_ms) and stop.time_ms > block_stop.time_ms:
         out.append(Finding("run-stop-time", stop.line_no, "run_stop",
                            f"time_ms {ms_text(stop.time_ms)} is {ms_text(stop.time_ms - block_stop.time_ms)} ms after the block_stop at "
                            f"samples_count {sc} (line {block_stop.line_no})",
                            "the weight update ends inside the step's block; a later run_stop adds checkpoint or "
                            "evaluation time to time-to-train"))
-    if block_start is not None and _is_number(block_start.time_ms) and stop.time_ms < block_start.time_ms:
+    if block_start is not None and is_number(block_start.time_ms) and stop.time_ms < block_start.time_ms:
         out.append(Finding("run-stop-time", stop.line_no, "run_stop",
                            f"time_ms {ms_text(stop.time_ms)} is before that step's block_start (line {block_start.line_no}, "
                            f"{ms_text(block_start.time_ms)})",
@@ -484,7 +446,7 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     if block_stop is None:
         inp.notes.append(f"run_stop time not compared with the log: no block_stop at samples_count {sc} (one block spans "
                          "several steps)")
-    infos = _training_infos(inp.run_dir)
+    infos = checkpoint_records(inp.run_dir)
     if sc in infos:
         path, t_update = infos[sc]
         if stop.time_ms != t_update:
@@ -503,7 +465,7 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
 def _inline_run_stop_time(stop: LogEvent, evals: list[LogEvent]) -> list[Finding]:
     """Inline: ``run_stop`` may not be earlier than the evaluation it ends the run on."""
     last = evals[-1]
-    if _is_number(last.time_ms) and stop.time_ms < last.time_ms:
+    if is_number(last.time_ms) and stop.time_ms < last.time_ms:
         return [Finding("run-stop-time", stop.line_no, "run_stop",
                         f"time_ms {ms_text(stop.time_ms)} is before the eval_accuracy at line {last.line_no} ({ms_text(last.time_ms)}) "
                         "in an inline-evaluated run", "inline evaluation is on the clock; time-to-train is understated")]
@@ -520,7 +482,7 @@ def run_stop_step(inp: LintInput) -> list[Finding]:
     stops, out = inp.log.find("run_stop"), []
     if not stops:
         return out
-    stop, gbs = stops[0], _gbs(inp.log)
+    stop, gbs = stops[0], logged_global_batch_size(inp.log)
     claimed = {"samples_count": _sc_int(stop)}
     step = int_or_none(stop.metadata.get("step"))
     if step is not None and gbs is not None:
@@ -617,7 +579,7 @@ def eval_results(inp: LintInput) -> list[Finding]:
     exactly by JSON. A results file that cannot give one is a finding too; a logged
     evaluation without a file is a note (the check could not be made).
     """
-    results, gbs = stored_results(inp.run_dir), _gbs(inp.log)
+    results, gbs = stored_results(inp.run_dir), logged_global_batch_size(inp.log)
     if inp.run_dir is None or gbs is None:
         return []
     out, unmatched = [], []
@@ -625,7 +587,7 @@ def eval_results(inp: LintInput) -> list[Finding]:
               "may come from an edited log or another run")
     for e in inp.log.find("eval_accuracy"):
         sc = _sc_int(e)
-        if sc is None or sc % gbs or not _is_number(e.value):
+        if sc is None or sc % gbs or not is_number(e.value):
             continue  # eval-series / metadata-type / eval-value findings
         stored = results.get(sc // gbs)
         if stored is None:

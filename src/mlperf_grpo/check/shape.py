@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlperf_grpo.log_values import EVAL_KEYS
 from mlperf_grpo.mllog import LogEvent, ParsedLog
 
-EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop")
 
 INLINE, DEFERRED, UNKNOWN = "inline", "deferred", "unknown"
 

@@ -24,7 +24,6 @@ from mlperf_grpo.checkpoint.reader import (
     check_same_tensors,
     discover_checkpoints,
     discover_series,
-    published_steps,
     read_training_end,
     read_training_info,
     read_weights,
@@ -32,6 +31,7 @@ from mlperf_grpo.checkpoint.reader import (
     tensor_specs,
 )
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer, CheckpointTiming, write_checkpoint
+from mlperf_grpo.step_dirs import published_steps
 
 
 __all__ = [

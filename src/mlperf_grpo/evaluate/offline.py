@@ -54,6 +54,7 @@ from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch, local
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 
@@ -255,7 +256,7 @@ def _stopped_before_first_checkpoint(run: RunDir, source: SeriesSource, config: 
             "evaluate or score; delete the directory and train again"
         )
     last, s0 = last_trained_step(log)[0], config.first_eval_step
-    return last < s0 or (last == s0 and (source.root / f"tmp_step_{s0}").is_dir())
+    return last < s0 or (last == s0 and (source.root / tmp_step_dir_name(s0)).is_dir())
 
 
 def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
