@@ -195,10 +195,12 @@ def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     ]
 
 
-def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int) -> None:
+def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int,
+                          name: str = "inference.tensor_parallel_size") -> None:
     """Refuse a T that does not divide the world size, the attention heads, the KV heads
     (or, when T exceeds them, is not a multiple of them: each KV head is then replicated on
     T / kv_heads ranks, vLLM's rule), the linear-attention heads or the MoE experts.
+    ``name``: how the messages call T (the config key, or ``plan``'s flag).
 
     Raises:
         MemoryPlanError: naming both numbers and the fix.
@@ -206,9 +208,9 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
     t = tensor_parallel_size
     if t == 1:
         return
-    fix = "set inference.tensor_parallel_size to a common divisor"
+    fix = f"set {name} to a common divisor"
     if world_size % t:
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the world size {world_size}: "
+        raise MemoryPlanError(f"{name} {t} does not divide the world size {world_size}: "
                               f"{fix} of the world size and the heads, or launch a multiple of {t} ranks")
     heads = _get(config, "num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
@@ -218,9 +220,9 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
               ("MoE experts (num_experts)", config.get("num_experts"))]
     for what, count in counts:
         if count is not None and count % t:
-            raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {count} {what}: {fix} of {count}")
+            raise MemoryPlanError(f"{name} {t} does not divide the {count} {what}: {fix} of {count}")
     if (kv_heads % t if t <= kv_heads else t % kv_heads):
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} and the {kv_heads} KV heads (num_key_value_heads) "
+        raise MemoryPlanError(f"{name} {t} and the {kv_heads} KV heads (num_key_value_heads) "
                               f"do not divide one another: {fix} or a multiple of {kv_heads}")
 
 
@@ -276,7 +278,7 @@ def _sharded_engine_numel(tensors: list[Tensor], t: int, kv_heads: int) -> int:
 
 
 def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                max_in_flight: int = 2) -> MemoryPlan:
+                max_in_flight: int = 2, tensor_parallel_name: str = "inference.tensor_parallel_size") -> MemoryPlan:
     """Per-rank bytes of the ``replica`` (today) and ``sharded`` (issue 28, not built)
     layouts for the model ``config`` on ``world_size`` ranks (see the module docstring).
 
@@ -286,6 +288,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
         tensor_parallel_size: T, the sharded engine's group size (``sharded`` layout only).
         dtype: the rollout dtype (``model.dtype``): ``bfloat16`` or ``float32``.
         max_in_flight: K, ``checkpoint.max_in_flight``.
+        tensor_parallel_name: how refusals call T (``plan --memory``: its flag).
     Raises:
         MemoryPlanError: the config is not one :func:`model_tensors` counts, or T does
             not divide (:func:`check_tensor_parallel`).
@@ -293,7 +296,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     if world_size < 1 or tensor_parallel_size < 1:
         raise MemoryPlanError(f"world size {world_size} and tensor parallel size {tensor_parallel_size} must be >= 1")
     tensors = model_tensors(config)
-    check_tensor_parallel(config, world_size, tensor_parallel_size)
+    check_tensor_parallel(config, world_size, tensor_parallel_size, tensor_parallel_name)
     total = sum(t.numel for t in tensors)
     shard = fsdp_shard_numel(tensors, world_size)
     rollout = DTYPE_BYTES[dtype]

@@ -114,6 +114,15 @@ def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> Non
                              f"training log's run_start ({run_start_ms} ms); the logs are of different runs")
 
 
+def _swapped_hint(train: ParsedLog, ev: ParsedLog, train_log: Path, eval_log: Path) -> str:
+    """When the two logs look given the wrong way round (``--train`` holds evaluation
+    lines and no ``run_start``, ``--eval`` holds the ``run_start``): which is which."""
+    if not ev.find("run_start") or not any(e.key in MERGED_KEYS for e in train.events):
+        return ""
+    return (f"; it holds an evaluator's lines and {eval_log} holds the training (its run_start): the training log "
+            f"is {eval_log} and the evaluator's is {train_log}, so swap them: --train {eval_log} --eval {train_log}")
+
+
 def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None, LogEvent | None]:
     """The training log's bounds on the weight-update time of ``step``: the ``block_stop``
     that ends step - 1 (at ``(step - 1) * GBS``; ``run_start`` for step 1) and the first
@@ -206,7 +215,7 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         line_no, reason = ev.bad_lines[0]
         raise MergeError(f"evaluation log {eval_log} line {line_no}: {reason}")
     if not train.find("run_start"):
-        raise MergeError(f"training log {train_log} has no run_start")
+        raise MergeError(f"training log {train_log} has no run_start" + _swapped_hint(train, ev, train_log, eval_log))
     gbs = logged_global_batch_size(train)
     if gbs is None:
         raise MergeError(f"training log {train_log} has no positive integer global_batch_size")

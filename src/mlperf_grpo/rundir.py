@@ -24,15 +24,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlperf_grpo import environment
 from mlperf_grpo.config import RunConfig, dump_config, load_config
+from mlperf_grpo.errors import RunDirError
 from mlperf_grpo.step_dirs import published_steps
 
-MLLOG_ENV = "MLPERF_MLLOG_FILE"
 """Environment variable of the reference launcher naming the MLPerf log file."""
-
-
-class RunDirError(ValueError):
-    """The run directory is missing or is not a run made by ``mlperf-grpo train``."""
 
 
 class RunLockedError(RunDirError):
@@ -207,7 +204,7 @@ class RunDir:
                 MLPerf lines (a second run would corrupt both); nothing is written.
         """
         self.check_unused()
-        mllog_file = Path(os.environ.get(MLLOG_ENV) or self.root / "mlperf.log").resolve()
+        mllog_file = environment.mllog_file(self.root / "mlperf.log").resolve()
         if mllog_file.is_file() and ":::MLLOG" in mllog_file.read_text(errors="replace"):
             raise RunDirError(f"MLPerf log {mllog_file} already holds a run's lines; use a new log file")
         self.root.mkdir(parents=True, exist_ok=True)

@@ -31,13 +31,13 @@ from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
+from mlperf_grpo import environment
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.commit import StepOrderCommitter, plan_evaluation
-from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series, retain_requested
+from mlperf_grpo.evaluate.commit import plan_evaluation
+from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series
+from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
-from mlperf_grpo.evaluate.worker import evaluate_claimed
-from mlperf_grpo.evaluate.workers import local_queue
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock, RunLockedError
@@ -70,7 +70,7 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
             (RunLockedError: another evaluator writes to the run).
         EvaluationError, RefitError, VerifierError, LogWriteError: as :func:`evaluate_run`.
     """
-    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
+    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(Path(run_dir))
     config, mllog_file = _wait_for_run(run, poll_s)
     retain = retain or run.retain_recorded()
@@ -125,13 +125,7 @@ def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine
     if not plan.pending_steps:
         return
     checkpoints = {c.step: c for c in source.discover()[0]}
-    queue = local_queue(len(plan.pending_steps))
-    committer = StepOrderCommitter(run, config, run.follow_log, plan, checkpoints, queue, show_progress)
-    try:
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, lambda: engine, after_each=lambda: committer.advance(block=False))
-        committer.advance(block=True)
-    finally:
-        committer.close()
+    evaluate_serially(run, source, config, run.follow_log, plan, checkpoints, lambda: engine, show_progress)
 
 
 @dataclass(frozen=True)

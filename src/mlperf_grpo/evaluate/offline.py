@@ -27,7 +27,6 @@ evaluated unless the run passed.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,31 +35,26 @@ from typing import Callable
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import rules
+from mlperf_grpo import environment, outcome, rules
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,
-    StepOrderCommitter,
-    log_run_stop,
     logged_evals,
     plan_evaluation,
 )
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
+from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource, series_by_step
-from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_claimed, evaluate_rank
-from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch, local_queue
+from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_rank
+from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
-
-RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
-"""Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
-
 
 @dataclass(frozen=True)
 class EvalOutcome:
@@ -96,18 +90,6 @@ def read_outcome(run: RunDir, mllog_file: Path, eval_log: Path | None = None) ->
     return outcome
 
 
-def retain_requested(flag: bool) -> bool:
-    """``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1`` (unset or ``0``: delete).
-
-    Raises:
-        EvaluationError: ``RETAIN_GRPO_CHECKPOINTS`` is set to anything but 0 or 1.
-    """
-    value = os.environ.get(RETAIN_ENV, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise EvaluationError(f"{RETAIN_ENV} must be 0 (delete checkpoints after evaluation) or 1 (keep them), got {value!r}")
-    return flag or value == "1"
-
-
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None,
                  merge: MergeLogs | None = None, ranks: TorchrunRanks | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
@@ -141,7 +123,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
-    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
+    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(run_dir)
     config, mllog_file = run.load()
     retain = retain or run.retain_recorded()
@@ -263,7 +245,7 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
     """Write ``run_stop`` aborted at the last trained step and say why (stderr)."""
     step, time_ms = last_trained_step(log)
     writer = MLLogWriter(mllog_file)
-    log_run_stop(writer, C.ABORTED, step, rules.samples_count(step, config.global_batch_size), time_ms)
+    outcome.log_aborted_run_stop(writer, step, rules.samples_count(step, config.global_batch_size), time_ms)
     writer.commit()
     print(
         f"note: training of {run.root} stopped after step {step}, before its first checkpoint (step "
@@ -353,16 +335,10 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
 def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, plan: EvalPlan,
                  show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
     if workers == 1:
-        checkpoints = series_by_step(source)
-        queue = local_queue(len(plan.pending_steps))
         engine = EngineAtFirstUse(run, config)
-        committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints, queue, show_progress)
         try:
-            evaluate_claimed(queue, run, source, config, checkpoints, plan, engine,
-                             after_each=lambda: committer.advance(block=False))
-            committer.advance(block=True)
+            evaluate_serially(run, source, config, mllog_file, plan, series_by_step(source), engine, show_progress)
         finally:
-            committer.close()
             engine.close()
         return
     if source != RunSeries(run.checkpoints):

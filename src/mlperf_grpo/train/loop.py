@@ -45,6 +45,7 @@ from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, now_ms, read_log
+from mlperf_grpo.outcome import log_aborted_run_stop
 from mlperf_grpo.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.model import (DTYPES, check_device, check_model, check_model_path, compile_decoder_layers,
                                compile_policy_layers, load_model)
@@ -557,8 +558,7 @@ def _train(
         # The run's one run_stop: once a checkpoint is published it is the offline
         # evaluator's (it evaluates the published series, however training ended).
         if run is not None and not run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
-            log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: completed * gbs, "step": completed},
-                    time_ms=completed_ms)
+            log_aborted_run_stop(log, completed, completed * gbs, completed_ms)
             log.commit()
         raise
     finally:
