@@ -118,7 +118,7 @@ def evaluate_trained(request: TrainRequest, progress: Progress):
     if not distributed.is_writer():
         return None  # under torchrun rank 0 alone evaluates the run it wrote
     progress.phase = "evaluate"
-    return evaluate_run(progress.run_dir, retain_checkpoints=request.retain, merge=merge_in_place)
+    return evaluate_run(progress.run_dir, retain_checkpoints=request.retain)
 
 
 def evaluate(request: EvaluateRequest, progress: Progress, ranks=None):
@@ -139,14 +139,14 @@ def evaluate(request: EvaluateRequest, progress: Progress, ranks=None):
         from mlperf_grpo.evaluate.follow import follow_run
 
         progress.phase = "evaluate"
-        return follow_run(request.run_dir, merge_in_place, retain_checkpoints=request.retain_checkpoints,
+        return follow_run(request.run_dir, retain_checkpoints=request.retain_checkpoints,
                           stop_training_at_pass=request.stop_training_at_pass)
     if request.mode == "run":
         from mlperf_grpo.evaluate.offline import evaluate_run
 
         progress.phase = "evaluate"
         return evaluate_run(request.run_dir, retain_checkpoints=request.retain_checkpoints,
-                            workers=request.torchrun_world or request.workers, merge=merge_in_place, ranks=ranks)
+                            workers=request.torchrun_world or request.workers, ranks=ranks)
     return _evaluate_foreign(request, progress)
 
 
@@ -168,17 +168,6 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
     progress.phase, progress.run_dir = "evaluate", request.checkpoints
     return evaluate_checkpoints(request.checkpoints, request.mllog, config, request.format or "auto", request.eval_log,
                                 retain)
-
-
-def merge_in_place(train_log: Path, eval_log: Path) -> None:
-    """A followed run's end: ``mlperf-grpo merge --train LOG --eval EVAL_LOG -o LOG``."""
-    from mlperf_grpo.merge import MergeError, merge_logs
-
-    try:
-        result = merge_logs(train_log, eval_log, train_log)
-    except MergeError as err:
-        raise MergeError(f"cannot merge {eval_log} into {train_log}: {err}") from None
-    print(f"merged {eval_log} into {train_log}: {result.appended} eval line(s) appended")
 
 
 def plan(request: PlanRequest) -> str:

@@ -35,7 +35,7 @@ from mlperf_grpo import environment
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.commit import plan_evaluation
-from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series
+from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_run, evaluate_series
 from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
@@ -50,13 +50,12 @@ START_WAIT_S = 300.0
 """Seconds ``--follow`` waits for a training to create a run directory that does not exist yet."""
 
 
-def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
+def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
                show_progress: bool = True, poll_s: float = POLL_S) -> EvalOutcome:
     """Evaluate a run's checkpoints while its training runs; finish it once training ended.
 
     Args:
         run_dir: the ``--output`` of a ``train`` that is running (or has run).
-        merge: ``merge(training_log, eval_log)`` in place (``mlperf-grpo merge``'s).
         retain_checkpoints: keep the checkpoints (also ``RETAIN_GRPO_CHECKPOINTS=1``, or
             the run's recorded choice, ``run.json``);
             they are deleted, as by ``evaluate``, only after training ended.
@@ -77,12 +76,12 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
     check_engine_available(config)
     if not _trainer_running(run) and not run.follow_log.is_file():
         print(f"note: the training of {run.root} has ended; evaluating it as 'mlperf-grpo evaluate' does", file=sys.stderr)
-        return evaluate_run(run.root, retain_checkpoints=retain, show_progress=show_progress, merge=merge)
+        return evaluate_run(run.root, retain_checkpoints=retain, show_progress=show_progress)
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run.eval_dir, "follower"):  # the one writer of eval/mlperf_eval.log
         run.follow_log.touch()  # marks the run followed: a later 'evaluate' continues this log
         _follow(run, config, mllog_file, stop_training_at_pass, show_progress, poll_s)
-        return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
+        return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
                                retain=retain, show_progress=show_progress)
 
 

@@ -31,7 +31,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
@@ -50,6 +49,7 @@ from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource
 from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_rank
 from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.inference.base import check_engine_available
+from mlperf_grpo.merge import MergeError, merge_logs
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
@@ -91,7 +91,7 @@ def read_outcome(run: RunDir, mllog_file: Path, eval_log: Path | None = None) ->
 
 
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None,
-                 merge: MergeLogs | None = None, ranks: TorchrunRanks | None = None) -> EvalOutcome:
+                 ranks: TorchrunRanks | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
     ``workers`` engines evaluate checkpoints in parallel (default: the config's
@@ -103,7 +103,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
 
     A run an evaluator followed during training (``evaluate --follow``; its
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
-    merged into the training log with ``merge`` (the CLI gives ``mlperf-grpo merge``'s).
+    merged into the training log (:func:`merge_in_place`, ``mlperf-grpo merge``'s core).
 
     The checkpoints are kept with ``retain_checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``, or
     when the run was started to keep them (``run.json``; a flag can only add keeping).
@@ -129,21 +129,27 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     retain = retain or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
     if run.follow_log.is_file():
-        if merge is None:
-            raise EvaluationError(f"{run.root} was followed during training ({run.follow_log}); "
-                                  f"'mlperf-grpo evaluate {run.root}' finishes it and merges that log")
         if workers > 1:
             print(f"note: {run.follow_log} (a follower's log) is continued by one worker, not {workers}", file=sys.stderr)
         with RunLock(run.eval_dir, "evaluator"):  # the one writer of eval/mlperf_eval.log
-            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
+            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
                                    retain=retain, show_progress=show_progress)
     return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
                            workers=workers, ranks=ranks)
 
 
-MergeLogs = Callable[[Path, Path], None]
-"""``merge(training_log, eval_log)``: append the evaluator's own log to the training log in
-place, as ``mlperf-grpo merge`` does (the CLI passes it; the log tools sit above evaluation)."""
+def merge_in_place(train_log: Path, eval_log: Path) -> None:
+    """A followed run's end: ``mlperf-grpo merge --train LOG --eval EVAL_LOG -o LOG``
+    (``merge.merge_logs``, which reads only the logs and the run's records).
+
+    Raises:
+        MergeError: the logs cannot be merged (named in the message); nothing written.
+    """
+    try:
+        result = merge_logs(train_log, eval_log, train_log)
+    except MergeError as err:
+        raise MergeError(f"cannot merge {eval_log} into {train_log}: {err}") from None
+    print(f"merged {eval_log} into {train_log}: {result.appended} eval line(s) appended")
 
 
 def evaluate_series(
@@ -153,7 +159,7 @@ def evaluate_series(
     mllog_file: Path,
     *,
     eval_log: Path | None = None,
-    merge: MergeLogs | None = None,
+    merge: bool = False,
     retain: bool = False,
     show_progress: bool = True,
     workers: int = 1,
@@ -162,7 +168,8 @@ def evaluate_series(
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
     ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
-    With ``merge``, ``eval_log`` is merged into the training log once its ``run_stop``
+    With ``merge`` (``eval_log`` a follower's log), it is merged into the training log
+    (:func:`merge_in_place`) once its ``run_stop``
     is logged (before the teardown); a training log that already has a ``run_stop`` was
     merged before (or closed by training), and ``eval_log`` is then not read.
     ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
@@ -177,7 +184,7 @@ def evaluate_series(
     if workers > 1 and ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
-        if merge is not None and _read_checked_log(mllog_file).find(C.RUN_STOP):
+        if merge and _read_checked_log(mllog_file).find(C.RUN_STOP):
             eval_log = None  # merged already
         log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
@@ -188,8 +195,8 @@ def evaluate_series(
             else:
                 _check_logged_settings(config, log, mllog_file)
                 _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
-        if merge is not None and eval_log is not None:
-            merge(mllog_file, eval_log)
+        if merge and eval_log is not None:
+            merge_in_place(mllog_file, eval_log)
             eval_log = None
         if not retain:
             _teardown(source, _read_logs(mllog_file, eval_log))
