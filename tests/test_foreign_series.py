@@ -127,8 +127,11 @@ def test_each_layout_gives_the_results_of_the_original(trained, reference, tmp_p
     assert source["format"] == ("hf-dirs" if layout == "hf-dirs" else "nemo-rl") and source["unchecked"]
     # evaluating again reports the outcome and writes nothing
     before = log.read_bytes()
+    capsys.readouterr()
     assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 0
     assert log.read_bytes() == before
+    out = capsys.readouterr().out  # the folder evaluated is named as what it is: not a run directory
+    assert f"\ncheckpoints: {series}\n" in out and "run directory" not in out
 
 
 def test_eval_log_then_merge_gives_the_same_log(trained, reference, tmp_path, capsys, monkeypatch):

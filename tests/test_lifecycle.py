@@ -288,15 +288,15 @@ def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monk
     each get their own new directory: the name, then -2, -3, ... (one atomic mkdir each)."""
     import threading
 
-    from mlperf_grpo import cli
+    from mlperf_grpo import commands
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20261202-004236")
+    monkeypatch.setattr(commands.time, "strftime", lambda fmt: "20261202-004236")
     start, names = threading.Barrier(8), []
 
     def reserve() -> None:
         start.wait()
-        names.append(cli._new_run_dir())
+        names.append(commands.new_run_dir())
 
     threads = [threading.Thread(target=reserve) for _ in range(8)]
     for t in threads:

@@ -109,7 +109,7 @@ def test_unknown_model_type_is_refused():
 
 
 def test_cli_shape_names_are_the_planners():
-    from mlperf_grpo.cli import MODEL_SHAPE_NAMES
+    from mlperf_grpo.command_requests import MODEL_SHAPE_NAMES
 
     assert MODEL_SHAPE_NAMES == tuple(memory_plan.MODEL_SHAPES)
 
@@ -129,15 +129,20 @@ def test_plan_memory_json_is_the_plan(tmp_path, capsys):
     assert out["replica"]["device_bytes"] == 16 * 13 + 88  # as in test_per_rank_bytes_are_the_layout_arithmetic
 
 
-def test_plan_memory_bad_t_is_one_line(capsys):
+def test_plan_memory_bad_t_is_one_line_naming_the_flag(capsys):
+    """The refusal names the flag the user gave, not the config key (a new-user trial)."""
     from mlperf_grpo.cli import main
 
     assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
                  "--tensor-parallel-size", "32"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("mlperf-grpo: error: inference.tensor_parallel_size 32 does not divide the 16 linear-attention "
-                            "key heads (linear_num_key_heads): set inference.tensor_parallel_size to a common divisor of 16\n")
+    assert captured.err == ("mlperf-grpo: error: --tensor-parallel-size 32 does not divide the 16 linear-attention "
+                            "key heads (linear_num_key_heads): set --tensor-parallel-size to a common divisor of 16\n")
+    assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                 "--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mlperf-grpo: error: --tensor-parallel-size 3 does not divide") and "inference." not in err
 
 
 @pytest.mark.parametrize("argv, needle", [

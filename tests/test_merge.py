@@ -273,3 +273,18 @@ def test_an_evaluation_begun_before_its_step_was_trained_is_refused(tmp_path):
     ev = _edit(_eval_lines(), "eval_start", 20, time_ms=1795998424300)  # step 19 still training then
     with pytest.raises(MergeError, match="the evaluation of step 20 began at 1795998424300 ms, before that step was trained"):
         merge_logs(write(tmp_path / "train.log", train), write(tmp_path / "e.log", ev), tmp_path / "out.log")
+
+
+def test_swapped_logs_are_refused_saying_which_is_which(tmp_path, capsys):
+    """``merge --train EVAL --eval TRAIN`` (a new-user trial): the refusal says which file
+    is the training log and which the evaluator's, and how to give them."""
+    train, triples, stop = split()
+    t = write(tmp_path / "train.log", train)
+    e = write(tmp_path / "eval.log", [ln for x in triples for ln in x] + stop)
+    assert main(["merge", "--train", str(e), "--eval", str(t), "-o", str(tmp_path / "out.log")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"mlperf-grpo: error: training log {e} has no run_start; ")
+    assert f"the training log is {t} and the evaluator's is {e}" in err and f"--train {t} --eval {e}" in err
+    assert not (tmp_path / "out.log").exists()
+    with pytest.raises(MergeError, match=r"has no run_start$"):  # no hint when --eval is no training log either
+        merge_logs(e, write(tmp_path / "e2.log", stop), tmp_path / "o.log")

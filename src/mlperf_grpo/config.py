@@ -14,16 +14,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mlperf_grpo import rules
+from mlperf_grpo.errors import ConfigError
 
 BUILTIN_MODEL = "builtin:arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
 
 DEFAULT_LEARNING_RATE = 4e-6
-
-
-class ConfigError(ValueError):
-    """A config file or value is wrong; the message names field and fix, one line per field."""
 
 
 class ClosedDivisionError(ConfigError):

@@ -198,14 +198,15 @@ def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     ]
 
 
-def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int, engine: str = "vllm") -> None:
+def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: int, engine: str = "vllm",
+                          name: str = "inference.tensor_parallel_size") -> None:
     """Refuse a T that does not divide the world size, the attention heads, the
     linear-attention heads, the MoE experts or the KV heads; with ``engine="vllm"`` a T
     above the KV heads may instead be a multiple of them (each KV head is then replicated
     on T / kv_heads ranks, vLLM's rule); with ``engine="hf"`` (transformers' tensor
     parallelism, which splits ``k_proj`` / ``v_proj`` by T and replicates nothing) T must
     divide the KV heads and the vocabulary (the embeddings and lm_head are split by rows;
-    vLLM pads it).
+    vLLM pads it). ``name``: how the messages call T (the config key, or ``plan``'s flag).
 
     Raises:
         MemoryPlanError: naming both numbers and the fix.
@@ -213,9 +214,9 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
     t = tensor_parallel_size
     if t == 1:
         return
-    fix = "set inference.tensor_parallel_size to a common divisor"
+    fix = f"set {name} to a common divisor"
     if world_size % t:
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the world size {world_size}: "
+        raise MemoryPlanError(f"{name} {t} does not divide the world size {world_size}: "
                               f"{fix} of the world size and the heads, or launch a multiple of {t} ranks")
     heads = _get(config, "num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
@@ -225,17 +226,17 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
               ("MoE experts (num_experts)", config.get("num_experts"))]
     for what, count in counts:
         if count is not None and count % t:
-            raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {count} {what}: {fix} of {count}")
+            raise MemoryPlanError(f"{name} {t} does not divide the {count} {what}: {fix} of {count}")
     if engine == "hf" and kv_heads % t:
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {kv_heads} KV heads "
+        raise MemoryPlanError(f"{name} {t} does not divide the {kv_heads} KV heads "
                               f"(num_key_value_heads) of the hf engine, which does not replicate them: {fix} of "
                               f"{kv_heads}, or engine vllm (it replicates KV heads)")
     if (kv_heads % t if t <= kv_heads else t % kv_heads):
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} and the {kv_heads} KV heads (num_key_value_heads) "
+        raise MemoryPlanError(f"{name} {t} and the {kv_heads} KV heads (num_key_value_heads) "
                               f"do not divide one another: {fix} or a multiple of {kv_heads}")
     vocab = config.get("vocab_size")
     if engine == "hf" and vocab is not None and vocab % t:
-        raise MemoryPlanError(f"inference.tensor_parallel_size {t} does not divide the {vocab} vocabulary entries "
+        raise MemoryPlanError(f"{name} {t} does not divide the {vocab} vocabulary entries "
                               f"(vocab_size): {fix} of {vocab}")
 
 
@@ -291,7 +292,8 @@ def _sharded_engine_numel(tensors: list[Tensor], t: int, kv_heads: int) -> int:
 
 
 def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                max_in_flight: int = 2, engine: str = "vllm") -> MemoryPlan:
+                max_in_flight: int = 2, engine: str = "vllm",
+                tensor_parallel_name: str = "inference.tensor_parallel_size") -> MemoryPlan:
     """Per-rank bytes of the ``replica`` and ``sharded`` layouts for the model ``config``
     on ``world_size`` ranks (see the module docstring).
 
@@ -304,6 +306,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
         engine: whose rules split the engine, ``"vllm"`` (KV heads replicated past T)
             or ``"hf"`` (T divides the KV heads and the vocabulary):
             :func:`check_tensor_parallel`.
+        tensor_parallel_name: how refusals call T (``plan --memory``: its flag).
     Raises:
         MemoryPlanError: the config is not one :func:`model_tensors` counts, or T does
             not divide (:func:`check_tensor_parallel`).
@@ -311,7 +314,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     if world_size < 1 or tensor_parallel_size < 1:
         raise MemoryPlanError(f"world size {world_size} and tensor parallel size {tensor_parallel_size} must be >= 1")
     tensors = model_tensors(config)
-    check_tensor_parallel(config, world_size, tensor_parallel_size, engine)
+    check_tensor_parallel(config, world_size, tensor_parallel_size, engine, tensor_parallel_name)
     total = sum(t.numel for t in tensors)
     shard = fsdp_shard_numel(tensors, world_size)
     rollout = DTYPE_BYTES[dtype]

@@ -34,10 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlperf_grpo import rules
-from mlperf_grpo.check import UnreadableLog, load_log_text
-from mlperf_grpo.check import find_run_dir
-from mlperf_grpo.check.lint import EVAL_KEYS, _gbs, _is_int, _is_number, _training_infos
-from mlperf_grpo.check.shape import ms_text, samples_count_of
+from mlperf_grpo.log_values import (
+    EVAL_KEYS,
+    UnreadableLog,
+    checkpoint_records,
+    find_run_dir,
+    is_int,
+    is_number,
+    load_log_text,
+    logged_global_batch_size,
+    ms_text,
+    samples_count_of,
+)
 from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 
 MERGED_KEYS = (*EVAL_KEYS, "run_stop")
@@ -90,7 +98,7 @@ def _mllog_part(lines: list[str], e: LogEvent) -> str:
 
 
 def _passes(e: LogEvent) -> bool:
-    return _is_number(e.value) and rules.is_passing(e.value)
+    return is_number(e.value) and rules.is_passing(e.value)
 
 
 def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> None:
@@ -114,6 +122,15 @@ def _refuse_another_run(train, train_lines, ev, ev_lines, eval_log: Path) -> Non
                              f"training log's run_start ({run_start_ms} ms); the logs are of different runs")
 
 
+def _swapped_hint(train: ParsedLog, ev: ParsedLog, train_log: Path, eval_log: Path) -> str:
+    """When the two logs look given the wrong way round (``--train`` holds evaluation
+    lines and no ``run_start``, ``--eval`` holds the ``run_start``): which is which."""
+    if not ev.find("run_start") or not any(e.key in MERGED_KEYS for e in train.events):
+        return ""
+    return (f"; it holds an evaluator's lines and {eval_log} holds the training (its run_start): the training log "
+            f"is {eval_log} and the evaluator's is {train_log}, so swap them: --train {eval_log} --eval {train_log}")
+
+
 def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None, LogEvent | None]:
     """The training log's bounds on the weight-update time of ``step``: the ``block_stop``
     that ends step - 1 (at ``(step - 1) * GBS``; ``run_start`` for step 1) and the first
@@ -123,7 +140,7 @@ def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None
     has no such event (one block spanning many steps has no ``block_stop`` between them:
     no lower bound)."""
     def ends(sc: int, keys: tuple[str, ...]) -> list[LogEvent]:
-        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and _is_number(e.time_ms)]
+        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and is_number(e.time_ms)]
     before = ends((step - 1) * gbs, ("block_stop",)) if step > 1 else train.find("run_start")
     after = ends(step * gbs, ("block_stop", "tracked_stats")) if step > 0 else train.find("run_start")
     return (max(before, key=lambda e: e.time_ms) if before else None,
@@ -155,7 +172,7 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
             raise MergeError(f"evaluation log {eval_log} line {events[0].line_no}: an evaluation of step {sc // gbs}, but "
                              f"the training log trained to step {last // gbs}; the logs are of different runs")
         start, _ = _step_window(train, sc // gbs, gbs)
-        begun = min((e for e in events if _is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
+        begun = min((e for e in events if is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
         if start is not None and begun is not None and begun.time_ms < start.time_ms:
             raise MergeError(f"evaluation log {eval_log} line {begun.line_no}: the evaluation of step {sc // gbs} began at "
                              f"{ms_text(begun.time_ms)} ms, before that step was trained (after {ms_text(start.time_ms)} ms, "
@@ -164,10 +181,10 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
         return ""
     stop = stops[0]
     sc = first_pass if stop.metadata.get("status") == "success" else samples_count_of(stop)
-    if sc is None or not _is_number(stop.time_ms):
+    if sc is None or not is_number(stop.time_ms):
         return "none: the run_stop names no step"
     step = sc // gbs
-    infos = _training_infos(find_run_dir(train_log))
+    infos = checkpoint_records(find_run_dir(train_log))
     if sc in infos:
         path, t_update = infos[sc]
         if stop.time_ms != t_update:
@@ -195,57 +212,82 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         MergeError: see the module docstring; also an unreadable input.
         OSError: the output cannot be written.
     """
-    output = Path(output)
+    train_log, eval_log, output = Path(train_log), Path(eval_log), Path(output)
     result = MergeResult(output=output)
-    if Path(train_log).resolve() == Path(eval_log).resolve():
+    if train_log.resolve() == eval_log.resolve():
         raise MergeError(f"--train and --eval are the same file ({train_log}); give the evaluator's own log as --eval")
     check_output_dir(output)
-    train_text, train, train_lines = _read(Path(train_log), "training")
-    _, ev, ev_lines = _read(Path(eval_log), "evaluation")
+    train_text, train, train_lines = _read(train_log, "training")
+    _, ev, ev_lines = _read(eval_log, "evaluation")
+    gbs = _check_inputs(train, ev, train_log, eval_log)
+    _refuse_another_run(train, train_lines, ev, ev_lines, eval_log)
+    groups, new_stops = _new_evaluations(train, train_lines, ev, ev_lines, eval_log, gbs, result)
+    _check_series(train, ev, groups, train_log, eval_log, gbs)
+    first_pass, kept = _up_to_first_pass(train, groups, gbs, result)
+    _check_run_stops(train, new_stops, kept, first_pass, train_log, eval_log)
+    result.tie = tie_to_training(train_log, train, eval_log, {g[0].metadata["samples_count"]: g for g in kept},
+                                 new_stops, first_pass, gbs)
+    new_lines = [_mllog_part(ev_lines, e) for group in kept for e in group] + [_mllog_part(ev_lines, e) for e in new_stops]
+    result.appended = len(new_lines)
+    body = train_text if train_text.endswith("\n") else train_text + "\n"
+    result.changed = _write_output(output, train_log, (body + "".join(line + "\n" for line in new_lines)).encode())
+    return result
+
+
+def _check_inputs(train: ParsedLog, ev: ParsedLog, train_log: Path, eval_log: Path) -> int:
+    """The training log's global batch size, once both logs are usable as such."""
     if ev.bad_lines:
         line_no, reason = ev.bad_lines[0]
         raise MergeError(f"evaluation log {eval_log} line {line_no}: {reason}")
     if not train.find("run_start"):
-        raise MergeError(f"training log {train_log} has no run_start")
-    gbs = _gbs(train)
+        raise MergeError(f"training log {train_log} has no run_start" + _swapped_hint(train, ev, train_log, eval_log))
+    gbs = logged_global_batch_size(train)
     if gbs is None:
         raise MergeError(f"training log {train_log} has no positive integer global_batch_size")
+    return gbs
 
-    _refuse_another_run(train, train_lines, ev, ev_lines, eval_log)
+
+def _new_evaluations(train: ParsedLog, train_lines: list[str], ev: ParsedLog, ev_lines: list[str], eval_log: Path,
+                     gbs: int, result: MergeResult) -> tuple[dict[int, list[LogEvent]], list[LogEvent]]:
+    """The evaluator's events not yet in the training log: evaluations by samples_count
+    (each start, accuracy, stop) and ``run_stop`` lines; counts what is skipped in ``result``."""
     present = {_canonical(train_lines, e) for e in train.events if e.key in MERGED_KEYS}
     groups: dict[int, list[LogEvent]] = {}
     new_stops: list[LogEvent] = []
     for e in ev.events:
         if e.key not in MERGED_KEYS:
             result.ignored_keys.append(e.key)
-            continue
-        if _canonical(ev_lines, e) in present:
+        elif _canonical(ev_lines, e) in present:
             result.already_present += 1
-            continue
-        if e.key == "run_stop":
+        elif e.key == "run_stop":
             new_stops.append(e)
-            continue
-        sc = e.metadata.get("samples_count")
-        if not _is_int(sc):
+        elif not is_int(sc := e.metadata.get("samples_count")):
             raise MergeError(f"evaluation log {eval_log} line {e.line_no}: {e.key} has no integer samples_count")
-        groups.setdefault(sc, []).append(e)
+        else:
+            groups.setdefault(sc, []).append(e)
     for sc, events in groups.items():
         accuracies = [e for e in events if e.key == "eval_accuracy"]
         if len(accuracies) != 1 or len(events) > 3:
             raise MergeError(f"evaluation log {eval_log}: {len(accuracies)} eval_accuracy and {len(events)} eval lines "
                              f"at samples_count {sc} (step {sc // gbs}); expected one evaluation")
         events.sort(key=lambda e: _KEY_ORDER[e.key])  # stable: start, accuracy, stop
+    return groups, new_stops
 
+
+def _check_series(train: ParsedLog, ev: ParsedLog, groups: dict[int, list[LogEvent]], train_log: Path, eval_log: Path,
+                  gbs: int) -> None:
+    """The evaluations, the training log's and the new ones, are whole steps, contiguous
+    from the first eval step (open division: from the first evaluation)."""
     other = [sc for sc in sorted(groups) if sc % gbs]
     if other:
-        ev_gbs = _gbs(ev)
+        ev_gbs = logged_global_batch_size(ev)
         hint = f" (the evaluation log declares global_batch_size {ev_gbs})" if ev_gbs not in (None, gbs) else ""
         raise MergeError(f"evaluation log {eval_log}: samples_count {other[0]} is not a whole step at the training log's "
                          f"global batch size {gbs}{hint}; the logs are of different runs")
-    existing = [e for e in train.find("eval_accuracy")]
+    existing = train.find("eval_accuracy")
     series = [e.metadata.get("samples_count") for e in existing] + sorted(groups)
     s0_samples = rules.first_eval_step(gbs) * gbs
-    if train.first_value("submission_division") == "open" and series and _is_int(series[0]):
+    if train.first_value("submission_division") == "open" and series and is_int(series[0]):
         s0_samples = series[0]  # open division: the first eval step is free; contiguous from there
     expected = list(range(s0_samples, s0_samples + gbs * len(series), gbs))
     if series != expected:
@@ -255,7 +297,12 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         raise MergeError(f"the evaluations would have a gap or an overlap: expected samples_count {expected[wrong]} "
                          f"(step {expected[wrong] // gbs}), next available is {series[wrong]} (step {series[wrong] // gbs})")
 
-    first_pass = next((e.metadata.get("samples_count") for e in existing if _passes(e)), None)
+
+def _up_to_first_pass(train: ParsedLog, groups: dict[int, list[LogEvent]], gbs: int,
+                      result: MergeResult) -> tuple[int | None, list[list[LogEvent]]]:
+    """The first passing samples_count and the new evaluations up to it (those after it
+    are dropped: the RCP checker would take the last one as the convergence point)."""
+    first_pass = next((e.metadata.get("samples_count") for e in train.find("eval_accuracy") if _passes(e)), None)
     kept: list[list[LogEvent]] = []
     for sc in sorted(groups):
         if first_pass is not None:
@@ -264,7 +311,13 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
         kept.append(groups[sc])
         if any(_passes(e) for e in groups[sc] if e.key == "eval_accuracy"):
             first_pass = sc
+    return first_pass, kept
 
+
+def _check_run_stops(train: ParsedLog, new_stops: list[LogEvent], kept: list[list[LogEvent]], first_pass: int | None,
+                     train_log: Path, eval_log: Path) -> None:
+    """Exactly one ``run_stop`` in the result, after every evaluation; a successful one
+    names the first passing evaluation."""
     old_stops = train.find("run_stop")
     if len(old_stops) + len(new_stops) > 1:
         where = [f"{train_log}:{e.line_no}" for e in old_stops] + [f"{eval_log}:{e.line_no}" for e in new_stops]
@@ -277,17 +330,18 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
                          "would come after it and the RCP checker would find no convergence point")
     for stop in new_stops:
         sc = stop.metadata.get("samples_count")
-        if stop.metadata.get("status") == "success" and _is_int(sc) and sc != first_pass:
+        if stop.metadata.get("status") == "success" and is_int(sc) and sc != first_pass:
             raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at samples_count {sc}, but the first "
                              f"passing evaluation is at {first_pass}")
-    result.tie = tie_to_training(Path(train_log), train, Path(eval_log), {g[0].metadata["samples_count"]: g for g in kept},
-                                 new_stops, first_pass, gbs)
 
-    new_lines = [_mllog_part(ev_lines, e) for group in kept for e in group] + [_mllog_part(ev_lines, e) for e in new_stops]
-    result.appended = len(new_lines)
-    body = train_text if train_text.endswith("\n") else train_text + "\n"
-    body += "".join(line + "\n" for line in new_lines)
-    data = body.encode()
+
+def _write_output(output: Path, train_log: Path, data: bytes) -> bool:
+    """Write ``data`` to ``output`` atomically; False when it already holds exactly it.
+
+    Raises:
+        MergeError: ``output`` exists and is neither the training log nor this result.
+        OutputWriteError: the existing output cannot be read, or the new one written.
+    """
     try:
         existing_output = output.read_bytes()
     except FileNotFoundError:
@@ -295,13 +349,12 @@ def merge_logs(train_log: Path, eval_log: Path, output: Path) -> MergeResult:
     except OSError as err:
         raise OutputWriteError(f"cannot read the existing output {output}: {err.strerror}") from None
     if existing_output == data:
-        result.changed = False
-        return result
-    if existing_output is not None and output.resolve() != Path(train_log).resolve():
+        return False
+    if existing_output is not None and output.resolve() != train_log.resolve():
         raise MergeError(f"output {output} exists and is not this merge's result; choose a new file (or pass the "
                          "training log itself as --output to merge in place)")
     write_atomic(output, data)
-    return result
+    return True
 
 
 def check_output_dir(path: Path) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 from mlperf_logging.mllog import constants as C  # noqa: N812  (the library's own name)
 from mlperf_logging.mllog.mllog import MLLogger
 
+from mlperf_grpo.errors import LogWriteError
+
 PREFIX = ":::MLLOG "
 _logger_ids = itertools.count()
 
@@ -37,10 +39,6 @@ _logger_ids = itertools.count()
 def now_ms() -> int:
     """Wall-clock Unix time in integer milliseconds: the MLPerf log's clock."""
     return int(time.time() * 1000)
-
-
-class LogWriteError(OSError):
-    """The MLPerf log cannot be written (path, permissions, disk)."""
 
 
 class _Lines(logging.Handler):

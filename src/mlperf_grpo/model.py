@@ -25,16 +25,13 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.config import BUILTIN_MODEL
+from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.weight_names import loaded_shapes
 
 ASSETS = Path(__file__).parent / "assets"
 BUILTIN_MODEL_DIR = ASSETS / "arithmetic-tiny"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(ValueError):
-    """The model directory is missing or is not a loadable Hugging Face causal LM."""
 
 
 HF_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError, StrictDataclassError)

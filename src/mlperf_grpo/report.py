@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlperf_grpo import rules
 from mlperf_grpo.check import load_log_text
-from mlperf_grpo.check.lint import _gbs, _is_int, _is_number
+from mlperf_grpo.log_values import is_int, is_number, logged_global_batch_size
 from mlperf_grpo.check.shape import DEFERRED, INLINE, EvalMode, evaluation_mode
 from mlperf_grpo.mllog import ParsedLog, parse_log_text
 
@@ -90,19 +90,19 @@ def _str(value: object, default: str = "?") -> str:
 
 def _step_of(metadata: dict, gbs: int | None) -> int | None:
     step = metadata.get("step")
-    if _is_int(step):
+    if is_int(step):
         return step
     sc = metadata.get("samples_count")
-    return sc // gbs if _is_int(sc) and gbs else None
+    return sc // gbs if is_int(sc) and gbs else None
 
 
 def build_timeline(log: ParsedLog) -> Timeline:
     """Extract a :class:`Timeline` from a parsed log. Never raises; odd lines are skipped."""
-    gbs = _gbs(log)
+    gbs = logged_global_batch_size(log)
     starts, stops = log.find("run_start"), log.find("run_stop")
-    run_start = starts[0].time_ms if starts and _is_number(starts[0].time_ms) else None
+    run_start = starts[0].time_ms if starts and is_number(starts[0].time_ms) else None
     stop = stops[0] if stops else None
-    run_stop = stop.time_ms if stop is not None and _is_number(stop.time_ms) else None
+    run_stop = stop.time_ms if stop is not None and is_number(stop.time_ms) else None
     ttt = run_stop - run_start if run_start is not None and run_stop is not None else None
     tl = Timeline(
         benchmark=_str(log.first_value("submission_benchmark"), rules.BENCHMARK),
@@ -119,7 +119,7 @@ def build_timeline(log: ParsedLog) -> Timeline:
     open_block: list[tuple[int | None, float]] = []  # block_stop closes the latest open block
     eval_start: dict[object, float] = {}
     for e in log.events:
-        if not _is_number(e.time_ms):
+        if not is_number(e.time_ms):
             continue
         step = _step_of(e.metadata, gbs)
         if e.key == "block_start":
@@ -132,7 +132,7 @@ def build_timeline(log: ParsedLog) -> Timeline:
         elif e.key == "eval_start":
             eval_start[repr(e.metadata.get("samples_count"))] = e.time_ms
         elif e.key == "eval_accuracy":
-            acc = e.value if _is_number(e.value) else None
+            acc = e.value if is_number(e.value) else None
             tl.evals.append(EvalSpan(step, e.metadata.get("samples_count"), eval_start.get(repr(e.metadata.get("samples_count"))),
                                      e.time_ms, acc, acc is not None and rules.is_passing(acc, tl.target)))
         elif e.key == "eval_stop":

@@ -20,20 +20,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlperf_grpo import environment
 from mlperf_grpo.config import RunConfig, dump_config, load_config
+from mlperf_grpo.errors import RunDirError
+from mlperf_grpo.step_dirs import published_steps
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-MLLOG_ENV = "MLPERF_MLLOG_FILE"
 """Environment variable of the reference launcher naming the MLPerf log file."""
-
-
-class RunDirError(ValueError):
-    """The run directory is missing or is not a run made by ``mlperf-grpo train``."""
 
 
 class RunLockedError(RunDirError):
@@ -179,9 +175,7 @@ class RunDir:
     def published_steps(self) -> list[int]:
         """Steps of the published ``checkpoints/step_N/`` directories, ascending (names
         only: a ``tmp_step_N/`` is unfinished and not counted)."""
-        if not self.checkpoints.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.checkpoints.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+        return published_steps(self.checkpoints)
 
     def check_unused(self) -> None:
         """Raises RunDirError when the path or a folder above it is a file (the directory
@@ -210,7 +204,7 @@ class RunDir:
                 MLPerf lines (a second run would corrupt both); nothing is written.
         """
         self.check_unused()
-        mllog_file = Path(os.environ.get(MLLOG_ENV) or self.root / "mlperf.log").resolve()
+        mllog_file = environment.mllog_file(self.root / "mlperf.log").resolve()
         if mllog_file.is_file() and ":::MLLOG" in mllog_file.read_text(errors="replace"):
             raise RunDirError(f"MLPerf log {mllog_file} already holds a run's lines; use a new log file")
         self.root.mkdir(parents=True, exist_ok=True)

@@ -21,46 +21,10 @@ from mlperf_grpo.check.lint import MAX_LINE_CHARS, LintInput, lint
 from mlperf_grpo.check.official import OFFICIAL_TIME_LIMIT_S, ComplianceResult, not_run, run_official
 from mlperf_grpo.check.shape import EvalMode, evaluation_mode
 from mlperf_grpo.check.score import Score, compute_score
-from mlperf_grpo.mllog import PREFIX, ParsedLog, parse_log_text
+from mlperf_grpo.log_values import UnreadableLog, find_run_dir, load_log_text
+from mlperf_grpo.mllog import ParsedLog, parse_log_text
 
 __all__ = ["CheckReport", "Finding", "UnreadableLog", "check_log", "find_run_dir", "load_log_text"]
-
-
-class UnreadableLog(ValueError):
-    """The input is not an MLPerf log at all (missing, empty, binary, no ``:::MLLOG`` line)."""
-
-
-def load_log_text(path: Path) -> str:
-    """The text of an MLPerf log (bytes that are not UTF-8 are replaced).
-
-    Raises:
-        UnreadableLog: the file is missing or unreadable, empty, binary (contains NUL
-            bytes), or has no ``:::MLLOG`` line. The message is one line.
-    """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UnreadableLog(f"{path}: no such file") from None
-    except OSError as err:
-        raise UnreadableLog(f"{path}: cannot read: {err.strerror or err}") from None
-    if not data.strip():
-        raise UnreadableLog(f"{path}: the file is empty")
-    if b"\x00" in data:
-        raise UnreadableLog(f"{path}: a binary file, not an MLPerf log")
-    text = data.decode("utf-8", errors="replace")
-    if PREFIX.strip() not in text:
-        raise UnreadableLog(f"{path}: no ':::MLLOG' lines; not an MLPerf log")
-    return text
-
-
-def find_run_dir(log_path: Path) -> Path | None:
-    """The run directory of a log written by ``mlperf-grpo run``: the log's folder when it
-    holds ``run.json``, ``checkpoints/`` or ``eval/``; else None."""
-    parent = Path(log_path).resolve().parent
-    if any((parent / name).exists() for name in ("run.json", "checkpoints", "eval")):
-        return parent
-    return None
 
 
 @dataclass

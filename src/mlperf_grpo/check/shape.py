@@ -17,21 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlperf_grpo.mllog import LogEvent, ParsedLog
+from mlperf_grpo.log_values import EVAL_KEYS, ms_text, samples_count_of
+from mlperf_grpo.mllog import ParsedLog
 
-EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop")
 
 INLINE, DEFERRED, UNKNOWN = "inline", "deferred", "unknown"
-
-
-def int_or_none(value: Any) -> int | None:
-    """``value`` when it is an int (not a bool), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def samples_count_of(e: LogEvent) -> int | None:
-    """The event's integer ``samples_count`` metadata, or None (missing or wrong type)."""
-    return int_or_none(e.metadata.get("samples_count"))
 
 
 def trained_samples(log: ParsedLog) -> list[tuple[int, int]]:
@@ -47,14 +37,6 @@ class EvalMode:
 
     mode: str
     evidence: str
-
-
-def ms_text(value: float) -> str:
-    """A time in ms for a message: whole ms as digits (``1795998424706``, never ``1.8e+12``,
-    which prints two different times alike); a fractional one with its fraction."""
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.0f}" if value.is_integer() else repr(value)
 
 
 def _number(value: Any) -> float | None:

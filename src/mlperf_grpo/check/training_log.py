@@ -14,7 +14,6 @@ from mlperf_grpo.check import UnreadableLog, load_log_text
 from mlperf_grpo.check.findings import Finding
 from mlperf_grpo.check.lint import (
     LintInput,
-    _gbs,
     duplicate_global_batch_size,
     invalid_lines,
     metadata_types,
@@ -22,6 +21,7 @@ from mlperf_grpo.check.lint import (
     run_stop_order,
 )
 from mlperf_grpo.check.shape import trained_samples
+from mlperf_grpo.log_values import logged_global_batch_size
 from mlperf_grpo.mllog import parse_log_text
 
 RULES = (invalid_lines, metadata_types, run_stop_order, multiple_run_stops, duplicate_global_batch_size)
@@ -63,7 +63,7 @@ def check_training_log(path: Path, global_batch_size: int, last_checkpoint_step:
         for f in rule(inp):
             if not (f.key == "run_stop" and f.problem == "no run_stop"):
                 raise TrainingLogError(_line(path, f))
-    logged = _gbs(log)
+    logged = logged_global_batch_size(log)
     if logged is None:
         raise TrainingLogError(f"{path}: no positive integer global_batch_size line; the eval samples_count "
                                "cannot be checked against the training")

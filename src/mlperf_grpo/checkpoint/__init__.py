@@ -27,7 +27,6 @@ from mlperf_grpo.checkpoint.reader import (
     check_same_tensors,
     discover_checkpoints,
     discover_series,
-    published_steps,
     read_training_end,
     read_training_info,
     read_weights,
@@ -37,6 +36,7 @@ from mlperf_grpo.checkpoint.reader import (
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer, CheckpointTiming, write_checkpoint
 from mlperf_grpo.checkpoint.engine_weights import engine_checkpoint_weights
 from mlperf_grpo.checkpoint.rank_group import RankGroup
+from mlperf_grpo.step_dirs import published_steps
 
 
 __all__ = [

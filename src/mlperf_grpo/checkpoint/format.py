@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from mlperf_grpo.errors import CheckpointError
+
 INFO_FILE = "training_info.json"
 INDEX_FILE = "model.safetensors.index.json"
 """transformers' ``SAFE_WEIGHTS_INDEX_NAME``."""
@@ -65,10 +67,6 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.float64: "F64",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or the checkpoint series is missing, incomplete or inconsistent."""
 
 
 class CheckpointCorruptError(CheckpointError):

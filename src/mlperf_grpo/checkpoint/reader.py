@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +39,7 @@ from mlperf_grpo.checkpoint.format import (
     tensor_specs_digest,
 )
 from mlperf_grpo.checkpoint.host_memory import page_locked_empty
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+from mlperf_grpo.step_dirs import CHECKPOINT_DIR, TMP_PREFIX, step_of
 
 
 def read_json_record(path: Path) -> object:
@@ -115,11 +113,11 @@ def discover_series(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]
     ignored: list[Path] = []
     dirs: list[tuple[int, Path]] = []
     for entry in sorted(checkpoint_root.iterdir()):
-        match = _STEP_DIR.match(entry.name)
-        if entry.name.startswith("tmp_step_"):
+        step = step_of(entry.name)
+        if entry.name.startswith(TMP_PREFIX):
             ignored.append(entry)
-        elif match and entry.is_dir():
-            dirs.append((int(match.group(1)), entry))
+        elif step is not None and entry.is_dir():
+            dirs.append((step, entry))
     found: list[Checkpoint] = []
     for step, path in sorted(dirs):
         try:
@@ -127,14 +125,6 @@ def discover_series(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]
         except CheckpointError as err:
             return found, ignored, (step, str(err))
     return found, ignored, None
-
-
-def published_steps(checkpoint_root: Path) -> list[int]:
-    """Steps of the published ``step_N/`` directories under the root, ascending (names
-    only: a ``tmp_step_N/`` is unfinished and not counted)."""
-    if not checkpoint_root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in checkpoint_root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
 
 
 def discover_checkpoints(checkpoint_root: Path) -> tuple[list[Checkpoint], list[Path]]:
@@ -408,9 +398,6 @@ def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return read_verified(checkpoint, ReadBuffers())
 
 
-_CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
-
-
 def remove_checkpoints(checkpoint_root: Path) -> None:
     """Teardown of our own run: delete every ``step_N/`` and ``tmp_step_N/`` directory
     and ``training_end.json`` under the root, then the root itself if nothing else is in
@@ -419,7 +406,7 @@ def remove_checkpoints(checkpoint_root: Path) -> None:
     if not checkpoint_root.is_dir():
         return
     for entry in checkpoint_root.iterdir():
-        if entry.is_dir() and not entry.is_symlink() and _CHECKPOINT_DIR.match(entry.name):
+        if entry.is_dir() and not entry.is_symlink() and CHECKPOINT_DIR.match(entry.name):
             shutil.rmtree(entry)
     (checkpoint_root / END_FILE).unlink(missing_ok=True)
     if not any(checkpoint_root.iterdir()):

@@ -5,8 +5,8 @@ write each checkpoint's results to ``eval/unlogged/step_N.jsonl`` and publish th
 their error) to a work queue; :class:`StepOrderCommitter` takes them in step order,
 moves each results file to ``eval/step_N.jsonl`` and commits its ``eval_start`` /
 ``eval_accuracy`` / ``eval_stop`` (and ``run_stop`` on the first pass, or aborted once
-every checkpoint failed) in one write. The log is therefore the same, apart from times,
-for any number of workers.
+every checkpoint failed) in one write, as :mod:`mlperf_grpo.outcome` decides and writes
+them. The log is therefore the same, apart from times, for any number of workers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
-from mlperf_grpo import rules
+from mlperf_grpo import outcome
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem, SeriesSource
@@ -28,6 +28,7 @@ from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.evaluate.workers import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog
+from mlperf_grpo.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError
 
@@ -62,25 +63,6 @@ def write_results(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def log_eval(log: MLLogWriter, step: int, gbs: int, accuracy: float, start_ms: int, stop_ms: int) -> None:
-    """Queue one checkpoint's ``eval_start``/``eval_accuracy``/``eval_stop`` (metadata
-    ``samples_count = step * gbs`` and ``step``; times in Unix ms); the caller commits."""
-    md = {C.SAMPLES_COUNT: rules.samples_count(step, gbs), "step": step}
-    log.start(C.EVAL_START, metadata=md, time_ms=start_ms)
-    log.event(C.EVAL_ACCURACY, accuracy, metadata=md, time_ms=stop_ms)
-    log.end(C.EVAL_STOP, metadata=md, time_ms=stop_ms)
-
-
-def log_run_stop(log: MLLogWriter, status: str, step: int, samples_count: int, time_ms: int) -> None:
-    """Queue the run's single ``run_stop`` (shared by the offline and inline evaluators)."""
-    log.end(C.RUN_STOP, metadata={C.STATUS: status, C.SAMPLES_COUNT: samples_count, "step": step}, time_ms=time_ms)
-
-
-def log_run_stop_at(log: MLLogWriter, status: str, checkpoint: Checkpoint) -> None:
-    info = checkpoint.info
-    log_run_stop(log, status, checkpoint.step, info.samples_count, info.training_step_end_time_ms)
 
 
 @dataclass(frozen=True)
@@ -144,7 +126,7 @@ class StepOrderCommitter:
         self.gbs, self.target = config.global_batch_size, config.validation.target_accuracy
         self.writer = MLLogWriter(mllog_file)
         self.next = 0
-        self.held: list[tuple[int, dict]] = []
+        self.held: list[Evaluation] = []
         self.decided = False
         self.bar = tqdm(total=len(plan.pending_steps), desc="evaluate", unit="ckpt", disable=not show_progress)
 
@@ -166,30 +148,28 @@ class StepOrderCommitter:
             if "error" in result:
                 self.queue.stop()
                 raise WORKER_ERRORS.get(result["error"], RuntimeError)(result["message"])
-            self.held.append((step, result))
+            self.held.append(Evaluation(step, result["accuracy"], result["start_ms"], result["stop_ms"]))
             self.bar.set_postfix(step=step, acc=f"{result['accuracy']:.3f}", refresh=False)
             self.bar.update(1)
-            passing = rules.is_passing(result["accuracy"], self.target)
-            if self.plan.problem is None or passing:
-                self._commit(step if passing else None)
+            decision = outcome.decide_result(result["accuracy"], self.target, self.plan.problem is not None)
+            if decision.commit:
+                self._commit(step if decision.passed else None)
         if not self.decided:
-            if self.plan.problem is not None:
+            end = outcome.decide_end(self.plan.problem is not None, self.plan.final_step)
+            if end is SeriesEnd.UNSCORABLE:
                 self.queue.stop()
                 raise EvaluationError(unscorable(self.plan.problem))
-            if self.plan.final_step is None:  # following a training: later checkpoints may pass
+            if end is SeriesEnd.WAIT:  # following a training: later checkpoints may pass
                 return False
-            log_run_stop_at(self.writer, C.ABORTED, self.checkpoints[self.plan.final_step])
-            self.writer.commit()
+            outcome.commit_aborted_at(self.writer, self.checkpoints[self.plan.final_step])
             self._decide()
         return True
 
     def _commit(self, passing_step: int | None) -> None:
-        for step, result in self.held:
-            os.replace(unlogged_results(self.run, step), self.run.eval_dir / f"step_{step}.jsonl")
-            log_eval(self.writer, step, self.gbs, result["accuracy"], result["start_ms"], result["stop_ms"])
-        if passing_step is not None:
-            log_run_stop_at(self.writer, C.SUCCESS, self.checkpoints[passing_step])
-        self.writer.commit()  # the eval triples (and run_stop on a pass) in one write
+        for evaluation in self.held:  # each results file in place before its log lines
+            os.replace(unlogged_results(self.run, evaluation.step), self.run.eval_dir / f"step_{evaluation.step}.jsonl")
+        passing = None if passing_step is None else self.checkpoints[passing_step]
+        outcome.commit_evaluations(self.writer, self.held, self.gbs, passing)  # one write
         self.held.clear()
         if passing_step is not None:
             self._decide()

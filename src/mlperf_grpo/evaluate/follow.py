@@ -31,14 +31,14 @@ from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
+from mlperf_grpo import environment
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.commit import StepOrderCommitter, plan_evaluation
-from mlperf_grpo.evaluate.offline import EvalOutcome, MergeLogs, evaluate_run, evaluate_series, retain_requested
+from mlperf_grpo.evaluate.commit import plan_evaluation
+from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_run, evaluate_series
+from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
-from mlperf_grpo.evaluate.worker import evaluate_claimed
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
-from mlperf_grpo.evaluate.workers import local_queue
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock, RunLockedError
@@ -51,13 +51,12 @@ START_WAIT_S = 300.0
 """Seconds ``--follow`` waits for a training to create a run directory that does not exist yet."""
 
 
-def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
+def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
                show_progress: bool = True, poll_s: float = POLL_S) -> EvalOutcome:
     """Evaluate a run's checkpoints while its training runs; finish it once training ended.
 
     Args:
         run_dir: the ``--output`` of a ``train`` that is running (or has run).
-        merge: ``merge(training_log, eval_log)`` in place (``mlperf-grpo merge``'s).
         retain_checkpoints: keep the checkpoints (also ``RETAIN_GRPO_CHECKPOINTS=1``, or
             the run's recorded choice, ``run.json``);
             they are deleted, as by ``evaluate``, only after training ended.
@@ -71,7 +70,7 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
             (RunLockedError: another evaluator writes to the run).
         EvaluationError, RefitError, VerifierError, LogWriteError: as :func:`evaluate_run`.
     """
-    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
+    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(Path(run_dir))
     config, mllog_file = _wait_for_run(run, poll_s)
     retain = retain or run.retain_recorded()
@@ -79,12 +78,12 @@ def follow_run(run_dir: Path, merge: MergeLogs, retain_checkpoints: bool = False
     check_worker_groups(config, None)  # one worker of one rank: a tensor-parallel engine is refused
     if not _trainer_running(run) and not run.follow_log.is_file():
         print(f"note: the training of {run.root} has ended; evaluating it as 'mlperf-grpo evaluate' does", file=sys.stderr)
-        return evaluate_run(run.root, retain_checkpoints=retain, show_progress=show_progress, merge=merge)
+        return evaluate_run(run.root, retain_checkpoints=retain, show_progress=show_progress)
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run.eval_dir, "follower"):  # the one writer of eval/mlperf_eval.log
         run.follow_log.touch()  # marks the run followed: a later 'evaluate' continues this log
         _follow(run, config, mllog_file, stop_training_at_pass, show_progress, poll_s)
-        return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
+        return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
                                retain=retain, show_progress=show_progress)
 
 
@@ -127,13 +126,7 @@ def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine
     if not plan.pending_steps:
         return
     checkpoints = {c.step: c for c in source.discover()[0]}
-    queue = local_queue(len(plan.pending_steps))
-    committer = StepOrderCommitter(run, config, run.follow_log, plan, checkpoints, queue, show_progress)
-    try:
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, lambda: engine, after_each=lambda: committer.advance(block=False))
-        committer.advance(block=True)
-    finally:
-        committer.close()
+    evaluate_serially(run, source, config, run.follow_log, plan, checkpoints, lambda: engine, show_progress)
 
 
 @dataclass(frozen=True)

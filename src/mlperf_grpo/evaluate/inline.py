@@ -14,37 +14,20 @@ and log events as the offline evaluator are used::
 
 from __future__ import annotations
 
-import os
-
 import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import rules
+from mlperf_grpo import outcome, rules
 from mlperf_grpo.config import RunConfig
-from mlperf_grpo.evaluate.commit import log_eval, log_run_stop, write_results
+from mlperf_grpo.evaluate.commit import write_results
 from mlperf_grpo.evaluate.offline import EvalOutcome, read_outcome, write_summary
 from mlperf_grpo.evaluate.series import EvaluationError
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams, build_engine
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
+from mlperf_grpo.outcome import Evaluation
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.tasks import load_suite, validation_tasks
-
-DEFERRED_ENV = "DEFERRED_OFFLINE_EVAL"
-"""Environment variable of the reference launcher: ``1`` deferred (default), ``0`` inline."""
-
-
-def deferred_requested() -> bool:
-    """``DEFERRED_OFFLINE_EVAL``: unset or ``1`` -> True, ``0`` -> False.
-
-    Raises:
-        ValueError: any other value (one line).
-    """
-    value = os.environ.get(DEFERRED_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{DEFERRED_ENV} must be 0 (inline evaluation) or 1 (deferred), got {value!r}")
-    return value == "1"
-
 
 class InlineEvaluator:
     """``inline_eval`` hook of :func:`mlperf_grpo.train.trainer.train`
@@ -78,20 +61,15 @@ class InlineEvaluator:
         )
         stop_ms = now_ms()
         write_results(self.run, step, results, self.params, seed=self.config.seed, engine=self.engine.describe())
-        log_eval(self.writer, step, gbs, accuracy, start_ms, stop_ms)
-        passed = rules.is_passing(accuracy, v.target_accuracy)
-        if passed:
-            log_run_stop(self.writer, C.SUCCESS, step, rules.samples_count(step, gbs), stop_ms)
-        self.writer.commit()  # the eval triple (and run_stop on a pass) in one write
         self.last_step, self.last_stop_ms = step, stop_ms
-        return passed
+        return outcome.commit_inline_evaluation(self.writer, Evaluation(step, accuracy, start_ms, stop_ms), gbs, v.target_accuracy)
 
     def finish(self) -> None:
         """After training: ``run_stop`` aborted at the last evaluation's end, when none passed."""
         if self.last_step is None:
             return
         gbs = self.config.global_batch_size
-        log_run_stop(self.writer, C.ABORTED, self.last_step, rules.samples_count(self.last_step, gbs), self.last_stop_ms)
+        outcome.log_aborted_run_stop(self.writer, self.last_step, rules.samples_count(self.last_step, gbs), self.last_stop_ms)
         self.writer.commit()
 
 

@@ -27,40 +27,35 @@ evaluated unless the run passed.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import rules
+from mlperf_grpo import environment, outcome, rules
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,
-    StepOrderCommitter,
-    log_run_stop,
     logged_evals,
     plan_evaluation,
 )
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
+from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource, series_by_step
-from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_claimed, evaluate_rank
+from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_rank
+from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
-from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch, local_queue
 from mlperf_grpo.inference.base import check_engine_available
+from mlperf_grpo.merge import MergeError, merge_logs
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
-
-RETAIN_ENV = "RETAIN_GRPO_CHECKPOINTS"
-"""Environment variable of the reference launcher: ``1`` keeps checkpoints after evaluation."""
-
 
 @dataclass(frozen=True)
 class EvalOutcome:
@@ -96,20 +91,8 @@ def read_outcome(run: RunDir, mllog_file: Path, eval_log: Path | None = None) ->
     return outcome
 
 
-def retain_requested(flag: bool) -> bool:
-    """``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1`` (unset or ``0``: delete).
-
-    Raises:
-        EvaluationError: ``RETAIN_GRPO_CHECKPOINTS`` is set to anything but 0 or 1.
-    """
-    value = os.environ.get(RETAIN_ENV, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise EvaluationError(f"{RETAIN_ENV} must be 0 (delete checkpoints after evaluation) or 1 (keep them), got {value!r}")
-    return flag or value == "1"
-
-
 def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress: bool = True, workers: int | None = None,
-                 merge: MergeLogs | None = None, ranks: TorchrunRanks | None = None) -> EvalOutcome:
+                 ranks: TorchrunRanks | None = None) -> EvalOutcome:
     """Evaluate a trained run's deferred checkpoints and write its ``run_stop``.
 
     ``workers`` engines evaluate checkpoints in parallel (default: the config's
@@ -121,7 +104,7 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
 
     A run an evaluator followed during training (``evaluate --follow``; its
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
-    merged into the training log with ``merge`` (the CLI gives ``mlperf-grpo merge``'s).
+    merged into the training log (:func:`merge_in_place`, ``mlperf-grpo merge``'s core).
 
     The checkpoints are kept with ``retain_checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``, or
     when the run was started to keep them (``run.json``; a flag can only add keeping).
@@ -141,28 +124,34 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
-    retain = retain_requested(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
+    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(run_dir)
     config, mllog_file = run.load()
     retain = retain or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
     check_worker_groups(config, None if ranks is None else ranks.world_size)
     if run.follow_log.is_file():
-        if merge is None:
-            raise EvaluationError(f"{run.root} was followed during training ({run.follow_log}); "
-                                  f"'mlperf-grpo evaluate {run.root}' finishes it and merges that log")
         if workers > 1:
             print(f"note: {run.follow_log} (a follower's log) is continued by one worker, not {workers}", file=sys.stderr)
         with RunLock(run.eval_dir, "evaluator"):  # the one writer of eval/mlperf_eval.log
-            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=merge,
+            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
                                    retain=retain, show_progress=show_progress)
     return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
                            workers=workers, ranks=ranks)
 
 
-MergeLogs = Callable[[Path, Path], None]
-"""``merge(training_log, eval_log)``: append the evaluator's own log to the training log in
-place, as ``mlperf-grpo merge`` does (the CLI passes it; the log tools sit above evaluation)."""
+def merge_in_place(train_log: Path, eval_log: Path) -> None:
+    """A followed run's end: ``mlperf-grpo merge --train LOG --eval EVAL_LOG -o LOG``
+    (``merge.merge_logs``, which reads only the logs and the run's records).
+
+    Raises:
+        MergeError: the logs cannot be merged (named in the message); nothing written.
+    """
+    try:
+        result = merge_logs(train_log, eval_log, train_log)
+    except MergeError as err:
+        raise MergeError(f"cannot merge {eval_log} into {train_log}: {err}") from None
+    print(f"merged {eval_log} into {train_log}: {result.appended} eval line(s) appended")
 
 
 def evaluate_series(
@@ -172,7 +161,7 @@ def evaluate_series(
     mllog_file: Path,
     *,
     eval_log: Path | None = None,
-    merge: MergeLogs | None = None,
+    merge: bool = False,
     retain: bool = False,
     show_progress: bool = True,
     workers: int = 1,
@@ -181,7 +170,8 @@ def evaluate_series(
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
     ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
-    With ``merge``, ``eval_log`` is merged into the training log once its ``run_stop``
+    With ``merge`` (``eval_log`` a follower's log), it is merged into the training log
+    (:func:`merge_in_place`) once its ``run_stop``
     is logged (before the teardown); a training log that already has a ``run_stop`` was
     merged before (or closed by training), and ``eval_log`` is then not read.
     ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
@@ -196,7 +186,7 @@ def evaluate_series(
     if workers > 1 and ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
-        if merge is not None and _read_checked_log(mllog_file).find(C.RUN_STOP):
+        if merge and _read_checked_log(mllog_file).find(C.RUN_STOP):
             eval_log = None  # merged already
         log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
@@ -207,8 +197,8 @@ def evaluate_series(
             else:
                 _check_logged_settings(config, log, mllog_file)
                 _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
-        if merge is not None and eval_log is not None:
-            merge(mllog_file, eval_log)
+        if merge and eval_log is not None:
+            merge_in_place(mllog_file, eval_log)
             eval_log = None
         if not retain:
             _teardown(source, _read_logs(mllog_file, eval_log))
@@ -257,14 +247,14 @@ def _stopped_before_first_checkpoint(run: RunDir, source: SeriesSource, config: 
             "evaluate or score; delete the directory and train again"
         )
     last, s0 = last_trained_step(log)[0], config.first_eval_step
-    return last < s0 or (last == s0 and (source.root / f"tmp_step_{s0}").is_dir())
+    return last < s0 or (last == s0 and (source.root / tmp_step_dir_name(s0)).is_dir())
 
 
 def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
     """Write ``run_stop`` aborted at the last trained step and say why (stderr)."""
     step, time_ms = last_trained_step(log)
     writer = MLLogWriter(mllog_file)
-    log_run_stop(writer, C.ABORTED, step, rules.samples_count(step, config.global_batch_size), time_ms)
+    outcome.log_aborted_run_stop(writer, step, rules.samples_count(step, config.global_batch_size), time_ms)
     writer.commit()
     print(
         f"note: training of {run.root} stopped after step {step}, before its first checkpoint (step "
@@ -354,16 +344,10 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
 def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, plan: EvalPlan,
                  show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
     if workers == 1:
-        checkpoints = series_by_step(source)
-        queue = local_queue(len(plan.pending_steps))
         engine = EngineAtFirstUse(run, config)
-        committer = StepOrderCommitter(run, config, mllog_file, plan, checkpoints, queue, show_progress)
         try:
-            evaluate_claimed(queue, run, source, config, checkpoints, plan, engine,
-                             after_each=lambda: committer.advance(block=False))
-            committer.advance(block=True)
+            evaluate_serially(run, source, config, mllog_file, plan, series_by_step(source), engine, show_progress)
         finally:
-            committer.close()
             engine.close()
         return
     if source != RunSeries(run.checkpoints):

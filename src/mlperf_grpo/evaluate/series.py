@@ -35,6 +35,7 @@ from mlperf_grpo.checkpoint import (
 )
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
+from mlperf_grpo.errors import EvaluationError
 from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
 from mlperf_grpo.fingerprint import (
     DEVICE_FINGERPRINT_ALGORITHM,
@@ -49,10 +50,6 @@ from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
 from mlperf_grpo.model import check_model_path
 from mlperf_grpo.tasks import load_suite, validation_tasks
-
-
-class EvaluationError(ValueError):
-    """The run cannot be evaluated as it is (bad series, bad log); nothing was logged."""
 
 
 class RefitError(RuntimeError):

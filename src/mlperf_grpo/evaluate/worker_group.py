@@ -61,7 +61,8 @@ def check_worker_groups(config: RunConfig, world_size: int | None) -> None:
             f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run evaluate RUN_DIR "
             f"under torchrun with a multiple of {t} ranks (e.g. torchrun --nproc-per-node {t} ...), or set "
             "inference.tensor_parallel_size 1")
-    memory_plan.check_tensor_parallel(memory_plan.load_model_config(check_model_path(config.model.path)), world_size, t)
+    memory_plan.check_tensor_parallel(memory_plan.load_model_config(check_model_path(config.model.path)), world_size, t,
+                                      config.inference.engine)
 
 
 class SoloWorker:

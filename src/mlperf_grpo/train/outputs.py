@@ -33,6 +33,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, read_log
+from mlperf_grpo.outcome import log_aborted_run_stop
 from mlperf_grpo.model import DTYPES, check_model_path
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.train import collectives, ranks
@@ -249,13 +250,8 @@ class RunOutput:
         result is then the offline evaluator's, however training ended) or the log has
         a ``run_stop`` already (inline evaluation's)."""
         if not self.run.published_steps() and not read_log(log.path).find(C.RUN_STOP):
-            _log_aborted_run_stop(log, step, samples_count, time_ms)
-
-
-def _log_aborted_run_stop(log: MLLogWriter, step: int, samples_count: int, time_ms: int) -> None:
-    """The trainer's one ``run_stop`` write (the lead may point it at the run's outcome module)."""
-    log.end(C.RUN_STOP, metadata={C.STATUS: C.ABORTED, C.SAMPLES_COUNT: samples_count, "step": step}, time_ms=time_ms)
-    log.commit()
+            log_aborted_run_stop(log, step, samples_count, time_ms)
+            log.commit()
 
 
 class NoRunOutput:
