@@ -12,7 +12,7 @@ Who calls what (DESIGN.md, "The rule, in one paragraph")::
     inline evaluation (DEFERRED_OFFLINE_EVAL=0, evaluate/inline.py)
         commit_inline_evaluation  the eval triple (+ run_stop success at the eval's end)
         log_aborted_run_stop      no pass by max_steps: aborted at the last eval's end
-    training closed before its first checkpoint (train/loop.py, evaluate/offline.py)
+    training closed before its first checkpoint (train/outputs.py, evaluate/offline.py)
         log_aborted_run_stop      aborted at the last trained step
 
 Times are Unix ms; ``samples_count = step * global batch size``. Every function only
