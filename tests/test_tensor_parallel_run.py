@@ -2,6 +2,7 @@
 one engine split over both, each rank writing its share of every checkpoint, one
 evaluation worker spanning both ranks) against the same run in one process at T = 1."""
 
+import json
 import subprocess
 
 import pytest
@@ -38,8 +39,12 @@ def test_a_t2_run_under_torchrun_trains_writes_and_evaluates_what_one_process_at
                            "--retain-checkpoints"], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _accuracies(two / "mlperf.log") == _accuracies(one / "mlperf.log")
-    stops = [e for e in read_log(two / "mlperf.log").events if e.key == "run_stop"]
-    assert len(stops) == 1
+    stops = [[(e.value, e.metadata) for e in read_log(run / "mlperf.log").events if e.key == "run_stop"] for run in (one, two)]
+    assert len(stops[1]) == 1 and stops[1] == stops[0]  # the same verdict at the same step
+    for result in sorted((two / "eval").glob("step_*.jsonl")):  # one worker of 2 ranks, each reading its share
+        header = json.loads(result.read_text().splitlines()[0])
+        assert header["refit_check"] == "fingerprint+canary"  # the fingerprint summed over the group
+        assert header["engine"]["tensor_parallel_size"] == 2
     for step in ("step_2", "step_3"):
         files = sorted((two / "checkpoints" / step).glob("*.safetensors"))
         assert len(files) == 2  # one file from each rank
