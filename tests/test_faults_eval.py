@@ -888,7 +888,7 @@ def test_other_ranks_stop_within_the_silence_limit_when_rank_0_is_killed(trained
     resumes to the uninterrupted log."""
     from torch.distributed import TCPStore
 
-    from mlperf_grpo.evaluate.workers import RANK0_SILENCE_S
+    from mlperf_grpo.evaluate.launch import RANK0_SILENCE_S
 
     run = copy_run(trained, tmp_path / "run")
     with socket.socket() as s:

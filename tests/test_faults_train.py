@@ -22,7 +22,7 @@ from mlperf_grpo.config import load_config
 from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import BUILTIN_MODEL_DIR
-from mlperf_grpo.train.stop import GracefulStop, Terminated
+from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -1,4 +1,4 @@
-"""The torchrun ranks' coordination through their store (evaluate/workers.py), in this
+"""The torchrun ranks' coordination through their store (evaluate/launch.py), in this
 process: the store is hosted here, as torchrun's agent on another node hosts it, and rank
 0 is simulated by writing its keys."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from mlperf_grpo.evaluate import workers
-from mlperf_grpo.evaluate.workers import Rank0LostError, TorchrunRanks
+from mlperf_grpo.evaluate import launch as workers
+from mlperf_grpo.evaluate.launch import Rank0LostError, TorchrunRanks
 
 SILENCE_S = 1.0
 

@@ -63,12 +63,12 @@ def cmd_evaluate(args: argparse.Namespace, progress: Progress) -> int:
     ``evaluate RUN_DIR --workers WORLD_SIZE`` does, publishing the plan through torchrun's
     store; the others check nothing themselves, evaluate what rank 0 planned, print
     nothing and exit 0, or exit 1 with one line when rank 0 is gone
-    (``evaluate.workers.TorchrunRanks``)."""
+    (``evaluate.launch.TorchrunRanks``)."""
     world = torchrun_world_size()
     if world <= 1:
         return _evaluate(EvaluateRequest.from_args(args, world), progress)
     from mlperf_grpo.evaluate.worker import join_evaluation
-    from mlperf_grpo.evaluate.workers import joined_ranks
+    from mlperf_grpo.evaluate.launch import joined_ranks
 
     with joined_ranks() as ranks:
         if ranks.rank != 0:
@@ -178,7 +178,7 @@ COMMANDS = {"run": cmd_train, "train": cmd_train, "evaluate": cmd_evaluate, "che
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see module docstring)."""
-    from mlperf_grpo.train.stop import GracefulStop, Terminated
+    from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
     try:
         args = build_parser().parse_args(argv)

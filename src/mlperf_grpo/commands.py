@@ -95,14 +95,14 @@ def train(request: TrainRequest, progress: Progress):
     (returns ``train.trainer.TrainResult``); with ``DEFERRED_OFFLINE_EVAL=0`` inline
     evaluation, which writes ``run_stop`` itself (returns the ``EvalOutcome``).
 
-    Raises: the errors of ``train.trainer.train`` and ``evaluate.inline.train_with_inline_eval``.
+    Raises: the errors of ``train.trainer.train`` and ``train.inline_eval.train_with_inline_eval``.
     """
     from mlperf_grpo.rundir import RunDir
 
     config, inputs = _start_training(request, progress)
     with _removed_if_unwritten(progress):
         if not request.deferred:
-            from mlperf_grpo.evaluate.inline import train_with_inline_eval
+            from mlperf_grpo.train.inline_eval import train_with_inline_eval
 
             return train_with_inline_eval(config, RunDir(progress.run_dir), config_filename=request.config_filename,
                                           inputs=inputs)
@@ -137,7 +137,7 @@ def _evaluate_on_every_rank(run_dir: Path, retain: bool):
     ``EvalOutcome``; the others join its plan and return ``None``)."""
     from mlperf_grpo.evaluate.offline import evaluate_run
     from mlperf_grpo.evaluate.worker import join_evaluation
-    from mlperf_grpo.evaluate.workers import joined_ranks
+    from mlperf_grpo.evaluate.launch import joined_ranks
 
     with joined_ranks() as torchrun_ranks:
         if torchrun_ranks.rank != 0:
@@ -184,7 +184,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
     from mlperf_grpo import environment
     from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
     from mlperf_grpo.config import load_config
-    from mlperf_grpo.evaluate.foreign import build_source, evaluate_checkpoints
+    from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
     from mlperf_grpo.evaluate.worker_group import check_worker_groups
 
     retain = environment.retain_checkpoints(request.retain_checkpoints)

@@ -9,7 +9,7 @@ Who calls what (DESIGN.md, "The rule, in one paragraph")::
                                   passing checkpoint's weight-update time, in one write
         decide_end(...)           every result seen, none passed: abort, wait, or refuse
         commit_aborted_at(...)    run_stop aborted at the final checkpoint's update time
-    inline evaluation (DEFERRED_OFFLINE_EVAL=0, evaluate/inline.py)
+    inline evaluation (DEFERRED_OFFLINE_EVAL=0, train/inline_eval.py)
         commit_inline_evaluation  the eval triple (+ run_stop success at the eval's end)
         log_aborted_run_stop      no pass by max_steps: aborted at the last eval's end
     training closed before its first checkpoint (train/outputs.py, evaluate/offline.py)

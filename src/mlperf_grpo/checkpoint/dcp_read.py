@@ -1,5 +1,5 @@
 """Reads of ``torch.distributed.checkpoint`` (DCP) output in one process, no process
-group (``load(..., no_dist=True)``), for the foreign layouts (``foreign.py``):
+group (``load(..., no_dist=True)``), for the foreign layouts (``foreign_layouts.py``):
 
 - a DCP directory (``.metadata`` + ``*.distcp``, ``FileSystemWriter``): every data file
   the metadata names is checked before the load (present, long enough, and each

@@ -25,7 +25,7 @@ from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem, SeriesSource
 from mlperf_grpo.evaluate.validator import TaskResult
-from mlperf_grpo.evaluate.workers import RankFailedError, WorkQueue
+from mlperf_grpo.evaluate.launch import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog
 from mlperf_grpo.outcome import Evaluation, SeriesEnd

@@ -47,7 +47,7 @@ from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource, series_by_step
 from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_rank
-from mlperf_grpo.evaluate.workers import TorchrunRanks, WorkQueue, launch
+from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.merge import MergeError, merge_logs

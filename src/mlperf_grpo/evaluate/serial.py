@@ -13,7 +13,7 @@ from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter
 from mlperf_grpo.evaluate.series import SeriesSource
 from mlperf_grpo.evaluate.worker import evaluate_claimed
-from mlperf_grpo.evaluate.workers import local_queue
+from mlperf_grpo.evaluate.launch import local_queue
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.rundir import RunDir
 

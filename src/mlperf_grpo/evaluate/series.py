@@ -2,7 +2,7 @@
 anything is evaluated, how a checkpoint is read, and how a refit is proven.
 
 :class:`SeriesSource` is the interface (our trainer's :class:`RunSeries` here; other
-trainers' layouts in ``evaluate/foreign.py``). :func:`check_series` reads records,
+trainers' layouts in ``evaluate/foreign_series.py``). :func:`check_series` reads records,
 tensor headers and the small non-weight files, never the weights: those are
 hash-verified as they are read for the refit (``checkpoint/reader.read_verified``), and
 the refit is proven on the device by :func:`verify_refit`. A fault in the series is
@@ -223,7 +223,7 @@ class SeriesSource(Protocol):
 
     Records have ``step``, ``path`` and ``info`` with ``samples_count`` and
     ``training_step_end_time_ms`` (Unix ms). :class:`RunSeries` is our trainer's series;
-    ``evaluate/foreign.py`` has those of other trainers.
+    ``evaluate/foreign_series.py`` has those of other trainers.
     """
 
     root: Path

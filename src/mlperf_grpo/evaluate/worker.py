@@ -29,7 +29,7 @@ from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group
-from mlperf_grpo.evaluate.workers import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
+from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
 from mlperf_grpo.rundir import RunDir

@@ -30,7 +30,7 @@ from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.checkpoint.share_read import agree_on_read, read_share, reserve_share
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
-from mlperf_grpo.evaluate.workers import STORE_TIMEOUT, WorkQueue, _wait_for
+from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for
 
 
 def group_size(config: RunConfig) -> int:

@@ -37,7 +37,7 @@ from mlperf_grpo.outcome import log_aborted_run_stop
 from mlperf_grpo.model import DTYPES, check_model_path
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.train import collectives, ranks
-from mlperf_grpo.train.stop import GracefulStop
+from mlperf_grpo.graceful_stop import GracefulStop
 
 
 class Checkpoints(Protocol):
@@ -179,7 +179,7 @@ class NoStopRequests:
 
 class InlineEval(Protocol):
     """An evaluation after each step from the first eval step on
-    (:class:`mlperf_grpo.evaluate.inline.InlineEvaluator`): called as ``(step, policy)``,
+    (:class:`mlperf_grpo.train.inline_eval.InlineEvaluator`): called as ``(step, policy)``,
     True when the policy passed (it logged ``run_stop``) and training stops."""
 
     def __call__(self, step: int, policy: torch.nn.Module) -> bool: ...

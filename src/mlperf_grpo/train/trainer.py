@@ -61,7 +61,7 @@ from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training
 from mlperf_grpo.train.outputs import (InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests,
                                        RunOutput)
 from mlperf_grpo.train.rollout import PromptSampler
-from mlperf_grpo.train.stop import GracefulStop
+from mlperf_grpo.graceful_stop import GracefulStop
 
 
 @dataclass

@@ -364,7 +364,7 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nprocs: int) -> dict[int
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from mlperf_grpo.train.stop import Terminated
+    from mlperf_grpo.graceful_stop import Terminated
 
     _quiet_launcher_logs()
     try:

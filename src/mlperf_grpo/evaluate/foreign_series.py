@@ -2,7 +2,7 @@
 trainer wrote, through the same lifecycle as our own runs (:func:`offline.evaluate_series`:
 lock, resume, series checks, step-order commits, one backdated ``run_stop``, teardown).
 
-``DIR`` holds the series (``checkpoint/foreign.py`` describes the layouts) and, written by
+``DIR`` holds the series (``checkpoint/foreign_layouts.py`` describes the layouts) and, written by
 the evaluator, ``.lock``, ``eval/step_N.jsonl``, ``eval/summary.json`` and
 ``eval/source.json`` (the format and what it could not check). Teardown keeps another
 trainer's series (NeMo-RL, a manifest's directories); of our own layout it deletes only the
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.checkpoint import CheckpointCorruptError, CheckpointError, published_steps
-from mlperf_grpo.checkpoint import foreign
-from mlperf_grpo.checkpoint.foreign import ForeignCheckpoint
+from mlperf_grpo.checkpoint import foreign_layouts as foreign
+from mlperf_grpo.checkpoint.foreign_layouts import ForeignCheckpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trained_step
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
@@ -51,7 +51,7 @@ class OursAt(RunSeries):
 
 @dataclass(frozen=True)
 class ForeignSeries:
-    """A NeMo-RL or manifest series (see ``checkpoint/foreign.py``)."""
+    """A NeMo-RL or manifest series (see ``checkpoint/foreign_layouts.py``)."""
 
     root: Path
     format: str
