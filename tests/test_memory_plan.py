@@ -72,7 +72,7 @@ def test_per_rank_bytes_are_the_layout_arithmetic():
     shard = 3 * 4 + 1  # ceil(10/4) rows of 4, ceil(4/4) element
     r, s = plan.replica, plan.sharded
     assert (r.master_weights_bytes, r.gradient_bytes, r.adam_bytes) == (4 * shard, 4 * shard, 8 * shard)
-    assert (r.engine_bytes, r.staging_bytes, r.eval_read_bytes) == (88, 3 * 88, 2 * 88)
+    assert (r.engine_bytes, r.staging_bytes, r.eval_read_bytes) == (88, 3 * 2 * shard, 2 * 88)
     engine = 2 * (40 // 2 + 4)  # the embedding split over T = 2, the norm whole
     assert (s.engine_bytes, s.staging_bytes, s.eval_read_bytes) == (engine, 3 * 2 * shard, 2 * engine)
     assert r.device_bytes == 16 * shard + 88 and s.device_bytes == 16 * shard + engine

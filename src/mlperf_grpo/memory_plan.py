@@ -8,9 +8,10 @@ model (tests compare them with ``transformers``' own model built on the meta dev
 
 - ``replica`` (the trainer at ``inference.tensor_parallel_size: 1``): FSDP2 shards the
   fp32 master weights, gradients and AdamW's two moments over N ranks, but every rank
-  holds a **full** rollout-dtype engine replica; rank 0 stages K =
-  ``checkpoint.max_in_flight`` whole rollout-dtype checkpoints in host memory; the
-  evaluator reads 2 whole checkpoints into host buffers.
+  holds a **full** rollout-dtype engine replica; each rank stages K =
+  ``checkpoint.max_in_flight`` x its 1/N share of the rollout-dtype checkpoint in host
+  memory (:mod:`~mlperf_grpo.checkpoint.shard_plan`: every rank writes the tensors it
+  owns); the evaluator reads 2 whole checkpoints into host buffers.
 - ``sharded`` (issue 28): the engine is tensor-parallel over T ranks (each holds 1/T of
   every sharded tensor plus the replicated small ones: norms, router, gates; KV
   projections are split over ``min(T, kv_heads)``, replicated beyond, as vLLM does; the
@@ -244,8 +245,8 @@ def check_tensor_parallel(config: dict, world_size: int, tensor_parallel_size: i
 class RankMemory:
     """Planned bytes on one rank of one layout. Device: ``master_weights_bytes`` (fp32,
     FSDP2 shard), ``gradient_bytes`` (fp32 shard), ``adam_bytes`` (two fp32 moments),
-    ``engine_bytes`` (rollout dtype); host: ``staging_bytes`` (checkpoint staging, on
-    rank 0 alone in the replica layout), ``eval_read_bytes`` (evaluator read buffers)."""
+    ``engine_bytes`` (rollout dtype); host: ``staging_bytes`` (checkpoint staging, this
+    rank's share), ``eval_read_bytes`` (evaluator read buffers)."""
 
     layout: str
     master_weights_bytes: int
@@ -321,7 +322,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     engine = _sharded_engine_numel(tensors, tensor_parallel_size, kv_heads)
     fp32 = dict(master_weights_bytes=shard * FP32_BYTES, gradient_bytes=shard * FP32_BYTES, adam_bytes=2 * shard * FP32_BYTES)
-    replica = RankMemory("replica", **fp32, engine_bytes=total * rollout, staging_bytes=max_in_flight * total * rollout,
+    replica = RankMemory("replica", **fp32, engine_bytes=total * rollout, staging_bytes=max_in_flight * shard * rollout,
                          eval_read_bytes=EVAL_READ_BUFFERS * total * rollout)
     sharded = RankMemory("sharded", **fp32, engine_bytes=engine * rollout, staging_bytes=max_in_flight * shard * rollout,
                          eval_read_bytes=EVAL_READ_BUFFERS * engine * rollout)
@@ -368,6 +369,6 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
     lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
     lines += [f"  {name:36} {_gib(a):>16} {_gib(b):>20}" for name, a, b in rows]
-    lines.append("  replica: staging on rank 0 only, evaluator buffers per evaluate worker; "
+    lines.append("  evaluator buffers per evaluate worker (of T ranks); "
                  "not counted: activations, KV cache, CUDA context")
     return "\n".join(lines)
