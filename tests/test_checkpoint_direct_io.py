@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo, discover_checkpoints, read_weights, write_checkpoint
-from mlperf_grpo.checkpoint import direct_io
+from mlperf_grpo.checkpoint import direct_io, staging
 from mlperf_grpo.checkpoint import writer as writer_module
-from mlperf_grpo.checkpoint.writer import combined_fingerprint, staged_checksums
+from mlperf_grpo.checkpoint.staging import staged_checksums
+from mlperf_grpo.checkpoint.writer import combined_fingerprint
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.model import BUILTIN_MODEL_DIR, load_model
 
@@ -149,7 +150,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, device, tmp_path):
+@pytest.mark.parametrize("range_elements", [None, 100])
+def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, device, range_elements, tmp_path,
+                                                                       monkeypatch):
+    if range_elements is not None:  # tensors split into runs summed by several threads
+        monkeypatch.setattr(staging, "CHECKSUM_RANGE_ELEMENTS", range_elements)
     torch.manual_seed(0)
     # odd sizes put later tensors at addresses that are not multiples of 8 in the slot
     state = {
@@ -167,7 +172,7 @@ def test_fingerprint_of_the_staged_host_copy_equals_the_source_tensors(dtype, de
     assert any(t.data_ptr() % 8 for t in slot.tensors.values())  # the padded path is taken
     assert all(t.device.type == "cpu" for t in slot.tensors.values())
     expected = weights_fingerprint(state)  # on the source tensors' device
-    assert combined_fingerprint(writer.plan, staged_checksums(slot))["digest"] == expected
+    assert combined_fingerprint(writer.plan, staged_checksums(slot, writer._checksums))["digest"] == expected
     changed = dict(state, **{"c.weight": state["c.weight"].clone()})
     changed["c.weight"][7, 3] += 1
     assert weights_fingerprint(changed) != expected

@@ -24,7 +24,7 @@ from mlperf_grpo.checkpoint import (AsyncCheckpointer, CheckpointWriteError, Ran
 from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES
 from mlperf_grpo.checkpoint.format import END_FILE, INDEX_FILE
 from mlperf_grpo.checkpoint.shard_plan import plan_shards, tensor_bytes
-from mlperf_grpo.checkpoint.writer import unique_tensors
+from mlperf_grpo.checkpoint.staging import unique_tensors
 
 # what the spawned ranks import stays light (torch, the checkpoint package): not
 # mlperf_grpo.model or transformers, seconds per process on a busy machine

@@ -88,6 +88,43 @@ def test_v2_sees_a_changed_byte_swapped_elements_and_a_transpose():
         tensor_checksums(w[:, :5], [16, 16], (slice(None), slice(0, 6)))
 
 
+def _host(t: torch.Tensor, pieces: int = 1) -> list[int]:
+    """v2 of a whole tensor from :func:`fingerprint.host_checksums` over ``pieces`` runs."""
+    bits = fingerprint.element_bits(t.contiguous())
+    step = max(1, -(-bits.size // pieces))
+    runs = [fingerprint.host_checksums(bits[k: k + step], k) for k in range(0, bits.size, step)]
+    return [_signed(sum(r[i] for r in runs)) for i in (0, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("shape", [(37, 29), (3, 5, 7), (1,), (), (0, 4), (200,)])
+@pytest.mark.parametrize("small_rows", [False, True])
+def test_host_checksums_equal_tensor_checksums_and_python_ints(dtype, shape, small_rows, monkeypatch):
+    if small_rows:  # many [rows, L] blocks and a partial last row, as at real sizes
+        monkeypatch.setattr(fingerprint, "_HOST_ROW", 8)
+        monkeypatch.setattr(fingerprint, "_HOST_ROWS", 3)
+    torch.manual_seed(4)
+    full = (torch.randn(shape) * 1e3).to(dtype) if dtype != torch.bool else torch.randn(shape) > 0
+    want = tensor_checksums(full).tolist()
+    assert want == _reference(full.reshape(-1) if full.dim() == 0 else full)
+    for pieces in (1, 2, 5):  # runs of a partition add up
+        assert _host(full, pieces) == want
+
+
+def test_host_checksums_of_the_largest_elements_need_no_more_than_their_accumulators():
+    # 2 blocks of 1024 rows x 16 Ki of 0xFFFF and a partial row: the column sums reach
+    # 1024 * 0xFFFF (< 2**32, the uint32 bound); the exact values from the closed forms
+    n = 2 * fingerprint._HOST_ROWS * fingerprint._HOST_ROW + 123
+    ones = torch.full((n,), -1, dtype=torch.int16)  # every bit set: e_i = 0xFFFF
+    assert _host(ones) == [_signed(0xFFFF * n), _signed(0xFFFF * n * (n + 1) // 2)]
+    assert fingerprint.host_checksums(fingerprint.element_bits(ones)[5:], 5) == (
+        0xFFFF * (n - 5) % MOD, 0xFFFF * (n * (n + 1) // 2 - 15) % MOD)
+    with pytest.raises(ValueError, match="1-D unsigned"):
+        fingerprint.host_checksums(fingerprint.element_bits(ones).view("int16"))
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        fingerprint.element_bits(torch.zeros(4, 4)[:, :2])
+
+
 def _sharded_rank(rank: int, world: int, port: int, tensors: dict, results) -> None:
     import torch.distributed as dist
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import torch
 import xxhash
 
@@ -145,6 +146,74 @@ def tensor_checksums(tensor: torch.Tensor, full_shape: list[int] | tuple[int, ..
         # sum_rj e_rj (base_r + inner_j + 1) = sum_r base_r rowsum_r + sum_j (inner_j + 1) colsum_j
         out[1] += _dot(row_base, row_sums) + _dot(block.sum(dim=0), inner_plus_one)
     return out
+
+
+_HOST_ROW = 1 << 14
+"""Elements per row of :func:`host_checksums`' ``[rows, _HOST_ROW]`` views."""
+
+_HOST_ROWS = 1 << 10
+"""Rows per reduction of :func:`host_checksums` (16 Mi elements): the column sums of 1-
+and 2-byte elements, at most ``_HOST_ROWS * 0xFFFF < 2**32``, fit uint32 accumulators."""
+
+_NUMPY_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MOD = 1 << 64
+
+
+def element_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's elements as a 1-D unsigned numpy array of their bit
+    patterns (uint8/16/32/64 by element size; a view, no copy): what
+    :func:`host_checksums` reads.
+
+    Raises:
+        ValueError: the tensor is not on the CPU or not contiguous, or its elements are
+            not 1, 2, 4 or 8 bytes.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.element_size() not in _NUMPY_UNSIGNED:
+        raise ValueError(f"element_bits takes a contiguous CPU tensor of 1-, 2-, 4- or 8-byte elements, got "
+                         f"{tensor.dtype} on {tensor.device}")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().view(_NUMPY_UNSIGNED[tensor.element_size()])
+
+
+def host_checksums(elements: np.ndarray, first_index: int = 0) -> tuple[int, int]:
+    """Algorithm :data:`FINGERPRINT_V2`'s partial sums over a run of consecutive elements
+    of a tensor, on the host: ``(sum_k e_k, sum_k e_k * (first_index + k + 1))`` modulo
+    2**64, as unsigned Python ints in ``[0, 2**64)``.
+
+    ``elements``: a 1-D unsigned numpy array (uint8/16/32/64: the elements' bit patterns,
+    e.g. ``tensor.view(torch.uint8).numpy().view(np.uint16)`` for bfloat16) holding the
+    tensor's elements at flat C-order indices ``first_index ..``. Summed over runs that
+    cover a whole tensor, then read as int64, these are :func:`tensor_checksums` of it
+    (tested): same values, computed without torch's int64 temporaries or its thread
+    pool, in a few numpy reductions that release the interpreter lock (so several runs
+    can be summed in parallel threads). Cost: two passes over the elements in their own
+    width (row sums and column sums of ``[rows, 16 Ki]`` views), about 10x less than
+    :func:`tensor_checksums` on one CPU core.
+
+    Uses ``sum_k e_k (first + k + 1) = sum_r (first + r L) R_r + sum_j (j + 1) C_j`` for
+    ``e`` viewed as rows of ``L`` elements, ``R_r`` the row sums and ``C_j`` the column
+    sums (then the last partial row element by element).
+
+    Raises:
+        ValueError: ``elements`` is not a 1-D unsigned integer array.
+    """
+    if elements.ndim != 1 or elements.dtype.kind != "u":
+        raise ValueError(f"host_checksums takes a 1-D unsigned array, got {elements.dtype} of shape {elements.shape}")
+    accumulator = np.uint32 if elements.itemsize <= 2 else np.uint64
+    total, weighted, rows = 0, 0, elements.size // _HOST_ROW
+    columns = np.arange(1, _HOST_ROW + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # uint64 products and sums wrap: arithmetic modulo 2**64
+        for first_row in range(0, rows, _HOST_ROWS):
+            block = elements[first_row * _HOST_ROW: min(rows, first_row + _HOST_ROWS) * _HOST_ROW].reshape(-1, _HOST_ROW)
+            row_sums = block.sum(axis=1, dtype=accumulator).astype(np.uint64)
+            column_sums = block.sum(axis=0, dtype=accumulator).astype(np.uint64)
+            bases = np.arange(first_row, first_row + block.shape[0], dtype=np.uint64) * np.uint64(_HOST_ROW)
+            total += int(row_sums.sum(dtype=np.uint64))
+            weighted += int(np.dot(bases, row_sums)) + int(np.dot(columns, column_sums))
+        tail = elements[rows * _HOST_ROW:].astype(np.uint64)  # the last partial row
+        tail_sum = int(tail.sum(dtype=np.uint64))
+        total += tail_sum
+        weighted += int(np.dot(tail, columns[: tail.size])) + rows * _HOST_ROW * tail_sum
+    return total % _MOD, (weighted + first_index * total) % _MOD
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

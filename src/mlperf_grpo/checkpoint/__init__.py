@@ -1,7 +1,7 @@
 """Deferred checkpoints: each ``step_N/`` a complete Hugging Face model directory.
 
-``format`` (layout, ``training_info.json``), ``writer`` (asynchronous staging and
-publish, on every rank), ``shard_plan`` (which rank writes which tensors, in which file),
+``format`` (layout, ``training_info.json``), ``writer`` (asynchronous writes and
+publish, on every rank), ``staging`` (the host staging copy and its checksums), ``shard_plan`` (which rank writes which tensors, in which file),
 ``rank_group`` (the ranks' reports to rank 0 through the store), ``engine_weights`` (what
 a rank stages from its engine), ``direct_io`` (shard files written with O_DIRECT from
 aligned memory), ``reader``

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mlperf_grpo.checkpoint.writer import Weights, unique_tensors
+from mlperf_grpo.checkpoint.staging import Weights, unique_tensors
 
 
 def engine_checkpoint_weights(engine) -> Weights | None:

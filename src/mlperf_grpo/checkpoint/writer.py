@@ -6,10 +6,10 @@ On the training path (:meth:`AsyncCheckpointer.save`), right after the weight up
    at once; when all are taken, training waits: back-pressure, bounded memory);
 2. copy the rollout-dtype weights this rank owns (all of them on one rank; see
    :mod:`~mlperf_grpo.checkpoint.shard_plan`) into the slot's reused host buffers
-   (pinned, with ``non_blocking`` device-to-host copies on their own CUDA stream,
-   overlapping what ``info`` computes on the compute stream, and one sync; a memcpy on
-   CPU), so training may change the weights as soon as ``save`` returns. Nothing else
-   runs on the clock.
+   (:mod:`~mlperf_grpo.checkpoint.staging`: pinned, with ``non_blocking`` device-to-host
+   copies on their own CUDA stream, overlapping what ``info`` computes on the compute
+   stream, and one sync; a memcpy on CPU), so training may change the weights as soon
+   as ``save`` returns. Nothing else runs on the clock.
 
 In the background, one writer thread per checkpoint in flight, on every rank:
 
@@ -17,9 +17,9 @@ In the background, one writer thread per checkpoint in flight, on every rank:
    safetensors format). The slot holds each shard's exact file image at an aligned
    address (header included), so a shard is written with O_DIRECT straight from it
    (:mod:`~mlperf_grpo.checkpoint.direct_io`; buffered where O_DIRECT is refused) and
-   hashed with xxh3_128 from the same memory at the same time, while another thread
-   computes the fingerprint checksums of the rank's tensors
-   (:func:`mlperf_grpo.fingerprint.tensor_checksums`) from the same host copy; then the
+   hashed with xxh3_128 from the same memory at the same time, while other threads
+   compute the fingerprint checksums of the rank's tensors from the same host copy
+   (:func:`~mlperf_grpo.checkpoint.staging.staged_checksums`); then the
    slot is free again; fsync the shards. A rank other than 0 then sends rank 0 its report
    (files, hashes, sizes, checksums; or its error) through the job's store
    (:mod:`~mlperf_grpo.checkpoint.rank_group`) and is done with the step;
@@ -48,16 +48,16 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES, aligned_empty, write_file_image
+from mlperf_grpo.checkpoint.direct_io import write_file_image
 from mlperf_grpo.checkpoint.format import (
     END_FILE,
     HASH_ALGORITHM,
@@ -71,22 +71,24 @@ from mlperf_grpo.checkpoint.format import (
     fsync_path,
     hash_bytes,
     new_hasher,
-    safetensors_header,
     tensor_specs_digest,
     write_file_synced,
     SAFETENSORS_DTYPES,
 )
 from mlperf_grpo.checkpoint.rank_group import Heartbeat, RankGroup, RankReportError
-from mlperf_grpo.checkpoint.shard_plan import ShardPlan, layout_of, plan_shards, spec_of, tensor_bytes
-from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest, tensor_checksums
+from mlperf_grpo.checkpoint.shard_plan import ShardPlan, layout_of, plan_shards, spec_of
+from mlperf_grpo.checkpoint.staging import StagingSlot, Weights, as_planned, fill_slot, staged_checksums, unique_tensors
+from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest
+from mlperf_grpo.step_dirs import step_dir_name, tmp_step_dir_name
 
-Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-"""What :meth:`AsyncCheckpointer.save` takes: a state dict (tied names found by storage
-and stored once) or ``(name, tensor)`` pairs, each a distinct tensor (e.g. a
-tensor-parallel engine's ``full_weights()``, every rank iterating it to the end)."""
+__all__ = ["AsyncCheckpointer", "CheckpointTiming", "Weights", "unique_tensors", "write_checkpoint"]
 
 SHARD_WRITERS = 4
 """Threads writing the shards of one checkpoint in parallel."""
+
+CHECKSUM_THREADS = 4
+"""Threads computing the fingerprint checksums of the staged copies (numpy reductions,
+which release the interpreter lock), beside the writes."""
 
 
 @dataclass(frozen=True)
@@ -101,55 +103,6 @@ class CheckpointTiming:
     publish_s: float | None = None
 
 
-@dataclass
-class StagingSlot:
-    """One host copy of the weights this rank owns, laid out as its shard files' exact
-    bytes: one flat byte buffer (pinned when the weights are on CUDA) holding shard after
-    shard, each starting at a multiple of
-    :data:`~mlperf_grpo.checkpoint.direct_io.ALIGNMENT_BYTES` with its safetensors header
-    (spaces pad it so the data starts aligned too) followed by its tensors back to back,
-    exactly as in the file. So a shard is written with O_DIRECT and hashed as one
-    contiguous aligned range. The headers depend only on the tensors' names, dtypes and
-    shapes: written once, when the slot is built. Reused from checkpoint to checkpoint;
-    rebuilt only if the plan changes."""
-
-    layout: tuple = ()
-    plan: ShardPlan | None = None
-    flat: torch.Tensor | None = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """name -> view into ``flat`` with the tensor's dtype and shape (this rank's only)."""
-    files: list[str] = field(default_factory=list)
-    """This rank's shard file names (the plan's global numbering), one per ``shards`` entry."""
-    shards: list[tuple[list[str], int, int]] = field(default_factory=list)
-    """(tensor names in file order, start byte, end byte of the file image) per shard."""
-
-    def build(self, plan: ShardPlan, rank: int, pin: bool) -> None:
-        """Lay out ``rank``'s files of ``plan`` (page-locked memory when ``pin``)."""
-        mine = plan.rank_files(rank)
-        # largest element size first keeps every view aligned (safetensors orders so too)
-        groups = [sorted(group, key=lambda n: -plan.specs[n].element_size()) for _, group in mine]
-        headers = [safetensors_header([(n, plan.specs[n]) for n in names], {"format": "pt"}, ALIGNMENT_BYTES)
-                   for names in groups]
-        offsets, self.shards, offset = {}, [], 0
-        for names, header in zip(groups, headers):
-            start = offset
-            offset += len(header)
-            for n in names:
-                offsets[n] = offset
-                offset += tensor_bytes(plan.specs[n])
-            self.shards.append((names, start, offset))
-            offset = -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        self.flat = aligned_empty(offset, pin=pin)
-        for header, (_, start, _) in zip(headers, self.shards):
-            self.flat[start: start + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        self.tensors = {
-            n: self.flat[offsets[n]: offsets[n] + tensor_bytes(t)].view(t.dtype).view(t.shape)
-            for n, t in plan.owned(rank).items()
-        }
-        self.files = [name for name, _ in mine]
-        self.plan, self.layout = plan, plan.layout
-
-
 def snapshot_model_files(model_dir: Path) -> dict[str, bytes]:
     """The bytes of the model directory's :data:`NON_WEIGHT_FILES` that exist."""
     return {name: (model_dir / name).read_bytes() for name in NON_WEIGHT_FILES if (model_dir / name).is_file()}
@@ -158,40 +111,6 @@ def snapshot_model_files(model_dir: Path) -> dict[str, bytes]:
 def files_record(files: dict[str, bytes]) -> dict[str, dict]:
     """``training_info.json``'s ``files``: name -> ``{"hash", "bytes"}``."""
     return {name: {"hash": hash_bytes(data), "bytes": len(data)} for name, data in sorted(files.items())}
-
-
-def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop names that are the same tensor as an earlier name (tied embeddings, e.g.
-    ``lm_head.weight``), as ``save_pretrained`` stores them: once, under the first name;
-    ``from_pretrained`` re-ties them.
-
-    Two names are tied when they view the same bytes the same way: one storage (its
-    device and address), the same offset, shape, stride and dtype. An empty tensor
-    (``numel() == 0``) is never tied: every empty storage has address 0, so the address
-    says nothing about it (safetensors/safetensors#280), and each is kept under its name.
-    """
-    seen: set[tuple] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        if tensor.numel() > 0:
-            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                   tensor.stride(), tensor.dtype)
-            if key in seen:
-                continue
-            seen.add(key)
-        out[name] = tensor.detach()
-    return out
-
-
-def staged_checksums(slot: StagingSlot) -> dict[str, list[int]]:
-    """name -> :func:`~mlperf_grpo.fingerprint.tensor_checksums` ``[sum, product]`` of each
-    tensor of a filled slot, computed on the CPU from the staged host copy (in the writer,
-    off the training path). The sums modulo 2**64 do not depend on the order of additions,
-    so they equal the checksums of the source tensors on their device."""
-    if not slot.tensors:
-        return {}
-    values = torch.stack([tensor_checksums(t) for t in slot.tensors.values()]).tolist()  # one read-back
-    return dict(zip(slot.tensors, values))
 
 
 def combined_fingerprint(plan: ShardPlan, checksums: dict[str, list[int]]) -> dict:
@@ -251,6 +170,7 @@ class AsyncCheckpointer:
         self._jobs = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-writer")
         self._shards = ThreadPoolExecutor(max_workers=SHARD_WRITERS, thread_name_prefix="checkpoint-shard")
         self._fingerprints = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="checkpoint-fingerprint")
+        self._checksums = ThreadPoolExecutor(max_workers=CHECKSUM_THREADS, thread_name_prefix="checkpoint-checksum")
         self._futures: list[Future] = []
         self._error: CheckpointWriteError | None = None
         self._lock = threading.Lock()
@@ -337,6 +257,7 @@ class AsyncCheckpointer:
             self._jobs.shutdown(wait=True)
             self._shards.shutdown(wait=True)
             self._fingerprints.shutdown(wait=True)
+            self._checksums.shutdown(wait=True)
             if self._heartbeat is not None:  # a rank other than 0: its reports are all sent
                 self._send_end()
                 self._heartbeat.stop()
@@ -359,6 +280,8 @@ class AsyncCheckpointer:
             self.plan = plan_shards(unique.items(), self.group.world_size, self.max_shard_size)
 
     def _stage(self, weights: Weights, slot: StagingSlot, info: TrainingInfo | Callable[[], TrainingInfo]) -> TrainingInfo:
+        """Fill ``slot`` from ``weights`` (planned again, and the slot rebuilt, when their
+        layout changed) and return ``info`` (:func:`~mlperf_grpo.checkpoint.staging.fill_slot`)."""
         persistent = isinstance(weights, Mapping)
         if persistent:
             unique = unique_tensors(weights)
@@ -367,49 +290,19 @@ class AsyncCheckpointer:
         elif self.plan is None:
             raise ValueError("save() of (name, tensor) pairs needs prepare() with the same pairs first")
         else:
-            pairs = _as_planned(weights, self.plan)
+            pairs = as_planned(weights, self.plan)
         if slot.layout != self.plan.layout:
             slot.build(self.plan, self.group.rank, self._pin)
-        owned = slot.tensors
-        if not slot.flat.is_pinned():  # CPU: a memcpy
-            for name, src in pairs:
-                if name in owned:
-                    owned[name].copy_(src)
-            return info() if callable(info) else info
-        copies = torch.cuda.Stream()
-        if persistent:  # the engine's own tensors: one wait for the weights as the optimizer left them
-            copies.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(copies):
-                for name, src in pairs:
-                    if name in owned:
-                        owned[name].copy_(src, non_blocking=True)
-        else:  # each pair made on the compute stream (a gather) just now, and freed after
-            for name, src in pairs:  # the generator runs here, on the compute stream
-                if name in owned:
-                    copies.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(copies):
-                        owned[name].copy_(src, non_blocking=True)
-                    if src.is_cuda:  # its memory is not reused before the copy ends
-                        src.record_stream(copies)
-        copied = torch.cuda.Event()
-        copied.record(copies)
-        # on the compute stream, overlapping the copies (which only the copy engine does):
-        # whatever ``info`` computes (the canary logits)
-        info = info() if callable(info) else info
-        computed = torch.cuda.Event()
-        computed.record()
-        copied.synchronize()  # one sync for all copies, before training changes the weights
-        computed.synchronize()
-        return info
+        return fill_slot(slot, pairs, persistent, info)
 
     # ------------------------------------------------------------------ background
 
     def _write(self, info: TrainingInfo, slot: StagingSlot, previous: Future | None) -> int:
         step, plan, rank = info.current_step, slot.plan, self.group.rank
-        tmp = self.root / f"tmp_step_{step}"
+        tmp = self.root / tmp_step_dir_name(step)
         try:
             tmp.mkdir(parents=True, exist_ok=True)  # every rank writes its own files into it
-            checksums = self._fingerprints.submit(staged_checksums, slot)  # beside the writes
+            checksums = self._fingerprints.submit(staged_checksums, slot, self._checksums)  # beside the writes
             try:
                 shards, files = self._write_shards(tmp, slot)
             finally:
@@ -440,11 +333,11 @@ class AsyncCheckpointer:
             raise
         if previous is not None and previous.exception() is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # never publish past a missing checkpoint
-            raise CheckpointWriteError(f"step_{step} not published: an earlier checkpoint failed")
+            raise CheckpointWriteError(f"{step_dir_name(step)} not published: an earlier checkpoint failed")
         try:
             if self.before_publish is not None:
                 self.before_publish()
-            final = self.root / f"step_{step}"
+            final = self.root / step_dir_name(step)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -463,11 +356,11 @@ class AsyncCheckpointer:
         try:
             self.group.send_report(step, report)
         except dist.DistError as err:  # the store is gone: rank 0 sees this rank stall instead
-            self._fail(CheckpointWriteError(f"cannot report step_{step} to rank 0: {err}"))
+            self._fail(CheckpointWriteError(f"cannot report {step_dir_name(step)} to rank 0: {err}"))
 
     def _send_end(self) -> None:
         try:
-            self.group.send_end(f"step_{max(self.timings)}" if self.timings else "none")
+            self.group.send_end(step_dir_name(max(self.timings)) if self.timings else "none")
         except dist.DistError:  # the store is gone: rank 0 sees this rank stall instead
             pass
 
@@ -533,25 +426,6 @@ class AsyncCheckpointer:
         )
 
 
-def _as_planned(pairs: Iterable[tuple[str, torch.Tensor]], plan: ShardPlan) -> Iterable[tuple[str, torch.Tensor]]:
-    """``pairs`` as they come, each checked against the plan's next tensor (name, dtype,
-    shape), all of them consumed.
-
-    Raises:
-        ValueError: a pair differs from the plan, or one is missing or extra.
-    """
-    expected = iter(plan.specs.items())
-    for name, src in pairs:
-        planned, spec = next(expected, (None, None))
-        if name != planned or src.dtype != spec.dtype or src.shape != spec.shape:
-            raise ValueError(f"the weights given to save differ from those given to prepare at {name!r} "
-                             f"(planned: {planned!r}): call prepare with these weights")
-        yield name, src
-    missing = next(expected, None)
-    if missing is not None:
-        raise ValueError(f"the weights given to save lack {missing[0]!r}, given to prepare")
-
-
 def _remove_other_than(directory: Path, keep: set[str]) -> None:
     """Remove whatever ``directory`` holds besides ``keep`` (left by an earlier attempt at
     the same step), so the published directory holds this checkpoint's files only."""
@@ -570,4 +444,4 @@ def write_checkpoint(checkpoint_root: Path, state_dict: dict[str, torch.Tensor],
     writer = AsyncCheckpointer(checkpoint_root, model_dir, max_in_flight=1, max_shard_size=max_shard_size)
     writer.save(state_dict, info)
     writer.finish(record_end=False)
-    return checkpoint_root / f"step_{info.current_step}"
+    return checkpoint_root / step_dir_name(info.current_step)
