@@ -3,9 +3,10 @@
 Sampling is seeded per row: each completion draws its tokens from its own
 ``random.Random(seed)``, so a completion depends on its prompt, its seed and the
 weights, not on which other prompts share its batch. ``generate`` runs greedily over
-logits that :class:`~mlperf_grpo.inference.sampling.RowSeededSampler` has reduced to the one sampled token; the sampler
-takes that token's log-probability at the same step, so no step's full-vocabulary
-logits outlive it (memory grows with tokens, not tokens x vocabulary).
+logits that :class:`~mlperf_grpo.inference.sampling.RowSeededSampler` has reduced to
+the one sampled token; the sampler takes that token's log-probability at the same step,
+so no step's full-vocabulary logits outlive it (memory grows with tokens, not tokens x
+vocabulary).
 
 On CUDA, models whose layers are all full attention decode instead through
 :class:`~mlperf_grpo.inference.decode.SlotDecoder` (a static per-slot KV cache, refilled

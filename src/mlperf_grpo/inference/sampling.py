@@ -62,7 +62,10 @@ def sample_tokens_from_candidates(
     exact numbers; in float32 the mass before the nucleus boundary is summed over ``k``
     terms instead of the vocabulary's ascending scan, so a row whose boundary mass lies
     within float rounding (about 1e-6) of ``top_p`` may keep one token more or less, as
-    batched kernels' rounding may change any sampled token.
+    batched kernels' rounding may change any sampled token. The tie order is that of a
+    stable sort, which ``torch.sort`` on CUDA gives at vocabulary widths (a radix sort;
+    on one H200 all 256 bfloat16 rows of ``benchmarks/sampler.py`` agreed); the CPU's
+    sort promises no order among equals, so the CPU keeps :func:`sample_tokens`.
 
     Args:
         scores: ``[B, V]`` logits (any float dtype; computed in float32).
