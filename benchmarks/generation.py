@@ -2,6 +2,7 @@
 
     python benchmarks/generation.py [--device cpu|cuda] [--batch B] [--new-tokens T [T ...]] [--mixed]
         [--layers N --hidden H | --params P] [--dtype float32|bfloat16] [--prompt-tokens N]
+        [--top-p-candidates K]
 
 Builds a Qwen3-shaped model (``transformers.Qwen3Config``, random init, ``vocab_size``
 151,936, nothing downloaded), then for each T generates B prompts x T new tokens in the
@@ -28,6 +29,10 @@ plain, limit 1.2), ``speedup_vs_engine_generate``, ``identical_completions`` (th
 fraction of rows with the same tokens in ``engine`` and ``engine_generate``) and
 ``max_logprob_error`` (per arm, the largest difference between an engine's
 log-probabilities and a full forward pass over prompt + completion, on 16 rows).
+``--top-p-candidates K`` adds ``validation_sampling`` to each line: the slot decoder
+at validation's sampling (temperature 0.1, top_p 0.95) timed with ``sample_tokens``
+(``exact``) and with ``K`` candidates (``candidates``, and its ``rerun_steps``), each
+called twice (the second timed), in the same process.
 Bad arguments: one line, exit 2.
 """
 
@@ -44,6 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.decode import SlotDecoder
 from mlperf_grpo.inference.hf import HFEngine
 
 VOCAB_SIZE = 151_936  # Qwen3 / Qwen3.5 tokenizers
@@ -194,6 +200,26 @@ def max_logprob_error(model: Qwen3ForCausalLM, engine: HFEngine, prompts: list[l
     return round(worst, 5)
 
 
+def validation_sampling(model: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, device: str,
+                        candidates: int) -> dict:
+    """The slot decoder at temperature 0.1, top_p 0.95 with ``sample_tokens`` and with
+    ``candidates`` candidates: the second call's wall seconds and tokens/s of each, the
+    candidates' ``rerun_steps`` and the fraction of rows with the same tokens."""
+    out, rows = {}, {}
+    for name, k in (("exact", 0), ("candidates", candidates)):
+        decoder = SlotDecoder(model, len(prompts), pad_token_id=0, cuda_graphs=device == "cuda", top_p_candidates=k)
+        seeds = list(range(len(prompts)))
+        call = (prompts, seeds, 0.1, 0.95, new_tokens, [])
+        decoder.generate(*call)  # captures
+        result, got = measure(device, lambda: [ids for ids, _ in decoder.generate(*call)])
+        out[name] = {"wall_s": result["wall_s"], "tokens_per_s": result["tokens_per_s"],
+                     "rerun_steps": decoder.rerun_steps, "decode_steps": decoder.decode_steps}
+        rows[name] = got
+    out["candidates_k"] = candidates
+    out["identical_completions"] = round(sum(a == b for a, b in zip(rows["exact"], rows["candidates"])) / len(prompts), 3)
+    return out
+
+
 def measure(device: str, fn, *args) -> tuple[dict, list[list[int]]]:
     """Wall seconds, tokens/s and peak memory of ``fn(*args)``, and its rows."""
     with PeakMemory(device) as mem:
@@ -230,6 +256,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--params", type=float, default=None, help="pick --hidden (16 layers) for this many parameters")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--top-p-candidates", type=int, default=None,
+                        help="add the slot decoder at validation's sampling, exact and with this many candidates")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         bad_input("--device cuda but no CUDA device is available; use --device cpu")
@@ -237,6 +265,8 @@ def main() -> None:
         bad_input("--device cpu measures peak RSS through /proc/self/clear_refs (Linux only); use --device cuda")
     if min(args.batch, *args.new_tokens, args.prompt_tokens, args.layers, args.hidden) < 1:
         bad_input("--batch, --new-tokens, --prompt-tokens, --layers and --hidden must be >= 1")
+    if args.top_p_candidates is not None and args.top_p_candidates < 1:
+        bad_input("--top-p-candidates must be >= 1")
 
     config = config_for_params(args.params) if args.params else qwen3_config(args.layers, args.hidden)
     model = build_model(config, DTYPES[args.dtype], args.device)
@@ -276,6 +306,8 @@ def main() -> None:
                                   "engine_generate": max_logprob_error(model, engine_generate, prompts, new_tokens, eos)},
             "engine": ours, "engine_first_call": first, "engine_generate": old, "plain_generate": plain,
             "proxy": proxy,
+            **({} if args.top_p_candidates is None else {"validation_sampling": validation_sampling(
+                model, prompts, new_tokens, args.device, args.top_p_candidates)}),
             "limits": {"proxy_ratio_min": PROXY_RATIO_MIN, "peak_ratio_max": PEAK_RATIO_MAX},
         }), flush=True)
 

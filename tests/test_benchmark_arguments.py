@@ -17,6 +17,9 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     ("attention_backends.py", ["--rows", "0"], "--rows"),
     ("attention_backends.py", ["--params", "-5"], "--params"),
     ("evaluate.py", ["--checkpoints", "0", "--tasks", "-3"], "--checkpoints 0, --tasks -3"),
+    ("sampler.py", ["--candidates", "0"], "--candidates"),
+    ("generation.py", ["--top-p-candidates", "0"], "--top-p-candidates"),
+    ("sampler.py", ["--top-p", "1.0"], "--top-p"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])

@@ -7,11 +7,14 @@ import random
 
 import pytest
 import torch
+import torch._dynamo
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers.generation.logits_process import TopPLogitsWarper
 
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
 from mlperf_grpo.inference.hf import HFEngine
+from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
 from test_generation import EOS, reference_sample, tiny_qwen3
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
@@ -72,6 +75,103 @@ def test_steps_between_looks_keep_each_completion():
         assert _makespan(lengths, 3) <= decoder.decode_steps <= _makespan(lengths, 3) + (every - 1) * len(prompts)
 
 
+def _nucleus_sizes(scores: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``[B]`` tokens the definition keeps (``TopPLogitsWarper``)."""
+    kept = TopPLogitsWarper(top_p)(None, scores.float() / temperature)
+    return (kept > -torch.inf).sum(-1)
+
+
+def _stable_definition(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float,
+                       higher_first: bool = False) -> torch.Tensor:
+    """sample_tokens with the warper's sort made stable (among equal logits the lower id is
+    removed first, as CUDA's radix sort orders them; ``higher_first``: the higher id):
+    ``[B]`` ids."""
+    x = scores.float() / temperature
+    ascending, ids = torch.sort(x.flip(-1) if higher_first else x, dim=-1, stable=True)
+    ids = x.shape[-1] - 1 - ids if higher_first else ids
+    remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove[:, -1] = False
+    x = x.masked_fill(remove.scatter(1, ids, remove), -torch.inf)
+    cdf = x.softmax(-1).cumsum(-1)
+    return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).clamp(max=x.shape[-1] - 1)[:, 0]
+
+
+def test_candidate_sampling_gives_the_definitions_token_or_says_it_cannot():
+    """Where sample_tokens_from_candidates calls a row exact, its token is sample_tokens'
+    (float32 normal logits: no ties) and its log-probability log_softmax's; a row whose
+    nucleus is wider than the candidates is flagged, never sampled wrong silently."""
+    gen = torch.Generator().manual_seed(0)
+    exact_rows = flagged_rows = 0
+    for std, temperature, top_p, k in [(1.0, 0.1, 0.95, 16), (3.0, 0.7, 0.9, 64), (0.3, 1.0, 0.5, 256),
+                                       (1.0, 1.0, 0.3, 16), (1.0, 0.1, 0.95, 4)]:
+        scores = torch.randn(64, 4096, generator=gen) * std
+        u = torch.rand(64, 1, generator=gen)
+        want, want_logprob = sample_tokens(scores, u, temperature, top_p)
+        got, logprob, exact = sample_tokens_from_candidates(scores, u, temperature, top_p, k)
+        sizes = _nucleus_sizes(scores, temperature, top_p)
+        # no ties: exact iff a removed token is among the k - 1 largest (the k-th might equal
+        # one outside, so it proves nothing)
+        assert torch.equal(exact, sizes < k - 1)
+        assert torch.equal(got[exact], want[exact])
+        # float32 x - logsumexp(x) against log_softmax at |x| <= 50: a few ulps of 50 (6e-6)
+        torch.testing.assert_close(logprob[exact], want_logprob[exact], rtol=0, atol=2e-5)
+        exact_rows, flagged_rows = exact_rows + int(exact.sum()), flagged_rows + int((~exact).sum())
+    assert exact_rows > 100 and flagged_rows > 10
+
+
+def test_candidate_sampling_orders_equal_logits_as_a_stable_sort():
+    """Logits on a coarse grid (many equal values at the nucleus boundary, as bfloat16
+    gives): the kept tokens among equals are the higher ids, as the warper's stable
+    ascending sort removes the lower ones first."""
+    gen = torch.Generator().manual_seed(1)
+    scores = (torch.randn(256, 2048, generator=gen) * 4).round() / 4  # std 1 on a grid of 0.25
+    u = torch.rand(256, 1, generator=gen)
+    got, _, exact = sample_tokens_from_candidates(scores, u, 0.3, 0.9, 128)  # nuclei of about 66 tokens
+    assert int(exact.sum()) > 200
+    assert torch.equal(got[exact, 0], _stable_definition(scores, u, 0.3, 0.9)[exact])
+    # the other order among equals gives other tokens: the ties matter here
+    assert not torch.equal(got[exact, 0], _stable_definition(scores, u, 0.3, 0.9, higher_first=True)[exact])
+
+
+def test_blocks_with_a_nucleus_beyond_the_candidates_run_again_exactly():
+    """top_p_candidates of 3 (of a vocabulary of 24): the first block has a row whose
+    nucleus is wider, it runs again with sample_tokens, the call's later blocks sample
+    with it, and every completion is the reference's; 24 candidates (the vocabulary) hold
+    the nuclei of this model, so no block runs again."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(14, seed=3)
+    expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
+    reruns = {}
+    for k in (3, 24):
+        decoder = SlotDecoder(model, 3, pad_token_id=0, cuda_graphs=False, key_block=4, check_every=3,
+                              top_p_candidates=k)
+        out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
+            assert tokens == want_tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
+        reruns[k] = decoder.rerun_steps
+    assert 0 < reruns[3] <= 3 and reruns[24] == 0
+
+
+def test_a_compiled_step_gives_the_eager_completions_with_one_compilation():
+    """The decode step's forward through torch.compile (``aot_eager``: dynamo's trace and
+    the functionalized cache writes, no code generation, so any CPU runs it) gives the
+    reference completions, and one graph serves every bucket of rows and key length."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(14, seed=3)
+    decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4, check_every=3,
+                          compile_backend="aot_eager")
+    out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+    for (tokens, logprobs), prompt, seed in zip(out, prompts, seeds):
+        want_tokens, want_logprobs = reference_sample(model, prompt, seed, PARAMS)
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_slot_decoding_equals_generate_on_the_builtin_model():
     generate = HFEngine("builtin:arithmetic-tiny", "float32", batch_size=16, decode="generate")
     slots = HFEngine.from_model(generate.model, generate.tokenizer, batch_size=16, decode="slots")
@@ -124,3 +224,20 @@ def test_cuda_graph_replays_give_the_eager_steps():
     for (tokens, _), prompt, seed in zip(runs[True], prompts, seeds):
         assert tokens == reference_sample(cpu_model, prompt, seed, PARAMS)[0]
     assert HFEngine.from_model(model, batch_size=8).describe()["cuda_graphs"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_run_a_block_again_as_the_eager_steps():
+    """With 3 candidates of 24 a block runs again: graphs (keyed by how they sample) give
+    the eager steps' completions."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
+    prompts, seeds = _prompts(40, seed=11)
+    runs = {}
+    for graphs in (False, True):
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4,
+                              top_p_candidates=3)
+        for _ in range(2):  # the second call replays the graphs the first captured
+            runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
+                                            PARAMS.max_new_tokens, [EOS])
+            assert decoder.rerun_steps > 0
+    assert runs[True] == runs[False]

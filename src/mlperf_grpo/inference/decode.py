@@ -23,10 +23,15 @@ runs; a row that ends between two looks keeps its count and its tokens. Attentio
 :func:`slot_attention` (two batched products over the cache view). Prefill stays eager
 and computes the last position's logits only.
 
-Sampling is :func:`sample_tokens`, the same as ``RowSeededSampler``'s: row ``i``'s
-``t``-th token is the inverse CDF of ``softmax(top_p(logits / temperature))`` at the
-``t``-th ``random()`` of ``random.Random(seeds[i])``; its log-probability is
-``log_softmax(logits / temperature)`` at that token, before top-p.
+Sampling is :func:`~mlperf_grpo.inference.sampling.sample_tokens`, the same as
+``RowSeededSampler``'s: row ``i``'s ``t``-th token is the inverse CDF of
+``softmax(top_p(logits / temperature))`` at the ``t``-th ``random()`` of
+``random.Random(seeds[i])``; its log-probability is ``log_softmax(logits /
+temperature)`` at that token, before top-p. Optional (off by default): top-p over each
+row's largest logits with a block run again exactly where they do not hold the nucleus
+(``top_p_candidates``), and the step's forward through ``torch.compile``
+(``compile_backend``). The cache and the per-slot state live in
+:mod:`~mlperf_grpo.inference.slot_state`.
 
 Only models whose every layer is full attention over a per-layer KV cache take this
 path (:func:`supports_slot_decoding`): hybrid linear-attention models (Qwen3.5's gated
@@ -37,14 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import random
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
+from mlperf_grpo.inference.slot_state import SlotCache, SlotState
 
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
@@ -72,13 +78,16 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     values take to read; cuDNN's took about 200 us.
 
     Args:
+        key, value: ``[b, Hkv, L, D]``, the rows' cache (:meth:`SlotCache.update`); the
+            first ``K`` columns are read.
         attention_mask: ``[b, 1, 1, K]`` float32, 0 where a row may attend, ``-inf``
             elsewhere (built once a step, shared by the layers).
     Returns:
         ``([b, 1, Hq, D] output, None)``, as ``transformers``' attention functions.
     """
     b, heads, q_len, dim = query.shape
-    kv_heads, columns = key.shape[1], key.shape[2]
+    kv_heads, columns = key.shape[1], attention_mask.shape[-1]
+    key, value = key[:, :, :columns], value[:, :, :columns]
     group = heads // kv_heads * q_len  # q_len is 1: the heads of a group are its queries
     q = query.reshape(b * kv_heads, group, dim)
     keys = key.reshape(b * kv_heads, columns, dim)  # a view of the cache rows (their rows and heads merge)
@@ -112,30 +121,6 @@ def _decode_attention(model: PreTrainedModel):
         model.config._attn_implementation = before
 
 
-def sample_tokens(
-    scores: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF sampling of one token per row, with its log-probability.
-
-    Args:
-        scores: ``[B, V]`` logits of the next token (any float dtype; computed in float32).
-        uniforms: ``[B, 1]`` float32 in [0, 1), one per row.
-        temperature, top_p: as in :class:`~mlperf_grpo.inference.base.SamplingParams`
-            (top-p as ``transformers``' ``TopPLogitsWarper``; off at 1.0).
-    Returns:
-        ``(chosen, logprob)``: ``[B, 1]`` int64 token ids and ``[B, 1]`` float32
-        ``log_softmax(scores / temperature)`` at them (the rollout policy, before top-p).
-    """
-    scores = TemperatureLogitsWarper(temperature)(None, scores.float())  # [B, V]
-    logprobs = torch.log_softmax(scores, dim=-1)  # [B, V]
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)  # [B, V]
-    u = uniforms.to(cdf.dtype) * cdf[:, -1:]  # [B, 1]; the CDF may end a hair below 1
-    chosen = torch.searchsorted(cdf, u).clamp_(max=scores.shape[-1] - 1)  # [B, 1]
-    return chosen, logprobs.gather(1, chosen)
-
-
 def supports_slot_decoding(model: PreTrainedModel) -> bool:
     """Whether ``model`` can decode over a :class:`SlotCache`: a decoder whose layers
     are all full attention (``config.layer_types`` absent or all ``"full_attention"``),
@@ -148,48 +133,6 @@ def supports_slot_decoding(model: PreTrainedModel) -> bool:
         and not getattr(config, "sliding_window", None)
         and "position_ids" in inspect.signature(model.forward).parameters
     )
-
-
-class SlotCache:
-    """A static KV cache of ``slots`` rows and ``length`` columns per layer, written at
-    one column per row (the rows' own write columns), read as the first ``rows`` rows
-    and ``key_length`` columns. Handed to the model as its cache: attention layers call
-    :meth:`update`.
-
-    Memory: ``2 x layers x slots x kv_heads x length x head_dim`` elements of the
-    model's dtype, allocated once.
-    """
-
-    def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        """``shapes``: per layer ``(kv_heads, head_dim)``."""
-        self.keys = [torch.zeros(slots, h, length, d, dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros(slots, h, length, d, dtype=dtype, device=device) for h, d in shapes]
-        self.slots, self.length = slots, length
-        self.write_columns = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
-        self.key_length = length
-
-    def fits(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype) -> bool:
-        """Whether this cache can serve a call of ``slots`` rows and ``length`` columns."""
-        have = [(k.shape[1], k.shape[3]) for k in self.keys]
-        return have == shapes and self.slots >= slots and self.length >= length and self.keys[0].dtype == dtype
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write ``[b, kv_heads, 1, head_dim]`` keys and values of the first ``b`` rows at
-        their write columns; return the rows' ``[b, kv_heads, key_length, head_dim]``
-        keys and values (views)."""
-        b = key_states.shape[0]
-        keys, values = self.keys[layer_idx][:b], self.values[layer_idx][:b]
-        index = self.write_columns[:b].view(b, 1, 1, 1).expand(b, keys.shape[1], 1, keys.shape[3])
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
-        return keys[:, :, : self.key_length], values[:, :, : self.key_length]
-
-    def permute_rows(self, order: torch.Tensor) -> None:
-        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row ``order[i]``."""
-        n = order.shape[0]
-        for tensor in (*self.keys, *self.values, self.write_columns):
-            tensor[:n] = tensor[:n].index_select(0, order)
 
 
 @dataclass(frozen=True)
@@ -214,6 +157,18 @@ class SlotDecoder:
         check_every: decode steps between two host reads of which rows ended (a slot
             freed mid-block waits for the next read; default: 8 with CUDA graphs, so
             the host enqueues several replays while the device runs, else 1).
+        top_p_candidates: at top-p < 1, decode steps sample from each row's this many
+            largest logits (:func:`~mlperf_grpo.inference.sampling.sample_tokens_from_candidates`:
+            no full-vocabulary sort); a block of steps in which some live row's nucleus
+            was not among them runs again from its start with :func:`sample_tokens`
+            (``rerun_steps`` counts them), and the call's later blocks sample with it
+            (a wide nucleus costs one block a call at most). 0 (the default): always
+            :func:`sample_tokens` (on one H200 the candidates made validation slower,
+            docs/engines.md).
+        compile_backend: ``torch.compile`` backend of the decode step's forward pass
+            (``dynamic=True``: one compilation serves every bucket; captured in the
+            graphs as it is); None (the default): eager. ``"inductor"`` was slower on
+            one H200 (docs/engines.md), so it is off.
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -222,7 +177,8 @@ class SlotDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int, cuda_graphs: bool,
-                 key_block: int = 256, check_every: int | None = None) -> None:
+                 key_block: int = 256, check_every: int | None = None, top_p_candidates: int = 0,
+                 compile_backend: str | None = None) -> None:
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         self.model = model
@@ -231,8 +187,13 @@ class SlotDecoder:
         self.cuda_graphs = cuda_graphs
         self.key_block = key_block
         self.check_every = check_every if check_every is not None else (8 if cuda_graphs else 1)
+        self.top_p_candidates = top_p_candidates
+        self._candidates_failed = False  # this call has run a block again: no more candidates
+        self.compile_backend = compile_backend
+        self._forward = self._decode_logits if compile_backend is None else torch.compile(
+            self._decode_logits, backend=compile_backend, dynamic=True)
         self.cache: SlotCache | None = None
-        self.state: _SlotState | None = None
+        self.state: SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._eos: dict[tuple[int, ...], torch.Tensor] = {}  # device copies a graph reads
         self._pool = None
@@ -241,6 +202,7 @@ class SlotDecoder:
         # a prefill needs the last position's logits only ([n, W, V] would be 2.5 GB at 256 x 32 x 151,936 bf16)
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
+        self.rerun_steps = 0  # of the last call: steps run again with sample_tokens (a nucleus beyond the candidates)
         if self.check_every < 1:
             raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
 
@@ -276,7 +238,8 @@ class SlotDecoder:
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
         rows = slots
-        self.decode_steps = 0
+        self.decode_steps = self.rerun_steps = 0
+        self._candidates_failed = False
 
         def admit(free: list[int]) -> None:
             taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
@@ -288,10 +251,16 @@ class SlotDecoder:
 
         admit(list(range(slots)))
         state = self.state
+        block = None  # the last block of steps, while it may have to run again
         while True:
-            # the one host sync of a block of steps: which rows ended, and their lengths
-            status = torch.cat([state.done[:rows].long(), state.counts[:rows]]).tolist()
-            done, counts = status[:rows], status[rows:]
+            # the one host sync of a block of steps: which rows ended, their lengths, and
+            # whether a row sampled outside its candidates (then the block runs again exactly)
+            status = torch.cat([state.done[:rows].long(), state.counts[:rows], state.inexact.long()]).tolist()
+            if status[-1]:
+                self._run_again(call, block)
+                block = None
+                continue
+            done, counts = status[:rows], status[rows:-1]
             finished = [s for s in range(rows) if owner[s] >= 0 and done[s]]
             for slot, row in zip(finished, state.take(finished, [counts[s] for s in finished])):
                 results[owner[slot]] = row
@@ -310,8 +279,7 @@ class SlotDecoder:
             # reached its limit (a live row has not ended: its count is the host mirror's)
             steps = max(1, min(self.check_every, max_new_tokens - min(state.count_cpu[s] for s in live)))
             key_length = min(length, _round_up(max(state.column_cpu[s] for s in live) + steps, self.key_block))
-            for _ in range(steps):
-                self._step(call, rows, key_length)
+            block = self._run_block(call, rows, key_length, steps, exact=False)
             self.decode_steps += steps
         return results  # type: ignore[return-value]
 
@@ -339,7 +307,12 @@ class SlotDecoder:
             own_values[index, :, :width] = values
         del prefill_cache, layers
         self.state.start(index, seeds, pads, [len(p) for p in prompts], width, self.cache, call.max_new_tokens)
-        chosen, logprob = sample_tokens(logits, self.state.uniforms[index, :1], call.temperature, call.top_p)
+        uniforms = self.state.uniforms[index, :1]
+        if self._uses_candidates(call, exact=False):
+            chosen, logprob, exact = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
+                                                                   self.top_p_candidates)
+        if not self._uses_candidates(call, exact=False) or not bool(exact.all()):
+            chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
         self.state.record_first(index, chosen[:, 0], logprob[:, 0], self._eos_tensor(call), call.max_new_tokens)
 
     def _ensure(self, shapes: list[tuple[int, int]], slots: int, length: int, max_new_tokens: int,
@@ -355,7 +328,7 @@ class SlotDecoder:
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = SlotCache(shapes, slots, length, dtype, self.model.device)
-        self.state = _SlotState(slots, max_new_tokens, length, self.model.device)
+        self.state = SlotState(slots, max_new_tokens, length, self.model.device)
 
     def _eos_tensor(self, call: _Call) -> torch.Tensor:
         """``[E]`` int64 device tensor of the call's EOS ids, kept for the graphs that read it."""
@@ -363,19 +336,42 @@ class SlotDecoder:
             self._eos[call.eos] = torch.tensor(call.eos, dtype=torch.long, device=self.model.device)
         return self._eos[call.eos]
 
-    def _step(self, call: _Call, rows: int, key_length: int) -> None:
+    def _uses_candidates(self, call: _Call, exact: bool) -> bool:
+        """Whether a step samples from candidates (:func:`sample_tokens_from_candidates`)."""
+        return not exact and not self._candidates_failed and self.top_p_candidates > 0 and call.top_p < 1.0
+
+    def _run_block(self, call: _Call, rows: int, key_length: int, steps: int, exact: bool) -> tuple | None:
+        """``steps`` decode steps; returns what :meth:`_run_again` needs when they sample
+        from candidates (the state before them), else None."""
+        candidates = self._uses_candidates(call, exact)
+        block = (rows, key_length, steps, self.state.snapshot(self.cache)) if candidates else None
+        for _ in range(steps):
+            self._step(call, rows, key_length, exact=not candidates)  # a graph's key: how it samples
+        return block
+
+    def _run_again(self, call: _Call, block: tuple) -> None:
+        """Undo ``block`` (a row's nucleus was outside its candidates) and run its steps
+        again with :func:`sample_tokens`; the keys and values the undone steps wrote are
+        rewritten at the same columns."""
+        rows, key_length, steps, saved = block
+        self.state.restore(saved, self.cache)
+        self.rerun_steps += steps
+        self._candidates_failed = True
+        self._run_block(call, rows, key_length, steps, exact=True)
+
+    def _step(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
         """One decode step of the first ``rows`` slots over ``key_length`` columns."""
         if not self.cuda_graphs:
-            self._step_body(call, rows, key_length)
+            self._step_body(call, rows, key_length, exact)
         else:
-            key = (rows, key_length, call)
+            key = (rows, key_length, call, exact)
             graph = self._graphs.get(key)
             if graph is None:
-                graph = self._graphs[key] = self._capture(call, rows, key_length)
+                graph = self._graphs[key] = self._capture(call, rows, key_length, exact)
             graph.replay()
         self.state.advance_cpu(rows)
 
-    def _capture(self, call: _Call, rows: int, key_length: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, call: _Call, rows: int, key_length: int, exact: bool) -> torch.cuda.CUDAGraph:
         """Warm up and capture :meth:`_step_body`; the state it changes is restored
         (keys and values written at the write columns are rewritten by the real step)."""
         saved = self.state.snapshot(self.cache)
@@ -383,7 +379,7 @@ class SlotDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # kernels pick their algorithms and allocate outside the capture
-                self._step_body(call, rows, key_length)
+                self._step_body(call, rows, key_length, exact)
                 self.state.restore(saved, self.cache)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
@@ -392,30 +388,44 @@ class SlotDecoder:
         # thread_local: the one-step-async rollouts capture on their own thread while the
         # training thread allocates and synchronizes (global mode would fail those calls)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step_body(call, rows, key_length)
+            self._step_body(call, rows, key_length, exact)
         self.state.restore(saved, self.cache)
         return graph
 
-    def _step_body(self, call: _Call, rows: int, key_length: int) -> None:
+    def _decode_logits(self, rows: int, key_length: int) -> torch.Tensor:
+        """``[rows, V]`` next-token logits of the first ``rows`` slots (their last tokens
+        at their positions and write columns), each attending to its columns ``[start,
+        column]`` of the first ``key_length``; writes their keys and values. What
+        ``compile_backend`` compiles: whole state tensors and int sizes as inputs (views
+        as inputs would make it recompile for each bucket)."""
+        state = self.state
+        columns = self.cache.write_columns[:rows]  # [r]
+        arange = state.arange[:key_length]
+        visible = (arange >= state.starts[:rows, None]) & (arange <= columns[:, None])  # [r, K]
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, -torch.inf)
+        return self.model(
+            input_ids=state.last[:rows, None], position_ids=state.positions[:rows, None],
+            attention_mask=bias[:, None, None, :], use_cache=True, **{self._cache_arg: self.cache},
+        ).logits[:, -1]
+
+    def _step_body(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
         """Forward the first ``rows`` slots' last tokens, sample, record, advance; device
         tensors only (no host sync), so it can be captured."""
         state, cache = self.state, self.cache
-        cache.key_length = key_length
         columns = cache.write_columns[:rows]  # [r]
-        ar = state.arange[:key_length]
-        visible = (ar >= state.starts[:rows, None]) & (ar <= columns[:, None])  # [r, K]
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, -torch.inf)
         with _decode_attention(self.model):
-            logits = self.model(
-                input_ids=state.last[:rows, None], position_ids=state.positions[:rows, None],
-                attention_mask=bias[:, None, None, :], use_cache=True, **{self._cache_arg: cache},
-            ).logits[:, -1]  # [r, V]
+            logits = self._forward(rows, key_length)  # [r, V]
         counts, done = state.counts[:rows], state.done[:rows]
         # a row that has ended keeps its count and writes past its tokens (at its limit:
         # the spare column), so steps may run between two looks at which rows ended
         at = counts[:, None]  # [r, 1]
         uniforms = state.uniforms[:rows].gather(1, at.clamp(max=call.max_new_tokens - 1))
-        chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
+        if self._uses_candidates(call, exact):
+            chosen, logprob, ok = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
+                                                                self.top_p_candidates)
+            state.inexact |= (~ok & ~done).any().view(1)  # ended rows' samples are thrown away
+        else:
+            chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
         state.tokens[:rows].scatter_(1, at, chosen)
         state.logprobs[:rows].scatter_(1, at, logprob)
         state.last[:rows] = chosen[:, 0]
@@ -425,100 +435,14 @@ class SlotDecoder:
         done |= (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)
 
 
-class _SlotState:
-    """Per-slot device tensors (``[slots]`` or ``[slots, max_new_tokens]``) and their
-    host mirrors for bookkeeping."""
-
-    def __init__(self, slots: int, max_new_tokens: int, length: int, device: torch.device) -> None:
-        self.slots, self.max_new_tokens, self.length = slots, max_new_tokens, length
-        self.device = device
-        self.arange = torch.arange(length, device=device)
-        self.starts = torch.zeros(slots, dtype=torch.long, device=device)  # first visible column
-        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # position id of the next input
-        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # the last sampled token
-        self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # tokens sampled so far
-        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.uniforms = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
-        # one spare column: the steps after a row ended at its limit write there
-        self.tokens = torch.zeros(slots, max_new_tokens + 1, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(slots, max_new_tokens + 1, dtype=torch.float32, device=device)
-        self.count_cpu = [0] * slots
-        self.column_cpu = [0] * slots
-
-    def fits(self, slots: int, max_new_tokens: int, length: int) -> bool:
-        """Whether this state can serve a call of this many slots, tokens and columns."""
-        return self.slots >= slots and self.max_new_tokens >= max_new_tokens and self.length >= length
-
-    def start(self, index: torch.Tensor, seeds: list[int], pads: list[int], lengths: list[int], width: int,
-              cache: SlotCache, max_new_tokens: int) -> None:
-        """Slots ``index`` begin rows whose prompts fill columns ``[pad, width)``; each
-        row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream)."""
-        draws = [[rng.random() for _ in range(max_new_tokens)] for rng in map(random.Random, seeds)]
-        self.uniforms[index, :max_new_tokens] = torch.tensor(draws, dtype=torch.float32).to(self.device)
-        self.starts[index] = torch.tensor(pads, device=self.device)
-        self.positions[index] = torch.tensor(lengths, device=self.device)
-        cache.write_columns[index] = width
-        for slot in index.tolist():
-            self.column_cpu[slot] = width
-
-    def record_first(self, index: torch.Tensor, chosen: torch.Tensor, logprob: torch.Tensor, eos: torch.Tensor,
-                     max_new_tokens: int) -> None:
-        """The prefill's sampled token (``[n]``) is each new row's token 0."""
-        self.tokens[index, 0] = chosen
-        self.logprobs[index, 0] = logprob
-        self.last[index] = chosen
-        self.counts[index] = 1
-        self.done[index] = (chosen[:, None] == eos[None, :]).any(-1) | (max_new_tokens <= 1)
-        for slot in index.tolist():
-            self.count_cpu[slot] = 1
-
-    def advance_cpu(self, rows: int) -> None:
-        """Host mirrors after a decode step of the first ``rows`` slots (a row that has
-        not ended: its count and write column; an ended row's are upper bounds)."""
-        for s in range(rows):
-            self.count_cpu[s] += 1
-            self.column_cpu[s] += 1
-
-    def take(self, slots: list[int], counts: list[int]) -> list[tuple[list[int], list[float]]]:
-        """The ended rows of ``slots``, ``counts`` tokens each (their device counts): the
-        tokens through the first EOS or the limit, and their log-probabilities."""
-        if not slots:
-            return []
-        index = torch.tensor(slots, device=self.device)
-        tokens, logprobs = self.tokens[index].tolist(), self.logprobs[index].tolist()
-        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, counts)]
-
-    def permute(self, order: list[int], cache: SlotCache) -> None:
-        """Slot ``i`` takes slot ``order[i]``'s state and cache row."""
-        index = torch.tensor(order, device=self.device)
-        n = len(order)
-        for tensor in (self.starts, self.positions, self.last, self.counts, self.done, self.uniforms, self.tokens,
-                       self.logprobs):
-            tensor[:n] = tensor[:n].index_select(0, index)
-        cache.permute_rows(index)
-        self.count_cpu[:n] = [self.count_cpu[s] for s in order]
-        self.column_cpu[:n] = [self.column_cpu[s] for s in order]
-
-    def snapshot(self, cache: SlotCache) -> list[torch.Tensor]:
-        """Copies of what a decode step changes besides the cache columns it writes."""
-        return [t.clone() for t in self._mutable(cache)]
-
-    def restore(self, saved: list[torch.Tensor], cache: SlotCache) -> None:
-        """Undo a decode step: put back :meth:`snapshot`'s copies."""
-        for tensor, copy in zip(self._mutable(cache), saved):
-            tensor.copy_(copy)
-
-    def _mutable(self, cache: SlotCache) -> list[torch.Tensor]:
-        return [self.positions, self.last, self.counts, self.done, self.tokens, self.logprobs, cache.write_columns]
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def _bucket(live: int, rows: int) -> int:
-    """The smallest power of two >= ``live`` if it is below ``rows``, else ``rows``."""
-    size = 1
+    """The smallest power of two >= ``live`` and >= 2 if it is below ``rows``, else
+    ``rows`` (no bucket of 1 row below more: a compiled step would specialize on it)."""
+    size = 2
     while size < live:
         size *= 2
     return min(size, rows)

@@ -3,14 +3,15 @@
 Sampling is seeded per row: each completion draws its tokens from its own
 ``random.Random(seed)``, so a completion depends on its prompt, its seed and the
 weights, not on which other prompts share its batch. ``generate`` runs greedily over
-logits that :class:`RowSeededSampler` has reduced to the one sampled token; the sampler
-takes that token's log-probability at the same step, so no step's full-vocabulary
-logits outlive it (memory grows with tokens, not tokens x vocabulary).
+logits that :class:`~mlperf_grpo.inference.sampling.RowSeededSampler` has reduced to
+the one sampled token; the sampler takes that token's log-probability at the same step,
+so no step's full-vocabulary logits outlive it (memory grows with tokens, not tokens x
+vocabulary).
 
 On CUDA, models whose layers are all full attention decode instead through
 :class:`~mlperf_grpo.inference.decode.SlotDecoder` (a static per-slot KV cache, refilled
 slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
-(:func:`~mlperf_grpo.inference.decode.sample_tokens`); ``decode="generate"`` or a CPU
+(:func:`~mlperf_grpo.inference.sampling.sample_tokens`); ``decode="generate"`` or a CPU
 device keeps ``generate`` (the CPU calibration's path).
 
 Tensor parallel (``tensor_parallel_size`` T > 1, under a process group): the model is
@@ -25,18 +26,18 @@ decoder's static cache is not split by heads).
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams, Weights, completion_length, eos_token_ids, weight_pairs
-from mlperf_grpo.inference.decode import SlotDecoder, sample_tokens, supports_slot_decoding
+from mlperf_grpo.inference.sampling import RowSeededSampler
+from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
 from mlperf_grpo.inference.tensor_parallel import (
     build_tensor_parallel_model,
     full_tensor,
@@ -58,74 +59,6 @@ lengths: a process paid seconds to minutes of planning before its steps ran at s
 (the training's first rollouts, every evaluator's first checkpoint). Without cuDNN:
 5.07 s then 5.01 s (at other lengths), no first-time cost, steady steps slower by about
 8%. Measured by ``benchmarks/attention_backends.py``."""
-
-
-class RowSeededSampler(LogitsProcessor):
-    """Samples each row from ``softmax(logits / temperature)`` truncated to ``top_p``
-    with that row's own RNG, records the sampled token's log-probability, and returns
-    logits that keep only the sampled token (so greedy ``generate`` picks it).
-
-    Row ``i``'s ``t``-th token is the inverse CDF of its truncated distribution at the
-    ``t``-th ``random()`` of ``random.Random(seeds[i])``. Uniforms are drawn
-    ``draw_chunk`` steps at a time and moved to the device once per chunk; the stream,
-    and so every completion, is the same as with one draw per step.
-
-    Memory: ``[B, max_new_tokens]`` float32 for the log-probabilities (allocated once,
-    written in place) and ``[B, draw_chunk]`` uniforms; full-vocabulary ``[B, V]``
-    tensors live for one step only.
-
-    Args:
-        seeds: one integer seed per batch row.
-        temperature, top_p: as in :class:`SamplingParams`.
-        max_new_tokens: the most steps ``generate`` will take.
-        draw_chunk: uniforms drawn per row at a time (>= 1).
-    """
-
-    def __init__(
-        self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int, draw_chunk: int = 64
-    ) -> None:
-        self._rngs = [random.Random(s) for s in seeds]
-        self._temperature, self._top_p = temperature, top_p
-        self._max_new_tokens = max_new_tokens
-        self._draw_chunk = max(1, draw_chunk)
-        self._uniforms: torch.Tensor | None = None  # [B, chunk], the current chunk of draws
-        self._column = 0  # next unused column of _uniforms
-        self._logprobs: torch.Tensor | None = None  # [B, max_new_tokens + 1]
-        self.steps = 0
-
-    def token_logprobs(self) -> torch.Tensor:
-        """``[B, steps]`` float32 on the logits' device: ``log_softmax(logits / temperature)``
-        at each sampled token, before top-p (the rollout policy's log-probability).
-
-        Raises:
-            RuntimeError: the sampler has not been called yet.
-        """
-        if self._logprobs is None:
-            raise RuntimeError("the sampler has not been called")
-        return self._logprobs[:, : self.steps]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        u = self._next_uniforms(torch.float32, scores.device)  # [B, 1]
-        chosen, logprob = sample_tokens(scores, u, self._temperature, self._top_p)  # [B, 1] each
-        if self._logprobs is None:
-            # Written in place: per-step small tensors kept alive would fragment the CPU
-            # heap between the [B, V] temporaries and grow RSS by about B x V per step.
-            # One spare column: a generate that checks for the end one step late calls once more.
-            self._logprobs = logprob.new_zeros((logprob.shape[0], self._max_new_tokens + 1))
-        self._logprobs[:, self.steps : self.steps + 1] = logprob
-        self.steps += 1
-        return torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, chosen, 0.0)
-
-    def _next_uniforms(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``[B, 1]``: each row's next uniform in [0, 1)."""
-        if self._uniforms is None or self._column == self._uniforms.shape[1]:
-            chunk = max(1, min(self._draw_chunk, self._max_new_tokens - self.steps))  # no draws generation cannot use
-            draws = [[rng.random() for _ in range(chunk)] for rng in self._rngs]
-            self._uniforms = torch.tensor(draws, dtype=dtype).to(device, non_blocking=True)
-            self._column = 0
-        u = self._uniforms[:, self._column : self._column + 1]
-        self._column += 1
-        return u
 
 
 class HFEngine:

@@ -1,0 +1,145 @@
+"""The slot decoder's device state: the static per-slot KV cache (:class:`SlotCache`)
+and each slot's sampling state with its host mirrors (:class:`SlotState`), allocated
+once and reused by every call and every captured CUDA graph."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+class SlotCache:
+    """A static KV cache of ``slots`` rows and ``length`` columns per layer, written at
+    one column per row (the rows' own write columns), read as the first ``rows`` rows
+    (attention reads the columns its mask covers: :func:`~mlperf_grpo.inference.decode.slot_attention`).
+    Handed to the model as its cache: attention layers call :meth:`update`.
+
+    Memory: ``2 x layers x slots x kv_heads x (length + 1) x head_dim`` elements of the
+    model's dtype, allocated once: one column more than any key length, so that no read
+    of ``K`` columns is the whole tensor (a compiled step would specialize on it).
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """``shapes``: per layer ``(kv_heads, head_dim)``."""
+        self.keys = [torch.zeros(slots, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.values = [torch.zeros(slots, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.slots, self.length = slots, length
+        self.write_columns = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
+
+    def fits(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype) -> bool:
+        """Whether this cache can serve a call of ``slots`` rows and ``length`` columns."""
+        have = [(k.shape[1], k.shape[3]) for k in self.keys]
+        return have == shapes and self.slots >= slots and self.length >= length and self.keys[0].dtype == dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``[b, kv_heads, 1, head_dim]`` keys and values of the first ``b`` rows at
+        their write columns; return the rows' ``[b, kv_heads, length + 1, head_dim]``
+        keys and values (views)."""
+        b = key_states.shape[0]
+        keys, values = self.keys[layer_idx][:b], self.values[layer_idx][:b]
+        index = self.write_columns[:b].view(b, 1, 1, 1).expand(b, keys.shape[1], 1, keys.shape[3])
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys, values
+
+    def permute_rows(self, order: torch.Tensor) -> None:
+        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row ``order[i]``."""
+        n = order.shape[0]
+        for tensor in (*self.keys, *self.values, self.write_columns):
+            tensor[:n] = tensor[:n].index_select(0, order)
+
+
+class SlotState:
+    """Per-slot device tensors (``[slots]`` or ``[slots, max_new_tokens]``) and their
+    host mirrors for bookkeeping; ``inexact`` (``[1]`` bool) is set by a decode step in
+    which some row's top-p nucleus was not among its sampling candidates
+    (:func:`~mlperf_grpo.inference.sampling.sample_tokens_from_candidates`)."""
+
+    def __init__(self, slots: int, max_new_tokens: int, length: int, device: torch.device) -> None:
+        self.slots, self.max_new_tokens, self.length = slots, max_new_tokens, length
+        self.device = device
+        self.arange = torch.arange(length + 1, device=device)  # [length + 1], as the cache's columns
+        self.starts = torch.zeros(slots, dtype=torch.long, device=device)  # first visible column
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # position id of the next input
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # the last sampled token
+        self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # tokens sampled so far
+        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.inexact = torch.zeros(1, dtype=torch.bool, device=device)
+        self.uniforms = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
+        # one spare column: the steps after a row ended at its limit write there
+        self.tokens = torch.zeros(slots, max_new_tokens + 1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(slots, max_new_tokens + 1, dtype=torch.float32, device=device)
+        self.count_cpu = [0] * slots
+        self.column_cpu = [0] * slots
+
+    def fits(self, slots: int, max_new_tokens: int, length: int) -> bool:
+        """Whether this state can serve a call of this many slots, tokens and columns."""
+        return self.slots >= slots and self.max_new_tokens >= max_new_tokens and self.length >= length
+
+    def start(self, index: torch.Tensor, seeds: list[int], pads: list[int], lengths: list[int], width: int,
+              cache: SlotCache, max_new_tokens: int) -> None:
+        """Slots ``index`` begin rows whose prompts fill columns ``[pad, width)``; each
+        row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream)."""
+        draws = [[rng.random() for _ in range(max_new_tokens)] for rng in map(random.Random, seeds)]
+        self.uniforms[index, :max_new_tokens] = torch.tensor(draws, dtype=torch.float32).to(self.device)
+        self.starts[index] = torch.tensor(pads, device=self.device)
+        self.positions[index] = torch.tensor(lengths, device=self.device)
+        cache.write_columns[index] = width
+        for slot in index.tolist():
+            self.column_cpu[slot] = width
+
+    def record_first(self, index: torch.Tensor, chosen: torch.Tensor, logprob: torch.Tensor, eos: torch.Tensor,
+                     max_new_tokens: int) -> None:
+        """The prefill's sampled token (``[n]``) is each new row's token 0."""
+        self.tokens[index, 0] = chosen
+        self.logprobs[index, 0] = logprob
+        self.last[index] = chosen
+        self.counts[index] = 1
+        self.done[index] = (chosen[:, None] == eos[None, :]).any(-1) | (max_new_tokens <= 1)
+        for slot in index.tolist():
+            self.count_cpu[slot] = 1
+
+    def advance_cpu(self, rows: int) -> None:
+        """Host mirrors after a decode step of the first ``rows`` slots (a row that has
+        not ended: its count and write column; an ended row's are upper bounds)."""
+        for s in range(rows):
+            self.count_cpu[s] += 1
+            self.column_cpu[s] += 1
+
+    def take(self, slots: list[int], counts: list[int]) -> list[tuple[list[int], list[float]]]:
+        """The ended rows of ``slots``, ``counts`` tokens each (their device counts): the
+        tokens through the first EOS or the limit, and their log-probabilities."""
+        if not slots:
+            return []
+        index = torch.tensor(slots, device=self.device)
+        tokens, logprobs = self.tokens[index].tolist(), self.logprobs[index].tolist()
+        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, counts)]
+
+    def permute(self, order: list[int], cache: SlotCache) -> None:
+        """Slot ``i`` takes slot ``order[i]``'s state and cache row."""
+        index = torch.tensor(order, device=self.device)
+        n = len(order)
+        for tensor in (self.starts, self.positions, self.last, self.counts, self.done, self.uniforms, self.tokens,
+                       self.logprobs):
+            tensor[:n] = tensor[:n].index_select(0, index)
+        cache.permute_rows(index)
+        self.count_cpu[:n] = [self.count_cpu[s] for s in order]
+        self.column_cpu[:n] = [self.column_cpu[s] for s in order]
+
+    def snapshot(self, cache: SlotCache) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Copies of what decode steps change besides the cache columns they write (device
+        tensors and host mirrors)."""
+        return [t.clone() for t in self._mutable(cache)], [list(self.count_cpu), list(self.column_cpu)]
+
+    def restore(self, saved: tuple[list[torch.Tensor], list[list[int]]], cache: SlotCache) -> None:
+        """Undo decode steps: put back :meth:`snapshot`'s copies (the keys and values they
+        wrote are rewritten by the steps run again)."""
+        for tensor, copy in zip(self._mutable(cache), saved[0]):
+            tensor.copy_(copy)
+        self.count_cpu[:], self.column_cpu[:] = (list(m) for m in saved[1])
+
+    def _mutable(self, cache: SlotCache) -> list[torch.Tensor]:
+        return [self.positions, self.last, self.counts, self.done, self.inexact, self.tokens, self.logprobs,
+                cache.write_columns]
