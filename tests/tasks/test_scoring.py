@@ -22,7 +22,7 @@ from mlperf_grpo.tasks.base import Task
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError, score
 from mlperf_grpo.tasks.verify import math_reward
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def alive(pid: int) -> bool:
