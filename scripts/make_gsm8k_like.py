@@ -7,7 +7,7 @@ solution ending in ``#### <number>``. The problems are two-step additions and
 subtractions about named people and objects, drawn with a fixed seed, so the files are
 the same on every run. ``train.jsonl`` and ``validation.jsonl`` share no question. A few
 validation rows also carry ``messages`` (the same question as a chat), for prompts built
-with a chat template. Used by ``tests/test_task_sources.py``:
+with a chat template. Used by ``tests/tasks/test_task_sources.py``:
 ``task: {name: jsonl, id_field: null, prompt_field: question, ...}``.
 """
 

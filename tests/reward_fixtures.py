@@ -17,9 +17,14 @@ def crashing_reward(completion, task):
 
 
 def sleepy_reward(completion, task):
-    """``"sleep S"`` sleeps S seconds (then scores 0); anything else: the arithmetic reward."""
+    """``"sleep S"`` sleeps S seconds (then scores 0); ``"sleep S DIR"`` first creates the
+    empty file ``DIR/<worker pid>`` (so a test sees the call has started); anything else:
+    the arithmetic reward."""
     if completion.startswith("sleep "):
-        time.sleep(float(completion.split()[1]))
+        _, seconds, *marks = completion.split()
+        for mark in marks:
+            open(os.path.join(mark, str(os.getpid())), "w").close()
+        time.sleep(float(seconds))
         return 0.0
     return arithmetic.reward(completion, task)
 

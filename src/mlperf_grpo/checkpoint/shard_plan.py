@@ -12,7 +12,7 @@ Balance: the tensors, in their given order, are cut into ``world_size`` contiguo
 by bytes: a tensor whose first byte lies at offset ``s`` of the checkpoint's ``B`` bytes
 goes to rank ``floor(s N / B)``. A rank's tensors all start inside its ``B / N`` bytes,
 so it holds at most ``B / N`` bytes plus the one tensor that runs past their end:
-at most ``B / N + max tensor bytes`` (tested in ``tests/test_checkpoint_ranks.py``).
+at most ``B / N + max tensor bytes`` (tested in ``tests/checkpoint/test_checkpoint_ranks.py``).
 Within a rank, tensors go into files as ``huggingface_hub.split_torch_state_dict_into_shards``
 puts them (transformers' own ``save_pretrained`` split); with one rank that is exactly
 the split of the whole checkpoint a one-process writer always made.

@@ -121,7 +121,7 @@ def load_sharded_policy(
     Peak memory per rank: its shards (``4 P / N`` bytes for ``P`` parameters) plus one
     tensor's slice on the host; nothing of the size of the whole model anywhere.
     The parameters equal ``load_model(path, "float32")``'s exactly
-    (``tests/test_distributed.py``).
+    (``tests/e2e/test_distributed.py``).
 
     Raises:
         ModelLoadError: the directory, its config or its weight files are unusable (a

@@ -9,7 +9,7 @@ from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config
 from mlperf_grpo.plan import build_plan, load_rcp_means, rcp_convergence
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_plan_256_prints_every_value(capsys):

@@ -46,6 +46,16 @@ def beat_for(store, seconds):
     return thread
 
 
+def beats_reaching(store, count, timeout_s=30.0):
+    """Polls rank 0's heartbeat counter every 10 ms until it reaches ``count``; returns it.
+    Fails after ``timeout_s`` (a heartbeat that stopped, or never started)."""
+    deadline = time.monotonic() + timeout_s
+    while (beats := store.add("heartbeat/0", 0)) < count:
+        assert time.monotonic() < deadline, f"rank 0's heartbeat stayed at {beats}, short of {count}"
+        time.sleep(0.01)
+    return beats
+
+
 def test_a_rank_stops_waiting_once_rank_0s_heartbeat_stands_still(agent_store):
     """Rank 0 heartbeats for twice the silence limit (the rank keeps waiting: no false
     alarm), then stops, as if killed: the rank's wait for the plan ends one silence limit
@@ -83,10 +93,9 @@ def test_rank_0_heartbeats_from_its_own_thread(agent_store, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("GROUP_RANK", "0")
     ranks = TorchrunRanks()
-    time.sleep(0.5)  # its main thread does nothing: the thread beats (every 0.05 s here)
-    first = agent_store.add("heartbeat/0", 0)
-    time.sleep(0.5)
-    assert first >= 2 and agent_store.add("heartbeat/0", 0) > first
+    # its main thread does nothing (here: polls the store): the thread beats (every 0.05 s here)
+    first = beats_reaching(agent_store, 2)
+    beats_reaching(agent_store, first + 1)
     ranks.close()
     stopped = agent_store.add("heartbeat/0", 0)
     time.sleep(0.2)

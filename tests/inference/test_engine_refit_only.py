@@ -23,7 +23,7 @@ PROMPTS = ["12 + 7 =", "3 * 4 =", "100 - 1 ="]
 # seen on an AVX-512 machine, up to 9.6e-7 here from run to run). They are compared
 # within the evaluator's own bar for "this engine holds the checkpoint's weights"
 # (fingerprint.CANARY_TOLERANCE, 1e-4 per logit), 100 times the largest difference seen (1e-6);
-# a refit that is wrong moves them by far more (the canary tests of tests/test_faults_eval.py).
+# a refit that is wrong moves them by far more (the canary tests of tests/evaluate/test_faults_eval_*.py).
 SAME_WEIGHTS_TOLERANCE = {"rtol": 0.0, "atol": CANARY_TOLERANCE["float32"]}
 
 

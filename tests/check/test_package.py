@@ -13,7 +13,7 @@ from mlperf_grpo.cli import main
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.package import olympic_score_min
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_fewer_than_three_runs_is_refused(tmp_path, capsys):

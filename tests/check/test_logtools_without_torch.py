@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from logtools_helpers import DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 NO_TORCH = """
 import importlib.abc, sys

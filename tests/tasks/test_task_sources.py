@@ -16,7 +16,7 @@ from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.tasks.verify import final_answer
 
-DATA = Path(__file__).parent / "data" / "gsm8k_like"
+DATA = Path(__file__).parents[1] / "data" / "gsm8k_like"
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A: {% endif %}"
 SMALL = {"division": "open", "grpo": {"num_prompts_per_step": 2, "max_steps": 2, "first_eval_step": 1, "micro_batch_size": 32}}
 
@@ -50,7 +50,7 @@ def test_the_data_script_is_reproducible(tmp_path):
     argv = sys.argv
     sys.argv = ["make_gsm8k_like.py", "--output", str(tmp_path)]
     try:
-        runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "make_gsm8k_like.py"), run_name="__main__")
+        runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "make_gsm8k_like.py"), run_name="__main__")
     finally:
         sys.argv = argv
     for name in ("train", "validation"):
@@ -171,7 +171,7 @@ def test_bad_entry_points_exit_2_with_one_line(tmp_path, capsys, entry_point, ne
 
 
 def test_the_docs_python_task_example_works(tmp_path, monkeypatch):
-    readme = (Path(__file__).parents[1] / "docs" / "bring-your-own.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "bring-your-own.md").read_text()
     code = readme.split("# pkg/mod.py\n", 1)[1].split("```", 1)[0]
     (tmp_path / "readme_task_pkg").mkdir()
     (tmp_path / "readme_task_pkg" / "__init__.py").write_text("")

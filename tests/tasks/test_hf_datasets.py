@@ -15,7 +15,7 @@ from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.hf_datasets import read_dataset_rows
 
-DATA = Path(__file__).parent / "data" / "gsm8k_like"
+DATA = Path(__file__).parents[1] / "data" / "gsm8k_like"
 
 
 def rows(name):

@@ -107,7 +107,7 @@ def test_eos_ends_a_completion_and_max_new_tokens_bounds_it(engine):
 
 
 def test_secondary_eos_ids_end_completions_and_a_chat_prompt_gets_one_bos(engine, tmp_path):
-    """As the ``hf`` engine (tests/test_engine_tokens.py): with ``generation_config.json``
+    """As the ``hf`` engine (tests/inference/test_engine_tokens.py): with ``generation_config.json``
     listing ``[2, 4]`` each completion is the one the engine samples without the second
     id (same seeds, same prefix), cut just after its first 4 (vLLM ``stop_token_ids``);
     a ``task: jsonl`` prompt rendered by a chat template that writes ``{{ bos_token }}``
@@ -125,7 +125,7 @@ def test_secondary_eos_ids_end_completions_and_a_chat_prompt_gets_one_bos(engine
     generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [2, SECOND_EOS]}))
     (task,) = load_suite(config).validation_tasks(1)
     script = (
-        "import json; from dataclasses import asdict; from tests.test_vllm_engine import *\n"
+        "import json; from dataclasses import asdict; from tests.inference.test_vllm_engine import *\n"
         "if __name__ == '__main__':\n"
         f"    e = vllm_engine({config.model.path!r})\n"
         "    out = e.generate(PROMPTS, SamplingParams(1.0, 1.0, 6), SEEDS)\n"
@@ -133,7 +133,7 @@ def test_secondary_eos_ids_end_completions_and_a_chat_prompt_gets_one_bos(engine
         "    print('RESULT=' + json.dumps({'eos': e.eos_token_ids, 'completions': [asdict(c) for c in out],\n"
         "                                 'chat_prompt': chat.prompt_token_ids}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.split("RESULT=")[1])
     assert got["eos"] == [engine.tokenizer.eos_token_id, SECOND_EOS]
@@ -171,12 +171,12 @@ def test_refit_to_step_n_equals_a_fresh_engine_from_step_n(engine, step_7):
     assert refit != before  # the refit changed the outputs
     # A fresh engine from step_7/ (a complete model directory), in a fresh process.
     script = (
-        "import json, sys; from dataclasses import asdict; from tests.test_vllm_engine import *\n"
+        "import json, sys; from dataclasses import asdict; from tests.inference.test_vllm_engine import *\n"
         "if __name__ == '__main__':\n"
         f"    out = vllm_engine({str(step_7.path)!r}).generate(PROMPTS, SamplingParams(1.0, 1.0, 6), SEEDS)\n"
         "    print('COMPLETIONS=' + json.dumps([asdict(c) for c in out]))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert [asdict(c) for c in refit] == json.loads(done.stdout.split("COMPLETIONS=")[1])
     engine.load_checkpoint(step_7.path)  # the worker reads step_7/ itself: the same weights

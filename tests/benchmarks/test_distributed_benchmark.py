@@ -10,7 +10,7 @@ from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.tasks.scoring import reward_ref
 from mlperf_grpo.config import RunConfig
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _module(name: str):

@@ -22,7 +22,7 @@ from mlperf_grpo.tasks.base import Task
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError, score
 from mlperf_grpo.tasks.verify import math_reward
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def alive(pid: int) -> bool:
@@ -171,17 +171,20 @@ KILLED_PARENT = textwrap.dedent(f"""
     tasks = arithmetic.validation_tasks(8)
     scoring.score(sleepy_reward, [(t.answer, t) for t in tasks])
     print(*[w.process.pid for w in scoring._pool()._workers], flush=True)
-    scoring.score(sleepy_reward, [("sleep 3600", t) for t in tasks], timeout_s=3600)
+    scoring.score(sleepy_reward, [("sleep 3600 " + sys.argv[1], t) for t in tasks], timeout_s=3600)
 """)
 
 
-def test_workers_die_with_a_sigkilled_parent():
+def test_workers_die_with_a_sigkilled_parent(tmp_path):
     """Busy workers (in a call that would last an hour) go when their parent is SIGKILLed."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == scoring.REWARD_WORKERS and all(alive(p) for p in pids)
-        time.sleep(0.5)  # the hour-long calls have started
+        deadline = time.monotonic() + 30  # every worker has started an hour-long call (8 calls, fewer workers)
+        while sorted(int(p.name) for p in tmp_path.iterdir()) != sorted(pids):
+            assert proc.poll() is None and time.monotonic() < deadline, "the hour-long calls did not start"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30

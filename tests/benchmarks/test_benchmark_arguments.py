@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.parametrize("script, arguments, named", [

@@ -1,0 +1,33 @@
+"""Every test file the documentation, CI scripts, scripts, benchmarks and source name
+(``tests/.../test_x.py``, or a ``*`` pattern of them) exists: moving or splitting a test
+file without updating the pages that cite it fails here."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CITED = re.compile(r"\btests/[\w/*.-]*?\.py\b")
+
+
+def _citing_files():
+    yield ROOT / "README.md"
+    yield from sorted((ROOT / "docs").rglob("*.md"))
+    yield from sorted(p for p in (ROOT / ".ci").iterdir() if p.is_file())
+    for folder in ("scripts", "benchmarks", "src"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_every_cited_test_file_exists():
+    missing = []
+    for path in _citing_files():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+            for cited in CITED.findall(line):
+                if not list(ROOT.glob(cited)):
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {cited}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_check_sees_a_missing_file(tmp_path):
+    assert CITED.findall("see `tests/check/test_gone.py` and tests/evaluate/test_faults_eval_*.py.") == [
+        "tests/check/test_gone.py", "tests/evaluate/test_faults_eval_*.py"]
+    assert not list(ROOT.glob("tests/check/test_gone.py")) and list(ROOT.glob("tests/evaluate/test_faults_eval_*.py"))
