@@ -13,7 +13,7 @@ def test_names_round_trip_through_their_pattern(step):
     assert CHECKPOINT_DIR.match(step_dir_name(step)) and CHECKPOINT_DIR.match(tmp_step_dir_name(step))
 
 
-@pytest.mark.parametrize("name", ["step_", "step_1a", "step_-1", "step_1/", "xstep_1", "step_1.bak", "Step_1", "step_ 1"])
+@pytest.mark.parametrize("name", ["step_", "step_1a", "step_-1", "step_1/", "xstep_1", "step_1.bak", "Step_1", "step_ 1", "step_1\n"])
 def test_other_names_are_not_checkpoints(name):
     assert step_of(name) is None and not CHECKPOINT_DIR.match(name)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)\Z")
 """A published checkpoint's directory name; group 1 is its step."""
 
-CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
+CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+\Z")
 """A checkpoint directory of ours, published or in flight (what teardown deletes)."""
 
 TMP_PREFIX = "tmp_step_"

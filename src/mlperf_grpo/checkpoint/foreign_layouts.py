@@ -49,7 +49,7 @@ OURS = "ours"
 FORMATS = (OURS, NEMO_RL, HF_DIRS)
 MANIFEST_FILE = "manifest.jsonl"
 DCP_METADATA = dcp_read.DCP_METADATA
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d+)\Z")
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 UNCHECKED = {
@@ -326,7 +326,7 @@ def read_weights(checkpoint: ForeignCheckpoint) -> dict[str, torch.Tensor]:
     return tensors
 
 
-_CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
+_CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+\Z")
 _WRITER_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 """Shard names our writer gives (``format.shard_name``), and transformers' single-file name."""
 
