@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.check import check_log
 from mlperf_grpo.cli import main
 from mlperf_grpo.config import load_config

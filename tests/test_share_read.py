@@ -20,7 +20,7 @@ from mlperf_grpo.config import BUILTIN_MODEL
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, verify_refit
 from mlperf_grpo.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

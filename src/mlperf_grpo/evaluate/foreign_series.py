@@ -26,7 +26,7 @@ from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, 
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
-from mlperf_grpo.model import check_model_path
+from mlperf_grpo.model_files import check_model_path
 from mlperf_grpo.rundir import RunDir
 
 SOURCE_FILE = "source.json"

@@ -48,7 +48,7 @@ from mlperf_grpo.fingerprint import (
 )
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
-from mlperf_grpo.model import check_model_path
+from mlperf_grpo.model_files import check_model_path
 from mlperf_grpo.tasks import load_suite, validation_tasks
 
 
