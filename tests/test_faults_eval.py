@@ -29,7 +29,7 @@ from mlperf_grpo.checkpoint import discover_checkpoints, read_weights
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.check import check_log
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import load_config
+from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate import series
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.evaluate.series import RefitError, verify_refit

@@ -285,7 +285,7 @@ def test_the_recorded_settings_are_the_identity_and_only_it(trained, monkeypatch
     written before the record existed is evaluated with a note."""
     import dataclasses
 
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.evaluate.series import EvaluationError, check_evaluation_settings
 
     first = discover_checkpoints(trained / "checkpoints")[0][0]

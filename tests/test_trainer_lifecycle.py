@@ -11,7 +11,7 @@ import yaml
 
 from mlperf_grpo import tasks
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import parse_config
+from mlperf_grpo.config_load import parse_config
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.inputs import check_training_inputs

@@ -54,7 +54,7 @@ def _start_training(request: TrainRequest, progress: Progress):
     :class:`~mlperf_grpo.train.inputs.TrainingInputs`, handed to the trainer: checked once).
     Nothing is written; a missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS`` (made
     by rank 0, its name on every rank)."""
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.plan import format_differences
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train import collectives, ranks
@@ -183,7 +183,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
     evaluate the series through the offline evaluator."""
     from mlperf_grpo import environment
     from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
     from mlperf_grpo.evaluate.worker_group import check_worker_groups
 
@@ -212,7 +212,7 @@ def plan(request: PlanRequest) -> str:
 
     if request.memory:
         return _plan_memory(request)
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.plan import build_plan, format_differences, format_plan
 
     config = load_config(request.config) if request.config else None
