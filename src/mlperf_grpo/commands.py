@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.command_requests import EvaluateRequest, PlanRequest, TrainRequest
-from mlperf_grpo.errors import BadInput
+from mlperf_grpo.errors import BadInput, outcome_exit_code
 
 RUNS_DIR = Path("runs")
 
@@ -145,7 +145,7 @@ def _evaluate_on_every_rank(run_dir: Path, retain: bool):
             return None
         outcome = evaluate_run(run_dir, retain_checkpoints=retain, workers=torchrun_ranks.world_size,
                                ranks=torchrun_ranks)
-        torchrun_ranks.conclude(0 if outcome.status == "success" else 3)
+        torchrun_ranks.conclude(outcome_exit_code(outcome.status))
         return outcome
 
 
