@@ -281,7 +281,7 @@ class NoRunOutput:
         return DiscardingLogWriter()
 
     def checkpoints(self, config: RunConfig, log: DiscardingLogWriter, engine: InferenceEngine,
-                    policy: torch.nn.Module, evaluation: dict[str, object]) -> DeferredCheckpoints | NoCheckpoints:
+                    policy: torch.nn.Module, evaluation: dict[str, object]) -> Checkpoints:
         """This rank's share of the run's :class:`DeferredCheckpoints`."""
         if self.checkpoint_root is None:
             return NoCheckpoints()
