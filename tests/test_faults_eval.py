@@ -38,7 +38,7 @@ from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import PREFIX, read_log
 from mlperf_grpo.rundir import RunLock
-from mlperf_grpo.tasks import SUITES, arithmetic
+from mlperf_grpo.tasks import SUITES, arithmetic, load_validation_set
 from mlperf_grpo.tasks.scoring import VerifierError
 
 pytestmark = pytest.mark.slow
@@ -521,7 +521,8 @@ def test_series_cut_by_a_hard_kill_within_the_in_flight_bound_is_accepted_with_a
         shutil.rmtree(run / "checkpoints" / f"step_{step}")
     config = load_config(run / "config.yaml")
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    notes, problem = series.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
+    notes, problem = series.check_series(checkpoints, config, load_validation_set(config), read_log(run / "mlperf.log"),
+                                         run / "checkpoints")
     assert problem is None
     assert notes == ["note: training was killed before recording its end; the checkpoint(s) of steps 29..30 "
                      "were in flight and never published; the final checkpoint is step_28"]

@@ -22,6 +22,7 @@ from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
@@ -268,7 +269,8 @@ def test_failing_background_write_mid_run_stops_training_and_leaves_an_evaluable
     assert read_training_end(run / "checkpoints").last_published_step == 19
     # evaluable up to the last good checkpoint: the series check accepts it
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    assert check_series(checkpoints, load_config(run / "config.yaml"), log, run / "checkpoints") == ([], None)
+    config = load_config(run / "config.yaml")
+    assert check_series(checkpoints, config, load_validation_set(config), log, run / "checkpoints") == ([], None)
 
 
 def test_training_info_records_shard_hashes_and_file_fingerprints(tmp_path):

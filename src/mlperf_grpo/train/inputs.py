@@ -36,6 +36,11 @@ class TrainingInputs:
     """The validation tasks (``validation.num_tasks``), recorded in each checkpoint's
     evaluation settings."""
 
+    @property
+    def validation_set(self) -> tasks.ValidationSet:
+        """The suite with the validation tasks (what inline evaluation validates with)."""
+        return tasks.ValidationSet(self.suite, self.validation)
+
 
 def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = True) -> TrainingInputs:
     """Everything that can be checked before training starts, cheaply (no weights loaded);
