@@ -78,8 +78,8 @@ def test_the_builtin_model_runs_with_exactly_scaled_padded_heads_on_the_cpu(engi
 
 
 def test_a_model_that_padding_cannot_keep_exact_is_refused_before_vllm_starts(tmp_path):
-    from mlperf_grpo.inference.vllm import engine_head_padding
     from mlperf_grpo.errors import ModelLoadError
+    from mlperf_grpo.inference.vllm import engine_head_padding
 
     for f in BUILTIN_DIR.iterdir():
         shutil.copy(f, tmp_path / f.name)
