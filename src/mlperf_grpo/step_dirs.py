@@ -16,6 +16,11 @@ CHECKPOINT_DIR = re.compile(r"^(tmp_)?step_\d+$")
 TMP_PREFIX = "tmp_step_"
 
 
+def step_dir_name(step: int) -> str:
+    """``step_N``: the published directory of the checkpoint after step ``step``."""
+    return f"step_{step}"
+
+
 def tmp_step_dir_name(step: int) -> str:
     """``tmp_step_N``: the directory the checkpoint of step ``step`` is written into."""
     return f"{TMP_PREFIX}{step}"
