@@ -50,9 +50,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from mlperf_grpo.checkpoint.direct_io import aligned_empty, write_file_image
-from mlperf_grpo.config import parse_config
+from mlperf_grpo.config_load import parse_config
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import BUILTIN_MODEL_DIR, DTYPES
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR, DTYPES
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.train.trainer import train
 

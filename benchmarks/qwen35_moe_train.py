@@ -32,7 +32,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from mlperf_grpo import cli
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
 
 SHAPES = {

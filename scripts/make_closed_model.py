@@ -26,8 +26,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from mlperf_grpo.config import parse_config
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights, sha256_file
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.train.trainer import train

@@ -2,7 +2,9 @@
 
 import pytest
 
-from mlperf_grpo.config import ConfigError, RunConfig, load_config, parse_config
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config_load import load_config, parse_config
+from mlperf_grpo.errors import ConfigError
 
 
 def test_default_is_the_builtin_run():

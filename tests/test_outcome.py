@@ -7,7 +7,7 @@ import pytest
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import outcome
-from mlperf_grpo.config import load_config
+from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_results
 from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem
 from mlperf_grpo.evaluate.launch import local_queue

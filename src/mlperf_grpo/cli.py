@@ -18,10 +18,10 @@ from mlperf_grpo import commands
 from mlperf_grpo.cli_parser import build_parser
 from mlperf_grpo.command_requests import CheckRequest, EvaluateRequest, PlanRequest, TrainRequest, torchrun_world_size
 from mlperf_grpo.commands import Progress, say
-from mlperf_grpo.errors import BAD_INPUT_ERRORS, BadInput
-
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
+from mlperf_grpo.errors import (
+    BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, BadInput,
+    outcome_exit_code,
+)
 
 
 def _print_outcome(outcome, where: str) -> int:
@@ -35,7 +35,7 @@ def _print_outcome(outcome, where: str) -> int:
         print("time-to-train: none (an aborted run has no score)")
     print(f"log: {outcome.mllog_file}")
     print(where)
-    return EXIT_OK if status == "success" else EXIT_ABORTED
+    return outcome_exit_code(status)
 
 
 def cmd_train(args: argparse.Namespace, progress: Progress) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.command_requests import EvaluateRequest, PlanRequest, TrainRequest
-from mlperf_grpo.errors import BadInput
+from mlperf_grpo.errors import BadInput, outcome_exit_code
 
 RUNS_DIR = Path("runs")
 
@@ -54,7 +54,7 @@ def _start_training(request: TrainRequest, progress: Progress):
     :class:`~mlperf_grpo.train.inputs.TrainingInputs`, handed to the trainer: checked once).
     Nothing is written; a missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS`` (made
     by rank 0, its name on every rank)."""
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.plan import format_differences
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train import collectives, ranks
@@ -145,7 +145,7 @@ def _evaluate_on_every_rank(run_dir: Path, retain: bool):
             return None
         outcome = evaluate_run(run_dir, retain_checkpoints=retain, workers=torchrun_ranks.world_size,
                                ranks=torchrun_ranks)
-        torchrun_ranks.conclude(0 if outcome.status == "success" else 3)
+        torchrun_ranks.conclude(outcome_exit_code(outcome.status))
         return outcome
 
 
@@ -183,7 +183,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
     evaluate the series through the offline evaluator."""
     from mlperf_grpo import environment
     from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
     from mlperf_grpo.evaluate.worker_group import check_worker_groups
 
@@ -212,7 +212,7 @@ def plan(request: PlanRequest) -> str:
 
     if request.memory:
         return _plan_memory(request)
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.plan import build_plan, format_differences, format_plan
 
     config = load_config(request.config) if request.config else None

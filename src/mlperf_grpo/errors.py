@@ -1,12 +1,23 @@
-"""The errors the ``mlperf-grpo`` command line maps to its exit codes. Torch-free and at
-the bottom of the imports, so the CLI names them without loading the library.
+"""The errors the ``mlperf-grpo`` command line maps to its exit codes, and the codes.
+Torch-free and at the bottom of the imports, so the CLI names them without loading the
+library.
 
-Each is raised by the module it is also importable from (``config.ConfigError``,
+Each is raised by the module it is also importable from (``config_load.ConfigError``,
 ``checkpoint.CheckpointError``, ...). Every type in :data:`BAD_INPUT_ERRORS`, and its
 subclasses, is wrong input: exit 2 with its one-line message, nothing written.
 """
 
 from __future__ import annotations
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
+"""Exit codes: success, anything else gone wrong, bad input, aborted (no checkpoint passed)."""
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
+
+
+def outcome_exit_code(status: str) -> int:
+    """The exit code of a run's outcome ``status`` (``run_stop``'s): ``EXIT_OK`` for
+    ``success``, else ``EXIT_ABORTED``."""
+    return EXIT_OK if status == "success" else EXIT_ABORTED
 
 
 class BadInput(Exception):

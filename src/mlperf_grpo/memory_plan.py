@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mlperf_grpo.config import ConfigError
+from mlperf_grpo.errors import ConfigError
 
 FP32_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

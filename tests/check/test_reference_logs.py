@@ -10,7 +10,7 @@ from mlperf_grpo.check import check_log, lint_text
 from mlperf_grpo.check.shape import evaluation_mode
 from mlperf_grpo.cli import main
 from mlperf_grpo.mllog import parse_log_text
-from mlperf_grpo.report import build_timeline
+from mlperf_grpo.report_timeline import build_timeline
 
 SHAPES = {
     "inline-pass": dict(accs=(0.72,)),

@@ -26,7 +26,8 @@ from mlperf_grpo.checkpoint import (
     write_checkpoint,
 )
 from mlperf_grpo.checkpoint import writer as writer_module
-from mlperf_grpo.model import BUILTIN_MODEL_DIR, load_model
+from mlperf_grpo.model import load_model
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
 
 def _info(step):

@@ -264,7 +264,7 @@ def test_the_sharded_build_equals_the_one_process_load(tmp_path):
     equal too, and each rank's engine holds ``load_model(..., "bfloat16")``'s weights."""
     from transformers import AutoTokenizer
 
-    from mlperf_grpo.model import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
     model_dir = tmp_path / "bf16"
     load_model(MODEL, "bfloat16").save_pretrained(model_dir, max_shard_size="100KB")
@@ -355,7 +355,7 @@ def test_the_sharded_build_refuses_missing_or_misshapen_expert_parts(tmp_path, d
     of another size than config.json gives) is one ModelLoadError naming the tensor."""
     from test_model_errors import _saved_model
 
-    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.errors import ModelLoadError
 
     directory = _saved_model(tmp_path, "qwen3_moe", **MOE_SIZES)
     damage(directory)
@@ -370,7 +370,8 @@ def test_the_sharded_build_refuses_missing_or_misshapen_expert_parts(tmp_path, d
 
 
 def test_a_buffer_the_initializer_does_not_recompute_is_refused():
-    from mlperf_grpo.model import ModelLoadError, materialize, model_skeleton
+    from mlperf_grpo.errors import ModelLoadError
+    from mlperf_grpo.model_skeleton import materialize, model_skeleton
 
     model = model_skeleton(MODEL, "float32")
     model.model.layers[0].register_buffer("scale", torch.ones(3, device="meta"), persistent=False)
@@ -531,7 +532,7 @@ def test_the_sharded_build_refuses_a_merge_it_does_not_perform(tmp_path, monkeyp
     from transformers import conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
-    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.errors import ModelLoadError
 
     directory = _saved_model(tmp_path, "qwen3_moe", **MOE_SIZES)
     odd = [WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],

@@ -21,7 +21,7 @@ import yaml
 from mlperf_grpo import __version__
 from mlperf_grpo.cli import build_parser, main
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 TINY_OPEN = {"grpo": {"num_prompts_per_step": 4, "max_steps": 2, "first_eval_step": 1}, "validation": {"num_tasks": 20}}
@@ -197,7 +197,7 @@ def test_setup_failure_leaves_no_run_behind(tmp_path, capsys, fault, command):
 def test_failure_while_loading_the_model_removes_the_run_directory(tmp_path, capsys, monkeypatch):
     """A failure after the checks (out of memory, Ctrl-C while loading) writes nothing:
     the model is loaded before the run directory's files, and the directory is removed."""
-    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.errors import ModelLoadError
     from mlperf_grpo.train import trainer
 
     def fail(*args, **kwargs):
@@ -309,7 +309,7 @@ def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monk
 
 
 def test_a_default_output_is_removed_when_setup_fails(tmp_path, capsys, monkeypatch):
-    from mlperf_grpo.model import ModelLoadError
+    from mlperf_grpo.errors import ModelLoadError
     from mlperf_grpo.train import trainer
 
     def fail(*args, **kwargs):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlperf_grpo import outcome
-from mlperf_grpo.config import load_config
+from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,

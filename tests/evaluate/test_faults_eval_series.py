@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 from faults_eval_helpers import SHARD, normalized, eval_steps, error_lines, set_info, info_of, flip_byte
 
 from mlperf_grpo import rules
+from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.checkpoint import discover_checkpoints
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import load_config
+from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate import series
 from mlperf_grpo.mllog import read_log
 
@@ -224,7 +225,8 @@ def test_series_cut_by_a_hard_kill_within_the_in_flight_bound_is_accepted_with_a
         shutil.rmtree(run / "checkpoints" / f"step_{step}")
     config = load_config(run / "config.yaml")
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    notes, problem = series.check_series(checkpoints, config, read_log(run / "mlperf.log"), run / "checkpoints")
+    notes, problem = series.check_series(checkpoints, config, load_validation_set(config), read_log(run / "mlperf.log"),
+                                         run / "checkpoints")
     assert problem is None
     assert notes == ["note: training was killed before recording its end; the checkpoint(s) of steps 29..30 "
                      "were in flight and never published; the final checkpoint is step_28"]

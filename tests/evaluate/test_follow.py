@@ -187,8 +187,9 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     from mlperf_grpo.evaluate import follow, series
     from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.inference.base import build_engine
-    from mlperf_grpo.model import check_model_path
+    from mlperf_grpo.model_files import check_model_path
     from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.tasks import load_validation_set
 
     run = RunDir(tmp_path / "run")
     shutil.copytree(reference / "trained", run.root)
@@ -204,10 +205,11 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     monkeypatch.setattr(series, "check_same_tensors", lambda checkpoints: (read.append(checkpoints[-1].path), real_tensors(checkpoints))[1])
     source = follow.LiveSeries(run.checkpoints)
     engine = build_engine(config, batch_size=config.validation.batch_size)
+    validation = load_validation_set(config)  # the follower's, loaded once for its rounds
 
     def round_reads():
         read.clear()
-        follow._evaluate_published(run, config, mllog_file, engine, source, show_progress=False)
+        follow._evaluate_published(run, config, validation, mllog_file, engine, source, show_progress=False)
         return read.copy()
 
     step_3, step_4 = run.checkpoints / "step_3", run.checkpoints / "step_4"

@@ -279,36 +279,33 @@ def test_another_trainers_series_is_checked_against_its_logged_settings(trained,
     assert "validation.temperature is 0.7, but the log's generation_validation_rollout_temperature is 0.1" in line
 
 
-def test_the_recorded_settings_are_the_identity_and_only_it(trained, monkeypatch):
+def test_the_recorded_settings_are_the_identity_and_only_it(trained):
     """Each identity setting is compared with the checkpoint's record (also where the log
     would say it first); the engine's speed settings are not part of it; a checkpoint
     written before the record existed is evaluated with a note."""
     import dataclasses
 
-    from mlperf_grpo.config import load_config
+    from mlperf_grpo.config_load import load_config
     from mlperf_grpo.evaluate.series import EvaluationError, check_evaluation_settings
+    from mlperf_grpo.tasks import load_validation_set
 
     first = discover_checkpoints(trained / "checkpoints")[0][0]
     config = load_config(trained / "config.yaml")
+    tasks = load_validation_set(config).tasks
     assert first.info.evaluation["validation.temperature"] == 0.1 and first.info.evaluation["seed"] == 1
     with pytest.raises(EvaluationError, match=r"validation.temperature is 0.7, but the checkpoints were trained with 0.1 \(step_3/"):
-        check_evaluation_settings(first, config.model_copy(update={"validation": config.validation.model_copy(update={"temperature": 0.7})}))
+        check_evaluation_settings(first, config.model_copy(update={"validation": config.validation.model_copy(update={"temperature": 0.7})}),
+                                  tasks)
     with pytest.raises(EvaluationError, match="grpo.max_new_tokens is 9, but the checkpoints were trained with 6"):
-        check_evaluation_settings(first, config.model_copy(update={"grpo": config.grpo.model_copy(update={"max_new_tokens": 9})}))
-    from mlperf_grpo.evaluate import series as series_module
-
-    real = series_module.validation_tasks
-    one_answer_edited = lambda suite, n: [dataclasses.replace(t, answer=t.answer + "0") if i == 5 else t  # noqa: E731
-                                          for i, t in enumerate(real(suite, n))]
-    monkeypatch.setattr(series_module, "validation_tasks", one_answer_edited)  # as an edited task file gives
+        check_evaluation_settings(first, config.model_copy(update={"grpo": config.grpo.model_copy(update={"max_new_tokens": 9})}), tasks)
+    one_answer_edited = [dataclasses.replace(t, answer=t.answer + "0") if i == 5 else t for i, t in enumerate(tasks)]
     with pytest.raises(EvaluationError, match=r"validation tasks \(sha256 of ids, prompts, answers\) is '[0-9a-f]{64}', but"):
-        check_evaluation_settings(first, config)
-    monkeypatch.undo()
+        check_evaluation_settings(first, config, one_answer_edited)  # as an edited task file gives
     faster = config.model_copy(update={"validation": config.validation.model_copy(update={"batch_size": 7, "workers": 3}),
                                        "inference": config.inference.model_copy(update={"engine": "vllm"})})
-    assert check_evaluation_settings(first, faster) == []
+    assert check_evaluation_settings(first, faster, tasks) == []
     old = dataclasses.replace(first, info=dataclasses.replace(first.info, evaluation={}))
-    (note,) = check_evaluation_settings(old, config)
+    (note,) = check_evaluation_settings(old, config, tasks)
     assert "records no evaluation settings" in note
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlperf_grpo.config import ConfigError, parse_config
+from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.fingerprint import canary_mismatch
 from mlperf_grpo.inference import base
 from mlperf_grpo.inference.base import EngineUnavailableError, SamplingParams, build_engine, check_engine_available

@@ -9,11 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlperf_grpo.config import BUILTIN_MODEL
+from mlperf_grpo.config_sections import BUILTIN_MODEL
+from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.fingerprint import CANARY_TOLERANCE, canary_mismatch
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.model import BUILTIN_MODEL_DIR, ModelLoadError, build_model_for_refit, load_model
+from mlperf_grpo.model import build_model_for_refit, load_model
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
 PROMPTS = ["12 + 7 =", "3 * 4 =", "100 - 1 ="]
 

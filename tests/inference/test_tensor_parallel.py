@@ -12,10 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.tensor_parallel import mesh_of, parallelize
-from mlperf_grpo.model import ModelLoadError, resolve_model_path
+from mlperf_grpo.model_files import resolve_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +101,7 @@ def _moe_check(mesh) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from mlperf_grpo.model import materialize
+    from mlperf_grpo.model_skeleton import materialize
 
     config = Qwen3_5MoeTextConfig(
         vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

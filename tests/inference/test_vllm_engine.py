@@ -25,11 +25,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 from mlperf_grpo.checkpoint import TrainingInfo, discover_checkpoints, read_weights, write_checkpoint  # noqa: E402
-from mlperf_grpo.config import InferenceConfig  # noqa: E402
+from mlperf_grpo.config_sections import InferenceConfig  # noqa: E402
 from mlperf_grpo.evaluate.series import RefitError, verify_refit  # noqa: E402
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
-from mlperf_grpo.model import load_model, resolve_model_path  # noqa: E402
+from mlperf_grpo.model import load_model  # noqa: E402
+from mlperf_grpo.model_files import resolve_model_path  # noqa: E402
 from mlperf_grpo.train.grpo import token_logprobs  # noqa: E402
 
 BUILTIN_DIR = resolve_model_path("builtin:arithmetic-tiny")
@@ -77,8 +78,8 @@ def test_the_builtin_model_runs_with_exactly_scaled_padded_heads_on_the_cpu(engi
 
 
 def test_a_model_that_padding_cannot_keep_exact_is_refused_before_vllm_starts(tmp_path):
+    from mlperf_grpo.errors import ModelLoadError
     from mlperf_grpo.inference.vllm import engine_head_padding
-    from mlperf_grpo.model import ModelLoadError
 
     for f in BUILTIN_DIR.iterdir():
         shutil.copy(f, tmp_path / f.name)

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import parse_config
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths
 from mlperf_grpo.tasks.base import Task
 

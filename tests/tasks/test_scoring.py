@@ -16,7 +16,7 @@ import pytest
 
 import numeric_rewards
 import reward_fixtures
-from mlperf_grpo.config import ConfigError
+from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.tasks import arithmetic, scoring
 from mlperf_grpo.tasks.base import Task
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError, score

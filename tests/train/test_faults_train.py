@@ -18,10 +18,11 @@ import pytest
 import xxhash
 
 from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
-from mlperf_grpo.config import load_config
+from mlperf_grpo.config_load import load_config
 from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import BUILTIN_MODEL_DIR
+from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ WRITER = textwrap.dedent(
     import sys, time, torch
     from pathlib import Path
     from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo
-    from mlperf_grpo.model import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
     root = Path(sys.argv[1])
     state = {"w": torch.randn(4_000_000)}  # 16 MB: a write takes long enough to be hit
     writer = AsyncCheckpointer(root, BUILTIN_MODEL_DIR, max_in_flight=2)
@@ -268,7 +269,8 @@ def test_failing_background_write_mid_run_stops_training_and_leaves_an_evaluable
     assert read_training_end(run / "checkpoints").last_published_step == 19
     # evaluable up to the last good checkpoint: the series check accepts it
     checkpoints = discover_checkpoints(run / "checkpoints")[0]
-    assert check_series(checkpoints, load_config(run / "config.yaml"), log, run / "checkpoints") == ([], None)
+    config = load_config(run / "config.yaml")
+    assert check_series(checkpoints, config, load_validation_set(config), log, run / "checkpoints") == ([], None)
 
 
 def test_training_info_records_shard_hashes_and_file_fingerprints(tmp_path):

@@ -11,7 +11,7 @@ import yaml
 
 from mlperf_grpo import tasks
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import parse_config
+from mlperf_grpo.config_load import parse_config
 from mlperf_grpo.rundir import RunDir
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.inputs import check_training_inputs
@@ -38,6 +38,21 @@ def test_train_loads_the_task_suite_once(tmp_path, monkeypatch):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({**TINY, "grpo": {**TINY["grpo"], "max_steps": 1}}))
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "r")]) == 0
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("deferred", ["1", "0"], ids=["deferred", "inline"])
+def test_run_loads_the_task_suite_once_per_phase(tmp_path, monkeypatch, deferred):
+    """``mlperf-grpo run``: the training's inputs load the suite once; the deferred
+    evaluation loads it once more (from the run directory's config) and hands it to the
+    series check, the engine's warm-up and every checkpoint's validation (before: 4
+    loads); inline evaluation validates with the training's inputs' suite."""
+    calls = []
+    load = tasks.load_suite
+    monkeypatch.setattr(tasks, "load_suite", lambda config: calls.append(config) or load(config))
+    monkeypatch.setenv("DEFERRED_OFFLINE_EVAL", deferred)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(TINY))
+    assert main(["run", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "r")]) in (0, 3)
+    assert len(calls) == (2 if deferred == "1" else 1)
 
 
 def test_a_rank_that_writes_nothing_trains_the_same_steps(tmp_path, monkeypatch):

@@ -20,5 +20,12 @@ class Finding:
     problem: str
     impact: str
 
+    @classmethod
+    def at(cls, rule: str, event, problem: str, impact: str) -> "Finding":
+        """A finding of ``rule`` at a log event's line and key (``event``: a
+        :class:`~mlperf_grpo.mllog.LogEvent`, its ``line_no`` and ``key``)."""
+        return cls(rule, event.line_no, event.key, problem, impact)
+
     def to_dict(self) -> dict:
+        """The finding as a JSON-ready mapping of its fields."""
         return asdict(self)

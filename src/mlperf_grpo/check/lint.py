@@ -71,9 +71,9 @@ def invalid_lines(inp: LintInput) -> list[Finding]:
         raw = _raw_json(inp, e.line_no)
         missing = [k for k in ("time_ms", "value", "metadata") if not isinstance(raw, dict) or k not in raw]
         if missing:
-            out.append(Finding("invalid-json", e.line_no, e.key, f"missing field(s) {', '.join(missing)}", impact))
+            out.append(Finding.at("invalid-json", e, f"missing field(s) {', '.join(missing)}", impact))
         elif e.time_ms is None:
-            out.append(Finding("invalid-json", e.line_no, e.key, f"time_ms {short(raw.get('time_ms'))} is not a number", impact))
+            out.append(Finding.at("invalid-json", e, f"time_ms {short(raw.get('time_ms'))} is not a number", impact))
     return out
 
 
@@ -103,16 +103,16 @@ def metadata_types(inp: LintInput) -> list[Finding]:
         raw = _raw_json(inp, e.line_no)
         metadata = raw.get("metadata") if isinstance(raw, dict) else None
         if metadata is not None and not isinstance(metadata, dict):
-            out.append(Finding("metadata-type", e.line_no, e.key, f"metadata is {type(metadata).__name__}, not an object", impact))
+            out.append(Finding.at("metadata-type", e, f"metadata is {type(metadata).__name__}, not an object", impact))
             continue
         for name in METADATA_INTS:
             if name in e.metadata:
                 v = e.metadata[name]
                 if int_or_none(v) is None or v < 0:
-                    out.append(Finding("metadata-type", e.line_no, e.key,
-                                       f"metadata {name} {short(v)} is not a non-negative integer", impact))
+                    out.append(Finding.at("metadata-type", e,
+                                          f"metadata {name} {short(v)} is not a non-negative integer", impact))
         if "status" in e.metadata and not isinstance(e.metadata["status"], str):
-            out.append(Finding("metadata-type", e.line_no, e.key, f"metadata status {short(e.metadata['status'])} is not a string", impact))
+            out.append(Finding.at("metadata-type", e, f"metadata status {short(e.metadata['status'])} is not a string", impact))
     return out
 
 
@@ -153,18 +153,18 @@ def run_stop_status(inp: LintInput) -> list[Finding]:
     for e in inp.log.find("run_stop"):
         status = e.metadata.get("status")
         if status not in ("success", "aborted"):
-            out.append(Finding("run-stop-status", e.line_no, "run_stop", f"status {short(status)} is neither 'success' nor 'aborted'",
-                               "the RCP checker counts every status other than 'success' as not converged; "
-                               "the compliance checker accepts any value"))
+            out.append(Finding.at("run-stop-status", e, f"status {short(status)} is neither 'success' nor 'aborted'",
+                                  "the RCP checker counts every status other than 'success' as not converged; "
+                                  "the compliance checker accepts any value"))
         elif status != "success" and passing is not None:
-            out.append(Finding("run-stop-status", e.line_no, "run_stop",
-                               f"status {short(status)} but the eval_accuracy at line {passing.line_no} "
-                               f"({passing.value}) passes the target {inp.target}",
-                               "a converged run is counted as not converged (infinite time)"))
+            out.append(Finding.at("run-stop-status", e,
+                                  f"status {short(status)} but the eval_accuracy at line {passing.line_no} "
+                                  f"({passing.value}) passes the target {inp.target}",
+                                  "a converged run is counted as not converged (infinite time)"))
         elif status == "success" and passing is None:
-            out.append(Finding("run-stop-status", e.line_no, "run_stop",
-                               f"status 'success' but no eval_accuracy is above the target {inp.target}",
-                               "the log claims convergence it does not show; the compliance checker fails it"))
+            out.append(Finding.at("run-stop-status", e,
+                                  f"status 'success' but no eval_accuracy is above the target {inp.target}",
+                                  "the log claims convergence it does not show; the compliance checker fails it"))
     return out
 
 
@@ -185,19 +185,19 @@ def run_stop_order(inp: LintInput) -> list[Finding]:
     stop = stops[0]
     evals = [e for e in log.events if e.key in EVAL_KEYS]
     if evals and evals[-1].line_no > stop.line_no:
-        out.append(Finding("run-stop-order", stop.line_no, "run_stop",
-                           f"run_stop is written before the eval line {evals[-1].line_no} ({evals[-1].key})",
-                           "the RCP checker takes the last eval_accuracy before run_stop as the convergence point "
-                           "(and crashes when there is none); later evals are ignored"))
+        out.append(Finding.at("run-stop-order", stop,
+                              f"run_stop is written before the eval line {evals[-1].line_no} ({evals[-1].key})",
+                              "the RCP checker takes the last eval_accuracy before run_stop as the convergence point "
+                              "(and crashes when there is none); later evals are ignored"))
     if starts:
         start = starts[0]
         if stop.line_no < start.line_no:
-            out.append(Finding("run-stop-order", stop.line_no, "run_stop", f"run_stop is written before run_start (line {start.line_no})",
-                               "the compliance checker fails it and the summarizer pairs the wrong lines"))
+            out.append(Finding.at("run-stop-order", stop, f"run_stop is written before run_start (line {start.line_no})",
+                                  "the compliance checker fails it and the summarizer pairs the wrong lines"))
         if is_number(stop.time_ms) and is_number(start.time_ms) and stop.time_ms < start.time_ms:
-            out.append(Finding("run-stop-order", stop.line_no, "run_stop",
-                               f"run_stop time_ms {ms_text(stop.time_ms)} is before run_start time_ms {ms_text(start.time_ms)}",
-                               "time-to-train is negative"))
+            out.append(Finding.at("run-stop-order", stop,
+                                  f"run_stop time_ms {ms_text(stop.time_ms)} is before run_start time_ms {ms_text(start.time_ms)}",
+                                  "time-to-train is negative"))
     return out
 
 
@@ -212,7 +212,7 @@ def substring_keys(inp: LintInput) -> list[Finding]:
         for needle, impact in RCP_SUBSTRINGS.items():
             if e.key != needle and needle in raw:
                 where = f"key {e.key!r} contains" if needle in e.key else f"the {e.key} line's value or metadata contains"
-                out.append(Finding("substring-key", e.line_no, e.key, f"{where} '{needle}'", impact))
+                out.append(Finding.at("substring-key", e, f"{where} '{needle}'", impact))
     return out
 
 

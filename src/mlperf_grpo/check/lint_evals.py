@@ -42,9 +42,9 @@ def evals_after_pass(inp: LintInput) -> list[Finding]:
         else:
             impact = ("the RCP checker takes the last eval_accuracy before run_stop as samples to converge, "
                       f"so it reads {short(samples_count_value(e))} instead of {short(samples_count_value(passing))}")
-        out.append(Finding("eval-after-pass", e.line_no, "eval_accuracy",
-                           f"evaluation at samples_count {short(samples_count_value(e))} after the first passing one "
-                           f"(line {passing.line_no}, samples_count {short(samples_count_value(passing))})", impact))
+        out.append(Finding.at("eval-after-pass", e,
+                              f"evaluation at samples_count {short(samples_count_value(e))} after the first passing one "
+                              f"(line {passing.line_no}, samples_count {short(samples_count_value(passing))})", impact))
     return out
 
 
@@ -80,39 +80,39 @@ def eval_series(inp: LintInput) -> list[Finding]:
     previous = None
     if open_division and first_sc % gbs:
         e = next(e for e in evals if samples_count_of(e) == first_sc)
-        out.append(Finding("eval-series", e.line_no, "eval_accuracy",
-                           f"first evaluation at samples_count {first_sc}, not a whole step at GBS {gbs}", impact))
+        out.append(Finding.at("eval-series", e,
+                              f"first evaluation at samples_count {first_sc}, not a whole step at GBS {gbs}", impact))
     for e in evals:
         sc = samples_count_of(e)
         if sc is None:
             continue
         step = int_or_none(e.metadata.get("step"))
         if step is not None and step * gbs != sc:
-            out.append(Finding("eval-series", e.line_no, "eval_accuracy", f"step {step} does not match samples_count {sc} at GBS {gbs}",
-                               "the step and samples_count name different checkpoints; the score uses samples_count"))
+            out.append(Finding.at("eval-series", e, f"step {step} does not match samples_count {sc} at GBS {gbs}",
+                                  "the step and samples_count name different checkpoints; the score uses samples_count"))
         if previous is not None and sc <= previous:
-            out.append(Finding("eval-series", e.line_no, "eval_accuracy",
-                               f"samples_count {sc} is not after the previous evaluation's {previous} (not ascending)", impact))
+            out.append(Finding.at("eval-series", e,
+                                  f"samples_count {sc} is not after the previous evaluation's {previous} (not ascending)", impact))
         elif sc != expected:
             what = "first evaluation" if previous is None else "evaluation"
-            out.append(Finding("eval-series", e.line_no, "eval_accuracy",
-                               f"{what} at samples_count {sc} (step {sc / gbs:g}); expected {expected} (step {expected / gbs:g})", impact))
+            out.append(Finding.at("eval-series", e,
+                                  f"{what} at samples_count {sc} (step {sc / gbs:g}); expected {expected} (step {expected / gbs:g})", impact))
         previous, expected = sc, max(expected, sc + gbs)
     return out
 
 
 def _series_types(evals: list[LogEvent]) -> list[Finding]:
     """``eval_accuracy`` lines without ``samples_count`` (a wrong-typed one is a metadata-type finding)."""
-    return [Finding("eval-series", e.line_no, "eval_accuracy", "samples_count is missing",
-                    "the compliance checker fails it and the RCP checker crashes or reads no convergence point")
+    return [Finding.at("eval-series", e, "samples_count is missing",
+                       "the compliance checker fails it and the RCP checker crashes or reads no convergence point")
             for e in evals if "samples_count" not in e.metadata]
 
 
 def eval_at_target(inp: LintInput) -> list[Finding]:
     """An ``eval_accuracy`` exactly at the target: not a pass (the comparison is strict)."""
     return [
-        Finding("eval-at-target", e.line_no, "eval_accuracy", f"accuracy {e.value} equals the target {inp.target}; a pass needs strictly more",
-                "a run stopped here did not converge; treating it as a pass understates time-to-train")
+        Finding.at("eval-at-target", e, f"accuracy {e.value} equals the target {inp.target}; a pass needs strictly more",
+                   "a run stopped here did not converge; treating it as a pass understates time-to-train")
         for e in inp.log.find("eval_accuracy") if is_number(e.value) and e.value == inp.target
     ]
 
@@ -132,8 +132,8 @@ def eval_values(inp: LintInput) -> list[Finding]:
             problem = f"value {v} is outside [0, 1]"
         else:
             continue
-        out.append(Finding("eval-value", e.line_no, "eval_accuracy", problem,
-                           "the compliance check of the value fails or crashes, and the RCP checker and pass test read garbage"))
+        out.append(Finding.at("eval-value", e, problem,
+                              "the compliance check of the value fails or crashes, and the RCP checker and pass test read garbage"))
     return out
 
 
@@ -162,12 +162,12 @@ def eval_pairing(inp: LintInput) -> list[Finding]:
             continue
         start = open_.get(sc)
         if start is None:
-            out.append(Finding("eval-pairing", e.line_no, e.key, f"{e.key} at samples_count {sc} has no open eval_start with that samples_count", impact))
+            out.append(Finding.at("eval-pairing", e, f"{e.key} at samples_count {sc} has no open eval_start with that samples_count", impact))
             continue
         steps = (start.metadata.get("step"), e.metadata.get("step"))
         if None not in steps and steps[0] != steps[1]:  # a missing optional step is no mismatch
-            out.append(Finding("eval-pairing", e.line_no, e.key,
-                               f"step {e.metadata.get('step')!r} differs from its eval_start's step {start.metadata.get('step')!r} (line {start.line_no})", impact))
+            out.append(Finding.at("eval-pairing", e,
+                                  f"step {e.metadata.get('step')!r} differs from its eval_start's step {start.metadata.get('step')!r} (line {start.line_no})", impact))
         if e.key == "eval_accuracy":
             accuracy_of[sc] = e
         else:
@@ -224,16 +224,16 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     gbs = logged_global_batch_size(log)
     block_start = blocks.get(("block_start", sc - gbs)) if gbs else None
     if block_stop is not None and is_number(block_stop.time_ms) and stop.time_ms > block_stop.time_ms:
-        out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                           f"time_ms {ms_text(stop.time_ms)} is {ms_text(stop.time_ms - block_stop.time_ms)} ms after the block_stop at "
-                           f"samples_count {sc} (line {block_stop.line_no})",
-                           "the weight update ends inside the step's block; a later run_stop adds checkpoint or "
-                           "evaluation time to time-to-train"))
+        out.append(Finding.at("run-stop-time", stop,
+                              f"time_ms {ms_text(stop.time_ms)} is {ms_text(stop.time_ms - block_stop.time_ms)} ms after the block_stop at "
+                              f"samples_count {sc} (line {block_stop.line_no})",
+                              "the weight update ends inside the step's block; a later run_stop adds checkpoint or "
+                              "evaluation time to time-to-train"))
     if block_start is not None and is_number(block_start.time_ms) and stop.time_ms < block_start.time_ms:
-        out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                           f"time_ms {ms_text(stop.time_ms)} is before that step's block_start (line {block_start.line_no}, "
-                           f"{ms_text(block_start.time_ms)})",
-                           "time-to-train is understated: the checkpoint's weights did not exist yet"))
+        out.append(Finding.at("run-stop-time", stop,
+                              f"time_ms {ms_text(stop.time_ms)} is before that step's block_start (line {block_start.line_no}, "
+                              f"{ms_text(block_start.time_ms)})",
+                              "time-to-train is understated: the checkpoint's weights did not exist yet"))
     if block_stop is None:
         inp.notes.append(f"run_stop time not compared with the log: no block_stop at samples_count {sc} (one block spans "
                          "several steps)")
@@ -241,9 +241,9 @@ def run_stop_time(inp: LintInput) -> list[Finding]:
     if sc in infos:
         path, t_update = infos[sc]
         if stop.time_ms != t_update:
-            out.append(Finding("run-stop-time", stop.line_no, "run_stop",
-                               f"time_ms {ms_text(stop.time_ms)} differs from the weight-update time {t_update} in {path}",
-                               f"time-to-train is off by {ms_text(stop.time_ms - t_update)} ms"))
+            out.append(Finding.at("run-stop-time", stop,
+                                  f"time_ms {ms_text(stop.time_ms)} differs from the weight-update time {t_update} in {path}",
+                                  f"time-to-train is off by {ms_text(stop.time_ms - t_update)} ms"))
     elif inp.run_dir is not None:
         inp.notes.append(f"run_stop not compared with a weight-update time: no training_info.json at samples_count {sc} "
                          f"under {inp.run_dir / 'checkpoints'} (deleted at teardown?)")
@@ -257,9 +257,9 @@ def _inline_run_stop_time(stop: LogEvent, evals: list[LogEvent]) -> list[Finding
     """Inline: ``run_stop`` may not be earlier than the evaluation it ends the run on."""
     last = evals[-1]
     if is_number(last.time_ms) and stop.time_ms < last.time_ms:
-        return [Finding("run-stop-time", stop.line_no, "run_stop",
-                        f"time_ms {ms_text(stop.time_ms)} is before the eval_accuracy at line {last.line_no} ({ms_text(last.time_ms)}) "
-                        "in an inline-evaluated run", "inline evaluation is on the clock; time-to-train is understated")]
+        return [Finding.at("run-stop-time", stop,
+                           f"time_ms {ms_text(stop.time_ms)} is before the eval_accuracy at line {last.line_no} ({ms_text(last.time_ms)}) "
+                           "in an inline-evaluated run", "inline evaluation is on the clock; time-to-train is understated")]
     return []
 
 
@@ -282,20 +282,21 @@ def run_stop_step(inp: LintInput) -> list[Finding]:
     trained = sorted({sc for _, sc in trained_samples(inp.log)})
     status = stop.metadata.get("status")
     passing = first_passing_eval(inp.log, inp.target)
+    passing_sc = samples_count_of(passing) if passing is not None else None
     for field_name, sc in claimed.items():
         shown = f"{field_name} {stop.metadata.get(field_name)}"
-        if status == "success" and passing is not None and samples_count_of(passing) is not None and sc != samples_count_of(passing):
-            out.append(Finding("run-stop-step", stop.line_no, "run_stop",
-                               f"{shown} is not the first passing evaluation's samples_count {samples_count_of(passing)} (line {passing.line_no})",
-                               "the run_stop names another checkpoint than the one that converged: a wrong score"))
-        if status == "success" and trained and sc not in trained:
-            out.append(Finding("run-stop-step", stop.line_no, "run_stop",
-                               f"{shown} is a step the log never trained (no block_stop or tracked_stats at samples_count {sc})",
-                               "the converged checkpoint does not exist in this run: a wrong score"))
-        if status == "aborted" and trained and sc != trained[-1]:
-            out.append(Finding("run-stop-step", stop.line_no, "run_stop",
-                               f"{shown} is not the final trained step (samples_count {trained[-1]})",
-                               "an aborted run ends at its final checkpoint; an earlier one shortens the run"))
+        wrong: list[tuple[str, str]] = []  # (problem, impact)
+        if status == "success":
+            if passing_sc is not None and sc != passing_sc:
+                wrong.append((f"{shown} is not the first passing evaluation's samples_count {passing_sc} (line {passing.line_no})",
+                              "the run_stop names another checkpoint than the one that converged: a wrong score"))
+            if trained and sc not in trained:
+                wrong.append((f"{shown} is a step the log never trained (no block_stop or tracked_stats at samples_count {sc})",
+                              "the converged checkpoint does not exist in this run: a wrong score"))
+        elif status == "aborted" and trained and sc != trained[-1]:
+            wrong.append((f"{shown} is not the final trained step (samples_count {trained[-1]})",
+                          "an aborted run ends at its final checkpoint; an earlier one shortens the run"))
+        out += [Finding.at("run-stop-step", stop, problem, impact) for problem, impact in wrong]
     return out
 
 
@@ -306,8 +307,8 @@ def eval_outside_run(inp: LintInput) -> list[Finding]:
         found = inp.log.find(key)
         if not found:
             continue
-        out += [Finding("eval-outside-run", e.line_no, e.key, f"{e.key} before {key} (line {found[0].line_no})",
-                        "an evaluation outside the timed run: its result cannot count, and the lint cannot place it")
+        out += [Finding.at("eval-outside-run", e, f"{e.key} before {key} (line {found[0].line_no})",
+                           "an evaluation outside the timed run: its result cannot count, and the lint cannot place it")
                 for e in inp.log.events if e.key in EVAL_KEYS and e.line_no < found[0].line_no]
     unique = {(f.line, f.key): f for f in out}  # before both: one finding, naming init_stop
     return list(unique.values())
@@ -362,12 +363,12 @@ def eval_results(inp: LintInput) -> list[Finding]:
         if stored is None:
             unmatched.append(sc // gbs)
         elif stored.accuracy is None:
-            out.append(Finding("eval-results", e.line_no, "eval_accuracy",
-                               f"the accuracy of step {sc // gbs} cannot be recomputed: {stored.path}: {stored.problem}", impact))
+            out.append(Finding.at("eval-results", e,
+                                  f"the accuracy of step {sc // gbs} cannot be recomputed: {stored.path}: {stored.problem}", impact))
         elif e.value != stored.accuracy:
-            out.append(Finding("eval-results", e.line_no, "eval_accuracy",
-                               f"eval_accuracy {e.value!r} of step {sc // gbs} is not {stored.accuracy!r}, pass@k of the "
-                               f"{stored.tasks} tasks' rewards in {stored.path}", impact))
+            out.append(Finding.at("eval-results", e,
+                                  f"eval_accuracy {e.value!r} of step {sc // gbs} is not {stored.accuracy!r}, pass@k of the "
+                                  f"{stored.tasks} tasks' rewards in {stored.path}", impact))
     if unmatched:
         inp.notes.append(f"eval_accuracy not recomputed for step(s) {', '.join(map(str, unmatched))}: no "
                          f"eval/step_N.jsonl for them under {inp.run_dir}")

@@ -30,6 +30,7 @@ from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog
 from mlperf_grpo.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.tasks import ValidationSet
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError
 
 
@@ -77,8 +78,9 @@ class EvalPlan:
     final_step: int | None
 
 
-def plan_evaluation(source: SeriesSource, config: RunConfig, log: ParsedLog) -> EvalPlan:
-    """Discover and check the series (notes to stderr) and decide what to evaluate.
+def plan_evaluation(source: SeriesSource, config: RunConfig, validation: ValidationSet, log: ParsedLog) -> EvalPlan:
+    """Discover and check the series (notes to stderr; ``validation``: the run's, for the
+    settings check) and decide what to evaluate.
 
     Raises:
         EvaluationError: nothing can be evaluated, or the log is not a prefix of the series.
@@ -86,7 +88,7 @@ def plan_evaluation(source: SeriesSource, config: RunConfig, log: ParsedLog) -> 
     checkpoints, ignored, problem = source.discover()
     for path in ignored:
         print(f"note: ignoring unfinished checkpoint {path} (never evaluated)", file=sys.stderr)
-    notes, series_problem = source.check(checkpoints, config, log) if checkpoints or problem is None else ([], None)
+    notes, series_problem = source.check(checkpoints, config, validation, log) if checkpoints or problem is None else ([], None)
     if problem is None or (series_problem is not None and series_problem.index < problem.index):
         problem = series_problem
     if problem is not None and not checkpoints:

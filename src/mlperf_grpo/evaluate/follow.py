@@ -42,6 +42,7 @@ from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock, RunLockedError
+from mlperf_grpo.tasks import ValidationSet, load_validation_set
 
 POLL_S = 1.0
 """Seconds between looks at the checkpoint directory and the run's lock."""
@@ -82,13 +83,14 @@ def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run.eval_dir, "follower"):  # the one writer of eval/mlperf_eval.log
         run.follow_log.touch()  # marks the run followed: a later 'evaluate' continues this log
-        _follow(run, config, mllog_file, stop_training_at_pass, show_progress, poll_s)
+        validation = load_validation_set(config)  # once for every round and the final evaluation
+        _follow(run, config, validation, mllog_file, stop_training_at_pass, show_progress, poll_s)
         return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
-                               retain=retain, show_progress=show_progress)
+                               retain=retain, show_progress=show_progress, validation=validation)
 
 
-def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_pass: bool, show_progress: bool,
-            poll_s: float) -> None:
+def _follow(run: RunDir, config: RunConfig, validation: ValidationSet, mllog_file: Path, stop_training_at_pass: bool,
+            show_progress: bool, poll_s: float) -> None:
     """Evaluate newly published checkpoints until the trainer has ended; after a pass only
     wait (asking the trainer to stop, with ``stop_training_at_pass``)."""
     engine: InferenceEngine | None = None
@@ -106,7 +108,7 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
                 seen = steps
                 if steps:
                     engine = engine or build_engine(config, batch_size=config.validation.batch_size)
-                    _evaluate_published(run, config, mllog_file, engine, source, show_progress)
+                    _evaluate_published(run, config, validation, mllog_file, engine, source, show_progress)
                     passing_step = _passing_step(_live_log(mllog_file, run.follow_log))
                     if passing_step is not None:  # nothing more to evaluate: free the device now
                         engine.close()
@@ -118,15 +120,15 @@ def _follow(run: RunDir, config: RunConfig, mllog_file: Path, stop_training_at_p
             engine.close()
 
 
-def _evaluate_published(run: RunDir, config: RunConfig, mllog_file: Path, engine: InferenceEngine, source: LiveSeries,
-                        show_progress: bool) -> None:
+def _evaluate_published(run: RunDir, config: RunConfig, validation: ValidationSet, mllog_file: Path, engine: InferenceEngine,
+                        source: LiveSeries, show_progress: bool) -> None:
     """One round: evaluate the published checkpoints not yet logged, commit them in step
     order to the follower's log, up to a pass (its ``run_stop``); never an aborted one."""
-    plan = replace(plan_evaluation(source, config, _live_log(mllog_file, run.follow_log)), final_step=None)
+    plan = replace(plan_evaluation(source, config, validation, _live_log(mllog_file, run.follow_log)), final_step=None)
     if not plan.pending_steps:
         return
     checkpoints = {c.step: c for c in source.discover()[0]}
-    evaluate_serially(run, source, config, run.follow_log, plan, checkpoints, lambda: engine, show_progress)
+    evaluate_serially(run, source, config, validation, run.follow_log, plan, checkpoints, lambda: engine, show_progress)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,9 @@ class LiveSeries(RunSeries):
         checkpoints, _in_flight, problem = super().discover()
         return checkpoints, [], problem
 
-    def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
-        _notes, problem = check_series(checkpoints, config, log, self.root, self.files_checked)
+    def check(self, checkpoints: list[Checkpoint], config: RunConfig, validation: ValidationSet,
+              log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        _notes, problem = check_series(checkpoints, config, validation, log, self.root, self.files_checked)
         return [], None if problem is not None and problem.index == len(checkpoints) else problem
 
 

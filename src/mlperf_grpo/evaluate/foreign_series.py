@@ -26,8 +26,9 @@ from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, 
 from mlperf_grpo.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
-from mlperf_grpo.model import check_model_path
+from mlperf_grpo.model_files import check_model_path
 from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.tasks import ValidationSet
 
 SOURCE_FILE = "source.json"
 """``DIR/eval/source.json``: the series' format and what it could not check."""
@@ -67,8 +68,11 @@ class ForeignSeries:
         found, ignored, unreadable = foreign.discover_nemo_rl(self.root, self.global_batch_size)
         return found, ignored, None if unreadable is None else SeriesProblem(len(found), unreadable[1])
 
-    def check(self, checkpoints: list[ForeignCheckpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
-        """As :func:`series.check_series`, with what these layouts record.
+    def check(self, checkpoints: list[ForeignCheckpoint], config: RunConfig, validation: ValidationSet,
+              log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        """As :func:`series.check_series`, with what these layouts record (no evaluation
+        settings: ``validation`` is not read; the config is compared with what the log
+        recorded instead, ``eval_settings.logged_differences``).
 
         Raises:
             EvaluationError: no checkpoints; the first not at the first eval step; no

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from mlperf_grpo.errors import EXIT_FAILURE, EXIT_OK
 from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, die_with_parent, prestart_rank_server
 
 STORE_TIMEOUT = timedelta(hours=24)
@@ -256,8 +257,8 @@ class TorchrunRanks:
         self._wait_for_rank0(["verdict"])
         verdict = json.loads(self.store.get("verdict"))
         if verdict["node"] == self.node:
-            return 0, None
-        return (1 if verdict["error"] and not verdict["exit_code"] else verdict["exit_code"]), verdict["error"]
+            return EXIT_OK, None
+        return (EXIT_FAILURE if verdict["error"] and not verdict["exit_code"] else verdict["exit_code"]), verdict["error"]
 
     def _wait_for_rank0(self, *any_of: list[str]) -> None:
         """:func:`_wait_for` rank 0's keys; raises Rank0LostError once the watcher has
@@ -304,7 +305,7 @@ def joined_ranks() -> Iterator[TorchrunRanks]:
         yield ranks
     except BaseException as err:
         if ranks.rank == 0:
-            ranks.conclude(1, str(err) or type(err).__name__)
+            ranks.conclude(EXIT_FAILURE, str(err) or type(err).__name__)
         raise
     finally:
         ranks.close()

@@ -54,7 +54,7 @@ from mlperf_grpo.merge import MergeError, merge_logs
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
-from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 
 @dataclass(frozen=True)
@@ -166,6 +166,7 @@ def evaluate_series(
     show_progress: bool = True,
     workers: int = 1,
     ranks: TorchrunRanks | None = None,
+    validation: ValidationSet | None = None,
 ) -> EvalOutcome:
     """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
@@ -177,12 +178,14 @@ def evaluate_series(
     ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
     ``source`` its :class:`RunSeries`: the ranks load both from it; they are ``ranks``
     (torchrun's, joined by this process as rank 0) or, without, launched here.
+    ``validation``: the caller's task suite and validation tasks (a follower's, loaded
+    for its rounds); ``None``: loaded here, once for the whole evaluation.
 
     Raises: as :func:`evaluate_run`.
     """
     check_engine_available(config)  # before the lock or anything else is written
-    suite = load_suite(config)
-    check_prompt_lengths(config, {"validation": validation_tasks(suite, config.validation.num_tasks)})
+    validation = load_validation_set(config) if validation is None else validation
+    check_prompt_lengths(config, {"validation": validation.tasks})
     if workers > 1 and ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
@@ -196,7 +199,8 @@ def evaluate_series(
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
                 _check_logged_settings(config, log, mllog_file)
-                _evaluate_checkpoints(run, source, config, eval_log or mllog_file, log, show_progress, workers, ranks)
+                _evaluate_checkpoints(run, source, config, validation, eval_log or mllog_file, log, show_progress, workers,
+                                      ranks)
         if merge and eval_log is not None:
             merge_in_place(mllog_file, eval_log)
             eval_log = None
@@ -318,14 +322,14 @@ def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedL
     return log
 
 
-def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, log: ParsedLog,
-                          show_progress: bool, workers: int, ranks: TorchrunRanks | None = None) -> None:
+def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet, mllog_file: Path,
+                          log: ParsedLog, show_progress: bool, workers: int, ranks: TorchrunRanks | None = None) -> None:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
     up to the first pass; one worker runs here, more are torchrun ranks (``ranks``, or
     launched here: :func:`launch`)."""
-    plan = plan_evaluation(source, config, log)
+    plan = plan_evaluation(source, config, validation, log)
     try:
-        _run_workers(run, source, config, mllog_file, plan, show_progress, workers, ranks)
+        _run_workers(run, source, config, validation, mllog_file, plan, show_progress, workers, ranks)
     except EvaluationError:
         _remove_if_nothing_committed(run)
         raise
@@ -341,12 +345,14 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
         shutil.rmtree(run.eval_dir)
 
 
-def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_file: Path, plan: EvalPlan,
-                 show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
+def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet, mllog_file: Path,
+                 plan: EvalPlan, show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
+    """One worker here, or ``workers`` torchrun ranks (``ranks``, or launched here; a
+    launched rank is its own process and loads the validation set itself)."""
     if workers == 1:
-        engine = EngineAtFirstUse(run, config)
+        engine = EngineAtFirstUse(run, config, validation)
         try:
-            evaluate_serially(run, source, config, mllog_file, plan, series_by_step(source), engine, show_progress)
+            evaluate_serially(run, source, config, validation, mllog_file, plan, series_by_step(source), engine, show_progress)
         finally:
             engine.close()
         return
@@ -357,7 +363,7 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, mllog_fil
     else:  # this process is rank 0 of the ranks torchrun started: they are the workers
         ranks.publish_plan({"mllog_file": str(mllog_file), "plan": asdict(plan)})
         try:
-            outcome = evaluate_rank(str(run.root), str(mllog_file), plan, show_progress)
+            outcome = evaluate_rank(str(run.root), str(mllog_file), plan, show_progress, validation=validation)
         except BaseException:
             WorkQueue(ranks.store, 0).stop()  # the others claim nothing more
             raise

@@ -48,8 +48,8 @@ from mlperf_grpo.fingerprint import (
 )
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
-from mlperf_grpo.model import check_model_path
-from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.model_files import check_model_path
+from mlperf_grpo.tasks import Task, ValidationSet
 
 
 class RefitError(RuntimeError):
@@ -70,7 +70,7 @@ class SeriesProblem:
 
 
 def check_series(
-    checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog, checkpoint_root: Path,
+    checkpoints: list[Checkpoint], config: RunConfig, validation: ValidationSet, log: ParsedLog, checkpoint_root: Path,
     files_checked: set[Path] | None = None,
 ) -> tuple[list[str], SeriesProblem | None]:
     """Check a checkpoint series before anything is evaluated. Cheap: reads records,
@@ -119,7 +119,7 @@ def check_series(
             check_model_files(checkpoints[0].info.files, model_dir, "model.path")
         except CheckpointError as err:
             raise EvaluationError(str(err)) from None
-        settings_notes = check_evaluation_settings(checkpoints[0], config)
+        settings_notes = check_evaluation_settings(checkpoints[0], config, validation.tasks)
         files_checked.add(model_dir)
     previous = run_starts[0].time_ms or 0
     for index, c in enumerate(checkpoints):
@@ -134,7 +134,7 @@ def check_series(
     return settings_notes + notes, None
 
 
-def check_evaluation_settings(first: Checkpoint, config: RunConfig) -> list[str]:
+def check_evaluation_settings(first: Checkpoint, config: RunConfig, validation_tasks: list[Task]) -> list[str]:
     """The config evaluates what training recorded: every setting of
     :func:`~mlperf_grpo.eval_settings.evaluation_settings` (seed, validation settings,
     ``grpo.max_new_tokens``, the task and its validation tasks' content) equals
@@ -150,8 +150,7 @@ def check_evaluation_settings(first: Checkpoint, config: RunConfig) -> list[str]
     if not first.info.evaluation:
         return [f"note: {first.path.name} records no evaluation settings (written before they were): the config's "
                 "seed, validation settings and task are not checked against the training's"]
-    suite = load_suite(config)
-    current = evaluation_settings(config, validation_tasks(suite, config.validation.num_tasks))
+    current = evaluation_settings(config, validation_tasks)
     difference = settings_difference(first.info.evaluation, current)
     if difference is not None:
         raise EvaluationError(
@@ -231,7 +230,8 @@ class SeriesSource(Protocol):
     def discover(self) -> tuple[list, list[Path], SeriesProblem | None]:
         """``(checkpoints in step order, ignored unfinished dirs, first unreadable one)``."""
 
-    def check(self, checkpoints: list, config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+    def check(self, checkpoints: list, config: RunConfig, validation: ValidationSet,
+              log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
         """Cheap checks before anything is evaluated (see :func:`check_series`)."""
 
     def read(self, checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
@@ -260,8 +260,9 @@ class RunSeries:
     def discover(self) -> tuple[list[Checkpoint], list[Path], SeriesProblem | None]:
         return discover_run_series(self.root)
 
-    def check(self, checkpoints: list[Checkpoint], config: RunConfig, log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
-        return check_series(checkpoints, config, log, self.root)
+    def check(self, checkpoints: list[Checkpoint], config: RunConfig, validation: ValidationSet,
+              log: ParsedLog) -> tuple[list[str], SeriesProblem | None]:
+        return check_series(checkpoints, config, validation, log, self.root)
 
     def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
         return read_verified(checkpoint, buffers, stop)  # hash-verified as read, stoppable between chunks

@@ -33,16 +33,16 @@ from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueu
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score
 
 RANK_MODULE = __name__
 """The module the evaluation ranks run from (:func:`evaluate_rank`): what their fork
 server imports ahead (``evaluate/prestart.py``)."""
 
-def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, checkpoints: dict[int, Checkpoint],
-                     plan: EvalPlan, engine: Callable[[], InferenceEngine], after_each=lambda: None,
-                     group: SoloWorker | TensorParallelGroup | None = None) -> None:
+def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet,
+                     checkpoints: dict[int, Checkpoint], plan: EvalPlan, engine: Callable[[], InferenceEngine],
+                     after_each=lambda: None, group: SoloWorker | TensorParallelGroup | None = None) -> None:
     """One worker: claim the next pending checkpoint, refit from its prefetched verified
     read (the next one is read meanwhile), verify, validate, write its results to
     ``eval/unlogged/`` and publish its result (or its error) until none is left or the
@@ -52,9 +52,9 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
     committer). ``group``: this rank's part of a worker spanning a tensor-parallel group
     (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`: its leader claims,
     writes and publishes; every rank reads its share, refits, verifies and generates);
-    default one rank (:class:`~mlperf_grpo.evaluate.worker_group.SoloWorker`)."""
-    suite = load_suite(config)
-    tasks = validation_tasks(suite, config.validation.num_tasks)
+    default one rank (:class:`~mlperf_grpo.evaluate.worker_group.SoloWorker`). ``validation``:
+    the run's task suite and validation tasks, loaded once by the caller."""
+    suite, tasks = validation.suite, validation.tasks
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     group = SoloWorker(source) if group is None else group
@@ -126,7 +126,7 @@ def _process_start_unix_s(pid: int) -> float | None:
     return round(boot_unix_s + start_ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
-def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> InferenceEngine:
+def start_engine(run: RunDir, config: RunConfig, validation: ValidationSet, launch_unix_s: float | None = None) -> InferenceEngine:
     """This worker's engine, ready before it refits its first checkpoint: built with its
     weights unset (``refit_only``: the first refit fills every one, verified by
     fingerprint and canary), then warmed up by generating 2 tokens for the validation
@@ -146,8 +146,7 @@ def start_engine(run: RunDir, config: RunConfig, launch_unix_s: float | None = N
     engine = build_engine(config, batch_size=config.validation.batch_size, refit_only=True)
     built_s = time.perf_counter()
     try:
-        suite = load_suite(config)
-        tasks = validation_tasks(suite, config.validation.num_tasks)
+        suite, tasks = validation.suite, validation.tasks
         v = config.validation
         rows = v.batch_size if _engine_on_cuda(engine) else 1
         prompts = [tasks[i % len(tasks)].prompt for i in range(rows)]
@@ -205,11 +204,11 @@ class EngineAtFirstUse:
     :meth:`close` closes it if it was started.
 
     Args:
-        run, config, launch_unix_s: as :func:`start_engine`'s.
+        run, config, validation, launch_unix_s: as :func:`start_engine`'s.
     """
 
-    def __init__(self, run: RunDir, config: RunConfig, launch_unix_s: float | None = None) -> None:
-        self._start = lambda: start_engine(run, config, launch_unix_s)
+    def __init__(self, run: RunDir, config: RunConfig, validation: ValidationSet, launch_unix_s: float | None = None) -> None:
+        self._start = lambda: start_engine(run, config, validation, launch_unix_s)
         self._engine: InferenceEngine | None = None
 
     def __call__(self) -> InferenceEngine:
@@ -224,7 +223,7 @@ class EngineAtFirstUse:
 
 
 def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: bool,
-                  launch_unix_s: float | None = None) -> dict | None:
+                  launch_unix_s: float | None = None, validation: ValidationSet | None = None) -> dict | None:
     """A torchrun rank of ``evaluate --workers N`` (or of ``evaluate`` under torchrun):
     one engine on device ``LOCAL_RANK`` (CUDA) or a CPU process with its share of its
     node's cores, started (:func:`start_engine`)
@@ -237,7 +236,9 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     T > 1 (under torchrun, world = workers x T): the rank joins a process group, every
     rank builds its engine at once (tensor-parallel over ranks ``w T .. w T + T - 1``),
     and the ``T`` ranks of a group are one worker
-    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`).
+    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`). ``validation``: the
+    evaluator's task suite and validation tasks when this is its own process (rank 0 of
+    torchrun's ranks); ``None`` in a launched rank's process: loaded here, once.
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
@@ -256,10 +257,12 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     t = group_size(config)
     joined = join_process_group(config) if t > 1 else False
-    engine = EngineAtFirstUse(run, config, launch_unix_s)
+    engine: EngineAtFirstUse | None = None
     failure: list[dict] = []
     committer_thread = None
     try:
+        validation = load_validation_set(config) if validation is None else validation
+        engine = EngineAtFirstUse(run, config, validation, launch_unix_s)
         source = RunSeries(run.checkpoints)
         checkpoints = series_by_step(source)
         queue = rank_queue(len(plan.pending_steps), serve=True)
@@ -279,9 +282,10 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
 
             committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
             committer_thread.start()
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, group=group)
+        evaluate_claimed(queue, run, source, config, validation, checkpoints, plan, engine, group=group)
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         if joined:
             torch.distributed.destroy_process_group()
     if committer_thread is not None:

@@ -53,17 +53,17 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from mlperf_grpo.config import InferenceConfig
+from mlperf_grpo.config_sections import InferenceConfig
+from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import (
     Completion, SamplingParams, Weights, eos_token_ids, weight_pairs,
 )
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import (
-    DTYPES, ModelLoadError, check_device, check_model_path, check_weights, encode_prompts, load_generation_config,
-    load_tokenizer,
-)
+from mlperf_grpo.model import encode_prompts, load_tokenizer
+from mlperf_grpo.model_files import DTYPES, check_device, check_model_path, load_generation_config
+from mlperf_grpo.model_skeleton import check_weights
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -132,7 +132,7 @@ class VLLMEngine:
         seed: vLLM's engine seed (every request also carries its own).
     Raises:
         ModelLoadError: no model directory, weight files that are unreadable or do not fit
-            ``config.json`` (:func:`~mlperf_grpo.model.check_weights`), or ``cuda``
+            ``config.json`` (:func:`~mlperf_grpo.model_skeleton.check_weights`), or ``cuda``
             without a CUDA device.
     """
 

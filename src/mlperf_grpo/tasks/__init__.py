@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.tasks.base import Task, TaskError, TaskSuite
 
@@ -81,6 +83,28 @@ def train_tasks(suite: TaskSuite, num_tasks: int, num_validation_tasks: int, see
     return _checked(suite.train_tasks(num_tasks, num_validation_tasks, seed), num_tasks, "train_tasks", "task.num_train_tasks")
 
 
+@dataclass(frozen=True)
+class ValidationSet:
+    """A run's task suite and its checked validation tasks, loaded once per process
+    (:func:`load_validation_set`) and handed to every part of an evaluation that needs
+    them: the settings check, the engine's warm-up, each checkpoint's validation."""
+
+    suite: TaskSuite
+    """The suite (its ``reward`` scores the validation completions)."""
+    tasks: list[Task]
+    """``validation.num_tasks`` tasks with distinct ids (:func:`validation_tasks`)."""
+
+
+def load_validation_set(config) -> ValidationSet:
+    """The :class:`ValidationSet` of a run config (:class:`mlperf_grpo.config.RunConfig`).
+
+    Raises:
+        TaskError: as :func:`load_suite` and :func:`validation_tasks`.
+    """
+    suite = load_suite(config)
+    return ValidationSet(suite, validation_tasks(suite, config.validation.num_tasks))
+
+
 def _checked(tasks: object, num_tasks: int, what: str, key: str) -> list[Task]:
     if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
         raise TaskError(f"the task suite's {what}() must return a list of mlperf_grpo.tasks.Task")
@@ -92,4 +116,5 @@ def _checked(tasks: object, num_tasks: int, what: str, key: str) -> list[Task]:
     return tasks
 
 
-__all__ = ["SUITES", "Task", "TaskError", "TaskSuite", "load_suite", "train_tasks", "validation_tasks"]
+__all__ = ["SUITES", "Task", "TaskError", "TaskSuite", "ValidationSet", "load_suite", "load_validation_set", "train_tasks",
+           "validation_tasks"]

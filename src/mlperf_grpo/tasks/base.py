@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from mlperf_grpo.config import ConfigError
+from mlperf_grpo.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from mlperf_grpo.inference.base import SamplingParams, build_engine
 from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.outcome import Evaluation
 from mlperf_grpo.rundir import RunDir
-from mlperf_grpo.tasks import load_suite, validation_tasks
+from mlperf_grpo.tasks import ValidationSet
+from mlperf_grpo.train.inputs import TrainingInputs
 
 class InlineEvaluator:
     """``inline_eval`` hook of :func:`mlperf_grpo.train.trainer.train`
@@ -37,15 +38,15 @@ class InlineEvaluator:
         config: the run config (validation settings, GBS, target).
         run: the run directory (``eval/step_N.jsonl`` results go there).
         mllog_file: the run's MLPerf log (the trainer's file; lines are appended).
+        validation: the task suite and validation tasks the trainer's inputs loaded.
     """
 
-    def __init__(self, config: RunConfig, run: RunDir, mllog_file) -> None:
+    def __init__(self, config: RunConfig, run: RunDir, mllog_file, validation: ValidationSet) -> None:
         self.config = config
         self.run = run
         self.writer = MLLogWriter(mllog_file)
-        self.suite = load_suite(config)
+        self.suite, self.tasks = validation.suite, validation.tasks
         v = config.validation
-        self.tasks = validation_tasks(self.suite, v.num_tasks)
         self.params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
         self.engine = build_engine(config, batch_size=v.batch_size)
         self.last_step: int | None = None
@@ -73,10 +74,11 @@ class InlineEvaluator:
         self.writer.commit()
 
 
-def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str, inputs=None) -> EvalOutcome:
+def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str, inputs: TrainingInputs) -> EvalOutcome:
     """Train with :class:`InlineEvaluator`; returns the outcome read back from the log.
     ``inputs``: the caller's checked :class:`~mlperf_grpo.train.inputs.TrainingInputs`
-    (``None``: the trainer checks them).
+    (``check_layout`` and ``check_training_inputs``); its suite and validation tasks are
+    the evaluator's too.
 
     Raises:
         EvaluationError: training ended before the first eval step (nothing evaluated).
@@ -89,7 +91,7 @@ def train_with_inline_eval(config: RunConfig, run: RunDir, config_filename: str,
     def inline_eval(step: int, policy: torch.nn.Module) -> bool:
         nonlocal evaluator
         if evaluator is None:  # built lazily: the trainer creates the run directory and log
-            evaluator = InlineEvaluator(config, run, run.load()[1])
+            evaluator = InlineEvaluator(config, run, run.load()[1], inputs.validation_set)
         return evaluator(step, policy)
 
     try:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.config import GRPOConfig, RunConfig
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config_sections import GRPOConfig
 from mlperf_grpo.inference.base import Completion
-from mlperf_grpo.model import DTYPES
+from mlperf_grpo.model_files import DTYPES
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grpo import (

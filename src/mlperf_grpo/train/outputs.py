@@ -34,7 +34,7 @@ from mlperf_grpo.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import DiscardingLogWriter, MLLogWriter, read_log
 from mlperf_grpo.outcome import log_aborted_run_stop
-from mlperf_grpo.model import DTYPES, check_model_path
+from mlperf_grpo.model_files import DTYPES, check_model_path
 from mlperf_grpo.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.train import collectives, ranks
 from mlperf_grpo.graceful_stop import GracefulStop
@@ -281,7 +281,7 @@ class NoRunOutput:
         return DiscardingLogWriter()
 
     def checkpoints(self, config: RunConfig, log: DiscardingLogWriter, engine: InferenceEngine,
-                    policy: torch.nn.Module, evaluation: dict[str, object]) -> DeferredCheckpoints | NoCheckpoints:
+                    policy: torch.nn.Module, evaluation: dict[str, object]) -> Checkpoints:
         """This rank's share of the run's :class:`DeferredCheckpoints`."""
         if self.checkpoint_root is None:
             return NoCheckpoints()

@@ -1,0 +1,130 @@
+"""A run config read: YAML in (YAML 1.2 floats, task paths relative to the file), a
+mapping validated into a :class:`~mlperf_grpo.config.RunConfig` with one-line errors
+that name the field and how to fix it, and YAML out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from mlperf_grpo import rules
+from mlperf_grpo.config import RunConfig
+from mlperf_grpo.errors import ConfigError
+
+
+class ClosedDivisionError(ConfigError):
+    """A ``division: closed`` config departs from the closed rules: one line per value."""
+
+    def __init__(self, source: str, violations: list[rules.Violation]) -> None:
+        self.violations = violations
+        lines = "".join(f"\n  {v}" for v in violations)
+        n = len(violations)
+        super().__init__(
+            f"{source}: division closed, but {n} {'value departs' if n == 1 else 'values depart'} from the closed rules "
+            f"(the run does not start):{lines}"
+        )
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    """One line per invalid field; several lines under a heading when there are several."""
+    lines = [_describe(e) for e in err.errors()]
+    if len(lines) == 1:
+        return f"{source}: {lines[0]}"
+    body = "".join(f"\n  {line}" for line in lines)
+    return f"{source}: {len(lines)} config errors (the run does not start):{body}"
+
+
+def _describe(error: dict) -> str:
+    field = ".".join(str(p) for p in error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"unknown key '{field}'; remove it or check its spelling"
+    if kind == "missing":
+        return f"missing field '{field}'"
+    msg = error["msg"].removeprefix("Value error, ")
+    if isinstance(error.get("input"), dict) and kind == "value_error":
+        return msg  # a rule across fields: the message names them
+    if kind == "value_error":
+        return f"field '{field}': {msg}"
+    return f"field '{field}': {msg} (got {error.get('input')!r})"
+
+
+def parse_config(data: object, source: str = "config") -> RunConfig:
+    """Validate a mapping into a :class:`RunConfig`.
+
+    A ``division: closed`` config is also checked against the closed rules.
+
+    Raises:
+        ConfigError: one line naming the wrong field; with several wrong fields, a heading
+            and one line per field.
+        ClosedDivisionError: closed config with departing values, one line per value.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+    if config.division == "closed":
+        violations = config.closed_violations()
+        if violations:
+            raise ClosedDivisionError(source, violations)
+    return config
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: PyYAML follows YAML 1.1, whose float
+    needs a dot, so ``learning_rate: 1e-5`` would be the string ``"1e-5"`` (the same
+    mantissa-and-exponent form that YAML 1.2's core schema and JSON read as a number).
+    Every other scalar resolves as ``yaml.safe_load`` resolves it."""
+
+
+ConfigLoader.add_implicit_resolver(  # only the form YAML 1.1 lacks: digits, then an exponent (1e-5, -2E+3)
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read a YAML config; ``None`` gives the built-in default.
+
+    Raises:
+        ConfigError: unreadable file, malformed YAML, or an invalid/unknown field.
+    """
+    if path is None:
+        return RunConfig()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
+    try:
+        data = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}; fix the syntax") from None
+    config = parse_config(data, source=str(path))
+    return _paths_from(config, path.parent)
+
+
+def _paths_from(config: RunConfig, folder: Path) -> RunConfig:
+    """``config`` with relative task data paths made absolute against ``folder``."""
+    updates = {}
+    for key in ("train_path", "validation_path"):
+        value = getattr(config.task, key)
+        if value is not None and not Path(value).is_absolute():
+            updates[key] = str((folder / value).resolve())
+    if not updates:
+        return config
+    return config.model_copy(update={"task": config.task.model_copy(update=updates)})
+
+
+def dump_config(config: RunConfig) -> str:
+    """YAML text of a config, loadable by :func:`load_config`."""
+    return yaml.safe_dump(config.model_dump(), sort_keys=False)

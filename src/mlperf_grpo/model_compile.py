@@ -1,0 +1,76 @@
+"""``torch.compile`` of the training policy's decoder layers (regional compilation),
+and when ``model.compile: auto`` leaves a model eager."""
+
+from __future__ import annotations
+
+import torch
+
+from mlperf_grpo.model_files import check_model_path, hf_config, linear_attention_layers
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """A Hugging Face causal LM's decoder layers: the one ``ModuleList`` of its base model
+    (``model.layers`` for Llama and Qwen, ``gpt_neox.layers``, GPT-2's ``transformer.h``).
+
+    Raises:
+        ValueError: the base model has no such list, or several.
+    """
+    base = getattr(model, "base_model", None)
+    lists = [m for m in base.children() if isinstance(m, torch.nn.ModuleList)] if isinstance(base, torch.nn.Module) else []
+    if len(lists) != 1:
+        raise ValueError(f"{type(model).__name__}: {len(lists)} lists of decoder layers in its base model, not one; "
+                         "FSDP sharding needs one")
+    return lists[0]
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (``nn.Module.compile``: parameter
+    names and ``state_dict`` keys are unchanged), with dynamic shapes (micro-batches differ
+    in rows and width). The layers share one code object, so one compilation serves them
+    all; it happens at the first forward and backward pass. Regional compilation as
+    torchtitan's ``apply_compile`` (before any ``fully_shard``).
+
+    Raises:
+        ValueError: the model has no ``model.layers`` list.
+    """
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
+def graph_breaking_layers(path: str) -> str | None:
+    """Why ``model.compile: auto`` leaves the model at ``path`` eager, or None: its
+    decoder layers hold mixture-of-experts routing or linear attention, whose
+    data-dependent control flow breaks the compiled graph (on one H200, a
+    ``qwen3_5_moe`` model's first compiled step had not ended after 216 s: inductor
+    graph breaks at the experts' grouped matmul, ``aten._local_scalar_dense``, issue 29).
+    Reads ``config.json`` only.
+
+    Raises:
+        ModelLoadError: no model directory, or a ``config.json`` that does not load.
+    """
+    config = hf_config(check_model_path(path)).get_text_config()
+    kinds = []
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        kinds.append("mixture-of-experts")
+    if linear_attention_layers(path):
+        kinds.append("linear-attention")
+    return f"{' and '.join(kinds)} layers break the compiled graph" if kinds else None
+
+
+def compile_policy_layers(setting: str, wanted: bool, path: str) -> tuple[bool, str | None]:
+    """``model.compile`` resolved for the model at ``path``: ``(compile, note)``.
+
+    ``wanted`` is ``ModelConfig.compile_policy`` (``auto`` resolved by device and
+    dtype). Under ``auto`` a model whose layers break the graph
+    (:func:`graph_breaking_layers`) stays eager, and ``note`` says so in one line;
+    ``on`` compiles it anyway.
+
+    Raises:
+        ModelLoadError: as :func:`graph_breaking_layers`.
+    """
+    if not wanted or setting != "auto":
+        return wanted, None
+    reason = graph_breaking_layers(path)
+    if reason is None:
+        return True, None
+    return False, f"model.compile auto: off for this model ({reason}); model.compile: on compiles it anyway"
