@@ -48,7 +48,7 @@ class Source:
     def discover(self):
         return list(self.checkpoints), self.ignored, self.discover_problem
 
-    def check(self, checkpoints, config, log):
+    def check(self, checkpoints, config, validation, log):
         self.checked.append([c.step for c in checkpoints])
         return self.notes, self.check_problem
 
@@ -65,17 +65,17 @@ def test_a_clean_series_leaves_every_checkpoint_after_those_logged(tmp_path):
     source = Source([18, 19, 20, 21])
     log = _log(tmp_path, {18: 0.25, 19: 0.5})
     assert logged_evals(log) == [(18, 0.25), (19, 0.5)]
-    assert plan_evaluation(source, CONFIG, log) == EvalPlan([20, 21], None, 21)
+    assert plan_evaluation(source, CONFIG, None, log) == EvalPlan([20, 21], None, 21)
     assert source.checked == [[18, 19, 20, 21]]
 
 
 def test_an_empty_log_leaves_the_whole_series(tmp_path):
-    assert plan_evaluation(Source([18, 19]), CONFIG, _log(tmp_path, {})) == EvalPlan([18, 19], None, 19)
+    assert plan_evaluation(Source([18, 19]), CONFIG, None, _log(tmp_path, {})) == EvalPlan([18, 19], None, 19)
 
 
 def test_a_log_that_is_not_a_prefix_of_the_series_is_refused(tmp_path):
     with pytest.raises(EvaluationError, match=r"the log's evaluations \[19\] are not a prefix of the checkpoint series"):
-        plan_evaluation(Source([18, 19, 20]), CONFIG, _log(tmp_path, {19: 0.5}))
+        plan_evaluation(Source([18, 19, 20]), CONFIG, None, _log(tmp_path, {19: 0.5}))
 
 
 def test_the_earlier_of_two_problems_cuts_the_series(tmp_path):
@@ -84,17 +84,17 @@ def test_the_earlier_of_two_problems_cuts_the_series(tmp_path):
     unreadable, fault = SeriesProblem(3, "step_21: unreadable"), SeriesProblem(1, "step_19: time not increasing")
     log = _log(tmp_path, {})
     steps = [18, 19, 20]  # discovery returns the readable checkpoints before the unreadable one
-    assert plan_evaluation(Source(steps, discover_problem=unreadable, check_problem=fault), CONFIG, log) == EvalPlan(
+    assert plan_evaluation(Source(steps, discover_problem=unreadable, check_problem=fault), CONFIG, None, log) == EvalPlan(
         [18], fault, 20)
     late = SeriesProblem(3, "gap: missing step_21")
-    assert plan_evaluation(Source(steps, discover_problem=unreadable, check_problem=late), CONFIG, log) == EvalPlan(
+    assert plan_evaluation(Source(steps, discover_problem=unreadable, check_problem=late), CONFIG, None, log) == EvalPlan(
         [18, 19, 20], unreadable, 20)
 
 
 def test_nothing_readable_is_refused_with_the_problem_and_no_check(tmp_path):
     source = Source([], discover_problem=SeriesProblem(0, "step_18/training_info.json is missing"))
     with pytest.raises(EvaluationError, match=r"^step_18/training_info.json is missing$"):
-        plan_evaluation(source, CONFIG, _log(tmp_path, {}))
+        plan_evaluation(source, CONFIG, None, _log(tmp_path, {}))
     assert source.checked == []
 
 
@@ -102,7 +102,7 @@ def test_a_problem_right_after_the_logged_evaluations_is_unscorable(tmp_path):
     """Everything before the fault is logged and none passed: nothing is left to evaluate."""
     source = Source([18, 19, 20], check_problem=SeriesProblem(2, "gap: missing step_20"))
     with pytest.raises(EvaluationError) as caught:
-        plan_evaluation(source, CONFIG, _log(tmp_path, {18: 0.1, 19: 0.2}))
+        plan_evaluation(source, CONFIG, None, _log(tmp_path, {18: 0.1, 19: 0.2}))
     assert str(caught.value) == (
         "gap: missing step_20; no checkpoint before it passed, so the run cannot be scored past it (nothing was "
         "logged for the checkpoints evaluated): restore the checkpoint from a copy and run evaluate again, or train again")
@@ -110,7 +110,7 @@ def test_a_problem_right_after_the_logged_evaluations_is_unscorable(tmp_path):
 
 def test_notes_and_ignored_directories_go_to_stderr(tmp_path, capsys):
     source = Source([18], ignored=[tmp_path / "tmp_step_19"], notes=["note: training was killed"])
-    plan_evaluation(source, CONFIG, _log(tmp_path, {}))
+    plan_evaluation(source, CONFIG, None, _log(tmp_path, {}))
     assert capsys.readouterr().err.splitlines() == [
         f"note: ignoring unfinished checkpoint {tmp_path / 'tmp_step_19'} (never evaluated)", "note: training was killed"]
 

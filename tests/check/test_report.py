@@ -107,7 +107,7 @@ def test_unwritable_output_is_bad_input_naming_the_file(capsys):
 
     from mlperf_grpo.cli import main
 
-    log = Path(__file__).parent / "data" / "real_run" / "mlperf.log"
+    log = Path(__file__).parents[1] / "data" / "real_run" / "mlperf.log"
     assert main(["report", str(log), "-o", "/proc/no/such/dir/r.png"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mlperf-grpo: error: cannot write /proc/no/such/dir/r.png") and "\n" not in err
