@@ -224,7 +224,7 @@ class EngineAtFirstUse:
 
 
 def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: bool,
-                  launch_unix_s: float | None = None) -> dict | None:
+                  launch_unix_s: float | None = None, series: dict | None = None) -> dict | None:
     """A torchrun rank of ``evaluate --workers N`` (or of ``evaluate`` under torchrun):
     one engine on device ``LOCAL_RANK`` (CUDA) or a CPU process with its share of its
     node's cores, started (:func:`start_engine`)
@@ -237,7 +237,9 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     T > 1 (under torchrun, world = workers x T): the rank joins a process group, every
     rank builds its engine at once (tensor-parallel over ranks ``w T .. w T + T - 1``),
     and the ``T`` ranks of a group are one worker
-    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`).
+    (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`). ``series``: another
+    trainer's series (``ForeignSeries.rank_spec``: its layout and the config's path;
+    ``run_dir`` is then its folder), else the run directory's own.
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
@@ -249,7 +251,7 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     tqdm.set_lock(threading.RLock())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = RunDir(Path(run_dir))
-    config = run.load()[0]
+    config, source = rank_series(run, series)
     if config.model.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
@@ -258,13 +260,13 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     joined = join_process_group(config) if t > 1 else False
     engine = EngineAtFirstUse(run, config, launch_unix_s)
     failure: list[dict] = []
-    committer_thread = None
+    committer_thread, group = None, None
     try:
-        source = RunSeries(run.checkpoints)
         checkpoints = series_by_step(source)
         queue = rank_queue(len(plan.pending_steps), serve=True)
         # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
-        group = TensorParallelGroup(engine(), queue.store, rank // t) if t > 1 else None
+        group = TensorParallelGroup(engine(), queue.store, rank // t, source) if t > 1 else None
+        watching = group.watch.watching() if group is not None else contextlib.nullcontext()
         if rank == 0:
             committer = StepOrderCommitter(run, config, Path(mllog_file), plan, checkpoints,
                                            rank_queue(len(plan.pending_steps), serve=False), show_progress)
@@ -279,8 +281,16 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
 
             committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
             committer_thread.start()
-        evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, group=group)
+        with watching:  # a collective failing because a peer died: its watcher ends the job with one line
+            evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, group=group)
+    except BaseException as err:
+        if committer_thread is not None:  # rank 0: its committer waits for no result more
+            with contextlib.suppress(Exception):
+                queue.fail(f"rank 0: {type(err).__name__}: {err}")
+        raise
     finally:
+        if group is not None:
+            group.close()
         engine.close()
         if joined:
             torch.distributed.destroy_process_group()
@@ -289,8 +299,25 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     return failure[0] if failure else None
 
 
-def join_evaluation(run_dir: Path, ranks: TorchrunRanks) -> int:
-    """A rank other than 0 of ``evaluate RUN_DIR`` under torchrun: wait for rank 0's
+def rank_series(run: RunDir, series: dict | None) -> tuple[RunConfig, SeriesSource]:
+    """A rank's config and series: the run directory's (``run.json``, ``checkpoints/``),
+    or, for another trainer's series (``series``: ``ForeignSeries.rank_spec``), the
+    config file rank 0 loaded and that series.
+
+    Raises:
+        RunDirError, ConfigError: the run directory or the config is not usable.
+    """
+    if series is None:
+        return run.load()[0], RunSeries(run.checkpoints)
+    from mlperf_grpo.config import load_config
+    from mlperf_grpo.evaluate.foreign_series import source_from_spec
+
+    return load_config(Path(series["config_file"])), source_from_spec(series)
+
+
+def join_evaluation(run_dir: Path | None, ranks: TorchrunRanks) -> int:
+    """A rank other than 0 of ``evaluate`` under torchrun (``RUN_DIR``, or another
+    trainer's series: rank 0's plan names the folder and the series): wait for rank 0's
     plan and evaluate as a worker (:func:`evaluate_rank`), or nothing when rank 0
     concluded without a plan (nothing to evaluate, or it failed first); then tell rank 0
     this rank stopped (with its error if it failed) and wait for rank 0 to conclude.
@@ -308,7 +335,8 @@ def join_evaluation(run_dir: Path, ranks: TorchrunRanks) -> int:
         if shared is not None:
             p = shared["plan"]
             plan = EvalPlan(p["pending_steps"], p["problem"] and SeriesProblem(**p["problem"]), p["final_step"])
-            evaluate_rank(str(run_dir), shared["mllog_file"], plan, show_progress=False)
+            evaluate_rank(shared.get("run_dir", str(run_dir)), shared["mllog_file"], plan, show_progress=False,
+                          series=shared.get("series"))
     except BaseException as err:
         with contextlib.suppress(Exception):  # best effort (rank 0 may be gone): this error is the one raised
             ranks.end(failure=f"rank {ranks.rank}: {type(err).__name__}: {err}")

@@ -27,10 +27,11 @@ import torch
 
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.checkpoint.share_read import agree_on_read, read_share, reserve_share
+from mlperf_grpo.checkpoint.share_read import agree_on_read
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
-from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for
+from mlperf_grpo.evaluate.group_watch import GroupWatch
+from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for, rank_store
 
 
 def group_size(config: RunConfig) -> int:
@@ -96,17 +97,27 @@ class TensorParallelGroup:
             ``tp_group``, ``weight_slices()``).
         store: the work queue's store (every rank's connection).
         worker: the worker's index (``RANK // tp_size``).
+        source: the series (its ``read_share`` and ``reserve_share``: our series'
+            ``share_read``, a foreign one's ``foreign_share``).
     """
 
-    def __init__(self, engine, store, worker: int) -> None:
-        self.engine, self.store, self.worker = engine, store, worker
+    def __init__(self, engine, store, worker: int, source: SeriesSource) -> None:
+        self.engine, self.store, self.worker, self.source = engine, store, worker, source
         self.leader = engine.tp_rank == 0
         self._slices = engine.weight_slices()
-        self.reserve = functools.partial(reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
+        self.reserve = functools.partial(source.reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
         self._turns = {"claim": 0, "go": 0}
+        rank, t = int(os.environ["RANK"]), engine.tp_size
+        self.watch = GroupWatch(rank_store(serve=False), store, rank, [r for r in range(worker * t, worker * t + t) if r != rank],
+                                "" if rank == 0 else f"rank {rank}: ").start()
+        """The group's ranks watch each other (``group_watch.py``): a dead one ends the job."""
+
+    def close(self) -> None:
+        """This rank's part of the worker ended: its peers stop watching it."""
+        self.watch.close()
 
     def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
-        return read_share(checkpoint, self._slices, buffers, self.engine.tp_rank, self.engine.tp_size, stop)
+        return self.source.read_share(checkpoint, self._slices, buffers, self.engine.tp_rank, self.engine.tp_size, stop)
 
     def claim(self, queue: WorkQueue) -> int | None:
         """The leader claims the next index and tells the group; the others wait for it."""
