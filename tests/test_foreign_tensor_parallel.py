@@ -3,6 +3,7 @@
 NeMo-RL series (a DCP directory, per-rank safetensors), against the one-process T = 1
 evaluation of the same series; and each rank's share of each layout, read alone."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,3 +153,51 @@ def test_a_rank_killed_during_a_t2_evaluation_ends_the_job_within_a_minute_and_a
                            env=ENV, cwd=tmp_path, timeout=TIMEOUT_S)
     assert rerun.returncode in (0, 3), rerun.stderr[-3000:]
     assert _results(two, two_log) == _results(one, one_log)
+
+
+SILENCE_S = 5
+"""The heartbeat silence after which a peer is taken for gone, shortened from 30 s for the test."""
+FROZEN_CLI = [sys.executable, "-m", "mlperf_grpo.torchrun", "--standalone", "--nproc-per-node", "2", "--no-python",
+              sys.executable, "-c", f"import sys; from mlperf_grpo.evaluate import group_watch; "
+              f"group_watch.PEER_SILENCE_S = {SILENCE_S}; from mlperf_grpo.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def test_a_frozen_rank_is_taken_for_gone_after_its_heartbeat_silence(trained, tmp_path):
+    """Rank 1 SIGSTOPped once its engine is up (as a rank on a lost node: its process
+    exists, nothing answers, torchrun's agent sees nothing wrong): rank 0, blocked in a
+    collective with it, is ended by its watcher once rank 1's heartbeat stood still for
+    the silence limit, with one line and exit 1; nothing is logged."""
+    series, log = _series(trained, tmp_path, "dcp")
+    before = log.read_bytes()
+    with open(tmp_path / "frozen.err", "w") as err:
+        proc = subprocess.Popen([*FROZEN_CLI, *_evaluate_args(series, log, trained / "t2.yaml")], stdout=subprocess.DEVNULL,
+                                stderr=err, env=ENV, cwd=tmp_path)
+    rank1 = None
+    try:
+        startup = series / "eval" / "startup.jsonl"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (startup.is_file() and any(json.loads(l)["rank"] == 1 for l in startup.read_text().splitlines())):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "frozen.err").read_text()[-3000:]
+            time.sleep(0.05)
+        rank1 = next(json.loads(l)["pid"] for l in startup.read_text().splitlines() if json.loads(l)["rank"] == 1)
+        os.kill(rank1, signal.SIGSTOP)
+        frozen = time.monotonic()
+        while "mlperf-grpo: error:" not in (tmp_path / "frozen.err").read_text():
+            assert time.monotonic() - frozen < SILENCE_S + 30, (tmp_path / "frozen.err").read_text()[-3000:]
+            time.sleep(0.05)
+        assert time.monotonic() - frozen > SILENCE_S  # not before the silence limit
+        os.kill(rank1, signal.SIGKILL)  # as torchrun's agent does, 30 s after its SIGTERM: a stopped process ignores that
+        code = proc.wait(timeout=60)
+    finally:
+        if rank1 is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "frozen.err").read_text()
+    assert code == 1, err[-3000:]  # rank 0's, the first failure
+    ours = [line for line in err.splitlines() if line.startswith("mlperf-grpo:")]
+    why = f"its heartbeat in the store stood still for {SILENCE_S:g} s"
+    assert ours == [f"mlperf-grpo: error: {lost_peer_line(1, why)}"], err[-3000:]
+    assert log.read_bytes() == before

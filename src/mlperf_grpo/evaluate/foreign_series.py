@@ -177,7 +177,7 @@ class ForeignSeries:
         shapes = {n: shape for n, (_, shape) in foreign.tensor_specs(checkpoint).items()}
         dtype = str(engine.dtype).removeprefix("torch.")
         specs = {n: (dtype, shapes[n]) for n in weights}
-        blocks = foreign_share.share_blocks({n: (dtype, shapes[n]) for n in weights}, engine.weight_slices())
+        blocks = foreign_share.share_blocks(specs, engine.weight_slices())
         read_slices = {n: tuple(slice(o, o + k) for o, k in zip(*blocks[n])) for n in weights}
         own = engine.weights()
         try:

@@ -146,7 +146,7 @@ class GroupWatch:
         return not taken
 
     def _run(self) -> None:
-        tracker = PeerTracker(self.store)
+        tracker = PeerTracker(self.store, beats_expected=True)
         with contextlib.suppress(dist.DistError):  # the store is gone: rank 0's watch over it (launch.py) reports it
             while not self._closed.wait(BEAT_S):
                 self.store.add(f"alive/{self.rank}", 1)
@@ -170,7 +170,9 @@ class GroupWatch:
             self.store.set("stop", "1")
             for r in (peer, self.rank):
                 self.store.set(f"ended/{r}", "1")
-        sys.stderr.write(f"mlperf-grpo: {self.tag}error: {line}\n")
+        from tqdm import tqdm
+
+        tqdm.write(f"mlperf-grpo: {self.tag}error: {line}", file=sys.stderr)  # on a line of its own, past a progress bar
         sys.stderr.flush()
         os._exit(EXIT_CODE)
 
@@ -183,16 +185,19 @@ class PeerLostError(RuntimeError):
 class PeerTracker:
     """Whether ranks are gone, from what their :class:`GroupWatch` publishes in ``store``:
     a rank on this host whose process has ended, or one whose ``alive/<r>`` counter has
-    not moved for :data:`PEER_SILENCE_S` across calls of :meth:`gone` (a rank that never
-    beat is only judged by its pid, once published)."""
+    not moved for :data:`PEER_SILENCE_S` across calls of :meth:`gone`. ``beats_expected``:
+    the ranks run a watcher (a group's peers), so a counter not started yet counts as
+    standing still at 0 (a peer that dies before its first beat); else (rank 0 waiting
+    for every rank, some without a watcher) a rank that never beat is judged by its pid
+    alone, once published."""
 
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
+    def __init__(self, store: dist.Store, beats_expected: bool = False) -> None:
+        self.store, self.beats_expected = store, beats_expected
         self._seen: dict[int, tuple[int, float]] = {}
 
     def gone(self, rank: int) -> str | None:
         """Why ``rank`` is taken for gone (one clause), or None."""
-        if self.store.check([f"alive/{rank}"]):
+        if self.beats_expected or self.store.check([f"alive/{rank}"]):
             now = self.store.add(f"alive/{rank}", 0)
             beats, since = self._seen.get(rank, (None, 0.0))
             if now != beats:
