@@ -21,6 +21,7 @@ from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint.foreign_share import read_foreign_share
 from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.cli import main
+from mlperf_grpo.evaluate import group_watch
 from mlperf_grpo.evaluate.group_watch import lost_peer_line
 from mlperf_grpo.mllog import read_log
 from test_distributed import ENV
@@ -185,7 +186,9 @@ def test_a_frozen_rank_is_taken_for_gone_after_its_heartbeat_silence(trained, tm
         while "mlperf-grpo: error:" not in (tmp_path / "frozen.err").read_text():
             assert time.monotonic() - frozen < SILENCE_S + 30, (tmp_path / "frozen.err").read_text()[-3000:]
             time.sleep(0.05)
-        assert time.monotonic() - frozen > SILENCE_S  # not before the silence limit
+        # not before the limit: the silence counts from rank 0's last look that saw a beat, at
+        # most two beat intervals (rank 1's beat, rank 0's look) before the freeze
+        assert time.monotonic() - frozen > SILENCE_S - 2 * group_watch.BEAT_S, (tmp_path / "frozen.err").read_text()[-2000:]
         os.kill(rank1, signal.SIGKILL)  # as torchrun's agent does, 30 s after its SIGTERM: a stopped process ignores that
         code = proc.wait(timeout=60)
     finally:

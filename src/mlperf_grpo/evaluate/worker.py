@@ -28,7 +28,7 @@ from mlperf_grpo.evaluate.commit import WORKER_ERRORS, EvalPlan, StepOrderCommit
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
 from mlperf_grpo.evaluate.validator import validate
-from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group
+from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group, watch_group
 from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
@@ -260,28 +260,18 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     joined = join_process_group(config) if t > 1 else False
     engine = EngineAtFirstUse(run, config, launch_unix_s)
     failure: list[dict] = []
-    committer_thread, group = None, None
+    committer_thread, watch = None, None
     try:
         checkpoints = series_by_step(source)
         queue = rank_queue(len(plan.pending_steps), serve=True)
-        # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
-        group = TensorParallelGroup(engine(), queue.store, rank // t, source) if t > 1 else None
-        watching = group.watch.watching() if group is not None else contextlib.nullcontext()
-        if rank == 0:
-            committer = StepOrderCommitter(run, config, Path(mllog_file), plan, checkpoints,
-                                           rank_queue(len(plan.pending_steps), serve=False), show_progress)
-
-            def commit_all() -> None:
-                try:
-                    committer.advance(block=True)
-                except tuple(WORKER_ERRORS.values()) as err:
-                    failure.append({"error": type(err).__name__, "message": str(err)})
-                finally:
-                    committer.close()
-
-            committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
-            committer_thread.start()
-        with watching:  # a collective failing because a peer died: its watcher ends the job with one line
+        watch = watch_group(queue.store, rank, t)  # T > 1: from before the engine's collectives on
+        with watch.watching() if watch is not None else contextlib.nullcontext():  # a dead peer: one line, the job ends
+            # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
+            group = TensorParallelGroup(engine(), queue.store, rank // t, source) if t > 1 else None
+            if rank == 0:
+                committer_thread = _start_committer(StepOrderCommitter(
+                    run, config, Path(mllog_file), plan, checkpoints, rank_queue(len(plan.pending_steps), serve=False),
+                    show_progress), failure)
             evaluate_claimed(queue, run, source, config, checkpoints, plan, engine, group=group)
     except BaseException as err:
         if committer_thread is not None:  # rank 0: its committer waits for no result more
@@ -289,14 +279,30 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
                 queue.fail(f"rank 0: {type(err).__name__}: {err}")
         raise
     finally:
-        if group is not None:
-            group.close()
+        if watch is not None:
+            watch.close()
         engine.close()
         if joined:
             torch.distributed.destroy_process_group()
     if committer_thread is not None:
         committer_thread.join()
     return failure[0] if failure else None
+
+
+def _start_committer(committer: StepOrderCommitter, failure: list[dict]) -> threading.Thread:
+    """Rank 0's committer, in a thread of its own: it commits in step order until the
+    run is decided; a worker error it meets is appended to ``failure``."""
+    def commit_all() -> None:
+        try:
+            committer.advance(block=True)
+        except tuple(WORKER_ERRORS.values()) as err:
+            failure.append({"error": type(err).__name__, "message": str(err)})
+        finally:
+            committer.close()
+
+    thread = threading.Thread(target=commit_all, name="commit-in-step-order")
+    thread.start()
+    return thread
 
 
 def rank_series(run: RunDir, series: dict | None) -> tuple[RunConfig, SeriesSource]:

@@ -8,7 +8,8 @@ through store keys (:class:`TensorParallelGroup`); every rank reads its share of
 checkpoint (:func:`~mlperf_grpo.checkpoint.share_read.read_share`), the group agrees on
 the read (a failed hash fails every rank), refits, verifies (the v2 fingerprint combined
 over the group, the canary) and generates (collectives); the leader alone writes results
-and publishes them. :class:`SoloWorker` is the one-rank worker of T = 1.
+and publishes them. The group's ranks watch each other (``group_watch.py``): a dead one
+ends the job with one line. :class:`SoloWorker` is the one-rank worker of T = 1.
 
 Store keys (under the work queue's prefix)::
 
@@ -107,14 +108,6 @@ class TensorParallelGroup:
         self._slices = engine.weight_slices()
         self.reserve = functools.partial(source.reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
         self._turns = {"claim": 0, "go": 0}
-        rank, t = int(os.environ["RANK"]), engine.tp_size
-        self.watch = GroupWatch(rank_store(serve=False), store, rank, [r for r in range(worker * t, worker * t + t) if r != rank],
-                                "" if rank == 0 else f"rank {rank}: ").start()
-        """The group's ranks watch each other (``group_watch.py``): a dead one ends the job."""
-
-    def close(self) -> None:
-        """This rank's part of the worker ended: its peers stop watching it."""
-        self.watch.close()
 
     def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
         return self.source.read_share(checkpoint, self._slices, buffers, self.engine.tp_rank, self.engine.tp_size, stop)
@@ -142,12 +135,24 @@ class TensorParallelGroup:
         return json.loads(self.store.get(key))
 
 
+def watch_group(store, rank: int, t: int) -> GroupWatch | None:
+    """At T > 1, this rank's watch over the other ranks of its group (``group_watch.py``:
+    a dead one ends the job with one line), started: its thread on a store connection of
+    its own, its main-thread checks on ``store`` (the work queue's). None at T = 1."""
+    if t == 1:
+        return None
+    first = rank // t * t
+    return GroupWatch(rank_store(serve=False), store, rank, [r for r in range(first, first + t) if r != rank],
+                      "" if rank == 0 else f"rank {rank}: ").start()
+
+
 def join_process_group(config: RunConfig) -> bool:
     """Initialise ``torch.distributed``'s default process group from torchrun's
     environment (gloo on the CPU, NCCL on CUDA) unless it is; returns whether this call
     did (the caller then destroys it). The tensor-parallel engine's mesh is built over it;
-    its collectives time out after torch's default (a rank of a group that died leaves the
-    others waiting that long, 30 min for gloo)."""
+    its collectives time out after torch's default (30 min for gloo), so a dead rank of a
+    group is found by the group's watchers instead (:class:`TensorParallelGroup`'s
+    ``watch``, ``group_watch.py``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
