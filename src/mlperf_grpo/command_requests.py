@@ -110,7 +110,8 @@ class EvaluateRequest:
         {"follow": self._check_follow, "run": self._check_run, "foreign": self._check_foreign}[self.mode]()
 
     def _check_torchrun(self) -> None:
-        """Under torchrun the evaluation workers are its ranks (one: the serial evaluator)."""
+        """Under torchrun the evaluation workers are its ranks (one: the serial evaluator),
+        for a run directory or another trainer's series alike."""
         world = self.torchrun_world
         if self.workers not in (None, world):
             raise BadInput(f"under torchrun the evaluation workers are its {world} rank(s) (WORLD_SIZE {world}): leave "
@@ -120,10 +121,6 @@ class EvaluateRequest:
         if self.follow:
             raise BadInput(f"--follow evaluates with one worker, not torchrun's {world} ranks: run it without torchrun "
                            "(or with one rank)")
-        if self.run_dir is None or self.foreign_given:
-            raise BadInput(f"under torchrun ({world} ranks) evaluate takes RUN_DIR alone (a run our trainer wrote); another "
-                           "trainer's series (--checkpoints/--mllog/--config) is evaluated by one worker: run it without "
-                           "torchrun")
 
     def _check_follow(self) -> None:
         if self.run_dir is None:

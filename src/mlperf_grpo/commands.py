@@ -175,10 +175,10 @@ def evaluate(request: EvaluateRequest, progress: Progress, ranks=None):
         progress.phase = "evaluate"
         return evaluate_run(request.run_dir, retain_checkpoints=request.retain_checkpoints,
                             workers=request.torchrun_world or request.workers, ranks=ranks)
-    return _evaluate_foreign(request, progress)
+    return _evaluate_foreign(request, progress, ranks)
 
 
-def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
+def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     """Another trainer's series: validate its training log (check's messages), then
     evaluate the series through the offline evaluator."""
     from mlperf_grpo import environment
@@ -189,7 +189,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
 
     retain = environment.retain_checkpoints(request.retain_checkpoints)
     config = load_config(request.config)
-    check_worker_groups(config, None)  # another trainer's series: one worker of one rank
+    check_worker_groups(config, request.torchrun_world or None)  # under torchrun: workers of T ranks
     steps = build_source(request.checkpoints, request.format or "auto", config).published_steps()
     try:
         check_training_log(request.mllog, config.global_batch_size, max(steps, default=None))
@@ -197,7 +197,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress):
         raise BadInput(str(err)) from None
     progress.phase, progress.run_dir = "evaluate", request.checkpoints
     return evaluate_checkpoints(request.checkpoints, request.mllog, config, request.format or "auto", request.eval_log,
-                                retain)
+                                retain, config_file=request.config, ranks=ranks)
 
 
 def plan(request: PlanRequest) -> str:

@@ -171,9 +171,8 @@ def test_other_ranks_stop_within_the_silence_limit_when_rank_0_is_killed(trained
 @pytest.mark.parametrize("evaluate_args, refusal", [
     (["RUN", "--follow"], "--follow evaluates with one worker, not torchrun's 2 ranks: run it without torchrun (or with "
                           "one rank)"),
-    (["--checkpoints", "CKPT", "--mllog", "LOG", "--config", "C"],
-     "under torchrun (2 ranks) evaluate takes RUN_DIR alone (a run our trainer wrote); another trainer's series "
-     "(--checkpoints/--mllog/--config) is evaluated by one worker: run it without torchrun"),
+    (["RUN", "--checkpoints", "CKPT", "--mllog", "LOG", "--config", "C"],
+     "give RUN_DIR (a run our trainer wrote) or --checkpoints/--mllog/--config (another trainer's series), not both"),
 ])
 def test_rank_0_of_two_refuses_what_one_worker_does(tmp_path, monkeypatch, capsys, evaluate_args, refusal):
     """Rank 0 of a 2-rank torchrun (its environment, serving the store itself: no agent)."""

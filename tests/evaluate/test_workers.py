@@ -121,3 +121,74 @@ def test_a_rank_whose_store_is_gone_stops_with_one_line(monkeypatch):
         ranks.wait_plan()
     assert "\n" not in str(caught.value) and time.monotonic() - start < 10.0
     ranks.close()
+
+
+def _wait_ended_in_thread(ranks):
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (ranks.wait_ended(), done.set()), daemon=True)
+    thread.start()
+    return done
+
+
+def test_rank_0_waits_for_a_beating_rank_and_for_no_rank_that_is_gone(agent_store, monkeypatch):
+    """Rank 0's wait for the others to stop (``wait_ended``) keeps waiting for a rank of
+    a tensor-parallel worker while its heartbeat moves and its process lives, and ends
+    without ``ended/1`` once its process on this host has ended (group_watch.PeerTracker)."""
+    import subprocess
+    import sys
+
+    from mlperf_grpo.evaluate import group_watch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(group_watch, "PEER_SILENCE_S", SILENCE_S)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    agent_store.set("pid/1", json.dumps({"host": socket.gethostname(), "pid": child.pid}))
+    ranks = TorchrunRanks()
+    try:
+        done = _wait_ended_in_thread(ranks)
+        end = time.monotonic() + 3 * SILENCE_S
+        while time.monotonic() < end:  # beating and alive: waited for past the silence limit
+            agent_store.add("alive/1", 1)
+            time.sleep(0.05)
+        assert not done.is_set()
+        child.kill()  # rank 1 is SIGKILLed: a zombie until reaped, ended either way
+        assert done.wait(timeout=5)
+    finally:
+        child.kill()
+        child.wait()
+        ranks.close()
+
+
+def test_a_rank_whose_heartbeat_stands_still_is_not_waited_for(agent_store, monkeypatch):
+    """A rank on another host (its pid unknown here) whose heartbeat stood still for the
+    silence limit is not waited for either."""
+    from mlperf_grpo.evaluate import group_watch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(group_watch, "PEER_SILENCE_S", SILENCE_S)
+    agent_store.set("pid/1", json.dumps({"host": "another-node", "pid": 1}))
+    agent_store.add("alive/1", 5)
+    ranks = TorchrunRanks()
+    try:
+        start = time.monotonic()
+        ranks.wait_ended()
+        assert SILENCE_S - 0.1 < time.monotonic() - start < SILENCE_S + 5
+    finally:
+        ranks.close()
+
+
+def test_process_alive_takes_an_ended_or_zombie_process_for_ended():
+    import os
+    import subprocess
+    import sys
+
+    from mlperf_grpo.evaluate.group_watch import process_alive
+
+    assert process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while process_alive(child.pid):  # exited, not reaped: a zombie
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.wait()
+    assert not process_alive(child.pid)

@@ -55,12 +55,19 @@ def hashing_ranks(checkpoint: Checkpoint, group_size: int) -> dict[str, int]:
     each to the rank with the fewest bytes so far (ties: the lowest rank). Computed from
     ``training_info.json`` alone, so every rank of the group gets the same answer."""
     shards = checkpoint.info.weights["shards"]
+    return divide_by_bytes({name: int(shard.get("bytes") or 0) for name, shard in shards.items()}, group_size)
+
+
+def divide_by_bytes(sizes: dict[str, int], group_size: int) -> dict[str, int]:
+    """File name -> the rank of a group of ``group_size`` that checks it, given each
+    file's bytes: largest files first, each to the rank with the fewest bytes so far
+    (ties: the lowest rank), so every rank given the same sizes gets the same answer."""
     load = [0] * group_size
     owner: dict[str, int] = {}
-    for name in sorted(shards, key=lambda n: (-int(shards[n].get("bytes") or 0), n)):
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         rank = min(range(group_size), key=lambda r: (load[r], r))
         owner[name] = rank
-        load[rank] += int(shards[name].get("bytes") or 0)
+        load[rank] += sizes[name]
     return owner
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from mlperf_grpo.checkpoint import CheckpointCorruptError, CheckpointError, published_steps
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
+from mlperf_grpo.checkpoint import foreign_share
 from mlperf_grpo.checkpoint.foreign_layouts import ForeignCheckpoint
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trained_step
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
-from mlperf_grpo.fingerprint import weights_fingerprint
+from mlperf_grpo.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
 from mlperf_grpo.model_files import check_model_path
@@ -58,6 +59,8 @@ class ForeignSeries:
     format: str
     global_batch_size: int
     manifest: Path | None = None
+    config_file: Path | None = None
+    """The config the evaluation was given (the other torchrun ranks load it: :meth:`rank_spec`)."""
 
     def discover(self) -> tuple[list[ForeignCheckpoint], list[Path], SeriesProblem | None]:
         if self.format == foreign.HF_DIRS:
@@ -144,12 +147,52 @@ class ForeignSeries:
         except CheckpointError as err:
             raise EvaluationError(str(err)) from None
 
+    def read_share(self, checkpoint: ForeignCheckpoint, slices: dict, buffers, group_rank: int, group_size: int,
+                   stop=None):
+        """A tensor-parallel rank's slices (``checkpoint/foreign_share.py``); errors as
+        :meth:`read`'s reader raises them (the group combines them first)."""
+        return foreign_share.read_foreign_share(checkpoint, slices, buffers, group_rank, group_size, stop)
+
+    def reserve_share(self, buffers, checkpoint: ForeignCheckpoint, slices: dict) -> None:
+        foreign_share.reserve_foreign_share(buffers, checkpoint, slices)
+
+    def rank_spec(self) -> dict:
+        """This source as JSON for the other torchrun ranks (:func:`source_from_spec`)."""
+        return {"root": str(self.root), "format": self.format, "global_batch_size": self.global_batch_size,
+                "manifest": None if self.manifest is None else str(self.manifest),
+                "config_file": None if self.config_file is None else str(Path(self.config_file).resolve())}
+
     def verify(self, engine: InferenceEngine, checkpoint: ForeignCheckpoint, weights) -> str:
-        """The engine's tensors equal those read (no canary: the layout records none)."""
-        want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
-        if engine.weights_fingerprint(list(weights)) != want:
+        """The engine's tensors equal those read (no canary: the layout records none). A
+        tensor-parallel engine (``tp_size > 1``; ``weights`` its slices): the v2
+        fingerprint of the engine's slices and that of the slices read, each combined over
+        ``engine.tp_group`` (:func:`~mlperf_grpo.fingerprint.sharded_fingerprint`, two
+        collectives: every rank of the group calls this), so each is the fingerprint of
+        the full tensors.
+
+        Raises:
+            RefitError: they differ, or the group's slices do not add up to the tensors.
+        """
+        if getattr(engine, "tp_size", 1) == 1:
+            want = weights_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()})
+            if engine.weights_fingerprint(list(weights)) != want:
+                raise RefitError(f"{checkpoint.path}: the engine's weights differ from the checkpoint after refit")
+            return "fingerprint of the tensors read (no canary or fingerprint recorded by the trainer)"
+        shapes = {n: shape for n, (_, shape) in foreign.tensor_specs(checkpoint).items()}
+        dtype = str(engine.dtype).removeprefix("torch.")
+        specs = {n: (dtype, shapes[n]) for n in weights}
+        blocks = foreign_share.share_blocks(specs, engine.weight_slices())
+        read_slices = {n: tuple(slice(o, o + k) for o, k in zip(*blocks[n])) for n in weights}
+        own = engine.weights()
+        try:
+            want = sharded_fingerprint({n: t.to(engine.dtype) for n, t in weights.items()}, read_slices, specs, engine.tp_group)
+            got = sharded_fingerprint({n: own[n] for n in weights}, engine.weight_slices(), specs, engine.tp_group)
+        except ValueError as err:
+            raise RefitError(f"{checkpoint.path}: {err}") from None
+        if got != want:
             raise RefitError(f"{checkpoint.path}: the engine's weights differ from the checkpoint after refit")
-        return "fingerprint of the tensors read (no canary or fingerprint recorded by the trainer)"
+        return (f"fingerprint of the tensors read, combined over the {engine.tp_size} ranks' slices (no canary or "
+                "fingerprint recorded by the trainer)")
 
     def published_steps(self) -> list[int]:
         if self.format == foreign.HF_DIRS:
@@ -255,8 +298,16 @@ def _recorded_format(run: RunDir) -> str | None:
     return recorded if recorded in foreign.FORMATS else None
 
 
-def build_source(checkpoints: Path, fmt: str, config: RunConfig):
-    """The series source for ``--checkpoints`` and ``--format`` (``auto`` detects it).
+def source_from_spec(spec: dict) -> ForeignSeries:
+    """The :class:`ForeignSeries` of :meth:`ForeignSeries.rank_spec` (another torchrun rank's)."""
+    return ForeignSeries(Path(spec["root"]), spec["format"], int(spec["global_batch_size"]),
+                         None if spec["manifest"] is None else Path(spec["manifest"]),
+                         None if spec["config_file"] is None else Path(spec["config_file"]))
+
+
+def build_source(checkpoints: Path, fmt: str, config: RunConfig, config_file: Path | None = None):
+    """The series source for ``--checkpoints`` and ``--format`` (``auto`` detects it);
+    ``config_file``: the config's path, recorded for the other torchrun ranks.
 
     Raises:
         CheckpointError: the layout is not recognised, or ``--format`` names another one.
@@ -270,7 +321,8 @@ def build_source(checkpoints: Path, fmt: str, config: RunConfig):
     if detected == foreign.OURS:
         return OursAt(root)
     manifest = checkpoints if checkpoints.is_file() else checkpoints / foreign.MANIFEST_FILE
-    return ForeignSeries(root, detected, config.global_batch_size, manifest if detected == foreign.HF_DIRS else None)
+    return ForeignSeries(root, detected, config.global_batch_size, manifest if detected == foreign.HF_DIRS else None,
+                         config_file)
 
 
 EVAL_LOG_KEYS = {"eval_start", "eval_accuracy", "eval_stop", "run_stop"}
@@ -304,10 +356,15 @@ def check_eval_log(eval_log: Path, root: Path) -> None:
 
 def evaluate_checkpoints(
     checkpoints: Path, mllog_file: Path, config: RunConfig, fmt: str = "auto", eval_log: Path | None = None,
-    retain: bool = False, show_progress: bool = True,
+    retain: bool = False, show_progress: bool = True, config_file: Path | None = None, ranks=None,
 ) -> EvalOutcome:
     """Evaluate a series written by another trainer (or ours, outside a run directory)
     and write its ``run_stop`` to ``mllog_file`` (or to ``eval_log``).
+
+    ``ranks``: the torchrun ranks this process joined as rank 0 (a NeMo-RL or manifest
+    series; ``config_file`` is then the config's path, which they load): they are the
+    workers, ``WORLD_SIZE / T`` of ``T`` ranks each (``inference.tensor_parallel_size``),
+    each rank reading its share of every checkpoint.
 
     The caller validates the training log first (``check.series.check_training_log``).
 
@@ -315,7 +372,10 @@ def evaluate_checkpoints(
         CheckpointError: the layout is not recognised.
         EvaluationError, RefitError, RunLockedError, ...: as :func:`offline.evaluate_series`.
     """
-    source = build_source(checkpoints, fmt, config)
+    source = build_source(checkpoints, fmt, config, config_file)
+    if ranks is not None and isinstance(source, OursAt):
+        raise EvaluationError(f"{checkpoints} holds our trainer's layout outside a run directory: evaluate it without "
+                              "torchrun (one worker), or evaluate its run directory under torchrun")
     if eval_log is not None:
         check_eval_log(eval_log, source.root)
     run = RunDir(source.root)
@@ -328,4 +388,5 @@ def evaluate_checkpoints(
         record.write_text(json.dumps(
             {"format": getattr(source, "format", foreign.OURS), "checkpoints": str(checkpoints.resolve()),
              "unchecked": list(unchecked), "global_batch_size": config.global_batch_size}, indent=2) + "\n")
-    return evaluate_series(run, source, config, mllog_file, eval_log=eval_log, retain=retain, show_progress=show_progress)
+    return evaluate_series(run, source, config, mllog_file, eval_log=eval_log, retain=retain, show_progress=show_progress,
+                           workers=1 if ranks is None else ranks.world_size, ranks=ranks)

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from mlperf_grpo.errors import EXIT_FAILURE, EXIT_OK
+from mlperf_grpo.evaluate.group_watch import PeerTracker
 from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, die_with_parent, prestart_rank_server
 
 STORE_TIMEOUT = timedelta(hours=24)
@@ -239,8 +240,16 @@ class TorchrunRanks:
 
     def wait_ended(self) -> None:
         """Rank 0: wait until every other rank has stopped (none reads a checkpoint or
-        writes a result any more). Raises TimeoutError after ``STORE_TIMEOUT``."""
-        _wait_for(self.store, [f"ended/{r}" for r in range(1, self.world_size)], timeout=STORE_TIMEOUT)
+        writes a result any more): it set ``ended/<r>``, or it is gone (a rank of a
+        tensor-parallel worker whose process ended or whose heartbeat stood still:
+        ``group_watch.PeerTracker``). Raises TimeoutError after ``STORE_TIMEOUT``."""
+        tracker, pending = PeerTracker(self.store), set(range(1, self.world_size))
+        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+        while pending:
+            pending = {r for r in pending if not self.store.check([f"ended/{r}"]) and tracker.gone(r) is None}
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(pending)} of the evaluation did not stop within {STORE_TIMEOUT}")
+            time.sleep(POLL_S)
 
     def conclude(self, exit_code: int, error: str | None = None) -> None:
         """Rank 0: how it ends (its exit code, its error line); the queue is stopped."""

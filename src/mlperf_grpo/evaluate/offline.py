@@ -175,9 +175,10 @@ def evaluate_series(
     (:func:`merge_in_place`) once its ``run_stop``
     is logged (before the teardown); a training log that already has a ``run_stop`` was
     merged before (or closed by training), and ``eval_log`` is then not read.
-    ``workers`` > 1 (torchrun ranks) needs ``run`` to be a run directory of ours with
-    ``source`` its :class:`RunSeries`: the ranks load both from it; they are ``ranks``
-    (torchrun's, joined by this process as rank 0) or, without, launched here.
+    ``workers`` > 1 (torchrun ranks): ``ranks`` (torchrun's, joined by this process as
+    rank 0; any source with a ``rank_spec``, which they rebuild it from) or, without,
+    ranks launched here (``run`` a run directory of ours, ``source`` its
+    :class:`RunSeries`: the ranks load both from it).
     ``validation``: the caller's task suite and validation tasks (a follower's, loaded
     for its rounds); ``None``: loaded here, once for the whole evaluation.
 
@@ -356,14 +357,16 @@ def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, validatio
         finally:
             engine.close()
         return
-    if source != RunSeries(run.checkpoints):
+    series = None if source == RunSeries(run.checkpoints) else source.rank_spec()
+    if ranks is None and series is not None:
         raise EvaluationError("--workers N > 1 evaluates a run directory of ours; evaluate this series with one worker")
     if ranks is None:
         outcome = launch(evaluate_rank, (str(run.root), str(mllog_file), plan, show_progress, time.time()), workers)[0]
     else:  # this process is rank 0 of the ranks torchrun started: they are the workers
-        ranks.publish_plan({"mllog_file": str(mllog_file), "plan": asdict(plan)})
+        ranks.publish_plan({"run_dir": str(run.root), "mllog_file": str(mllog_file), "plan": asdict(plan), "series": series})
         try:
-            outcome = evaluate_rank(str(run.root), str(mllog_file), plan, show_progress, validation=validation)
+            outcome = evaluate_rank(str(run.root), str(mllog_file), plan, show_progress, validation=validation,
+                                    series=series)
         except BaseException:
             WorkQueue(ranks.store, 0).stop()  # the others claim nothing more
             raise

@@ -33,6 +33,7 @@ from mlperf_grpo.checkpoint import (
     remove_checkpoints,
     tensor_specs,
 )
+from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.errors import EvaluationError
@@ -243,6 +244,20 @@ class SeriesSource(Protocol):
         """Prove the engine runs the checkpoint after a refit from ``weights``; returns
         how (recorded in the results); raises RefitError."""
 
+    def read_share(self, checkpoint, slices: dict, buffers: ReadBuffers, group_rank: int, group_size: int,
+                   stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
+        """A tensor-parallel rank's slice of each tensor (``slices``: name -> index into
+        the full tensor, a name not in it whole), checked as :meth:`read` checks, the
+        checks divided among the group's ranks (combine them with
+        ``share_read.agree_on_read``)."""
+
+    def reserve_share(self, buffers: ReadBuffers, checkpoint, slices: dict) -> None:
+        """Allocate ahead the buffers :meth:`read_share` of ``checkpoint`` needs."""
+
+    def rank_spec(self) -> dict | None:
+        """What the other torchrun ranks need to rebuild this source (JSON), or None for
+        the run directory's own series."""
+
     def published_steps(self) -> list[int]:
         """Steps of every published checkpoint (names only)."""
 
@@ -269,6 +284,16 @@ class RunSeries:
 
     def verify(self, engine: InferenceEngine, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> str:
         return verify_refit(engine, checkpoint, list(weights))
+
+    def read_share(self, checkpoint: Checkpoint, slices: dict, buffers: ReadBuffers, group_rank: int, group_size: int,
+                   stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
+        return share_read.read_share(checkpoint, slices, buffers, group_rank, group_size, stop)
+
+    def reserve_share(self, buffers: ReadBuffers, checkpoint: Checkpoint, slices: dict) -> None:
+        share_read.reserve_share(buffers, checkpoint, slices)
+
+    def rank_spec(self) -> None:
+        return None  # the ranks rebuild it from the run directory
 
     def published_steps(self) -> list[int]:
         return published_steps(self.root)

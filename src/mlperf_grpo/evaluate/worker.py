@@ -28,7 +28,7 @@ from mlperf_grpo.evaluate.commit import WORKER_ERRORS, EvalPlan, StepOrderCommit
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
 from mlperf_grpo.evaluate.validator import validate
-from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group
+from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group, watch_group
 from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
@@ -223,7 +223,8 @@ class EngineAtFirstUse:
 
 
 def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: bool,
-                  launch_unix_s: float | None = None, validation: ValidationSet | None = None) -> dict | None:
+                  launch_unix_s: float | None = None, validation: ValidationSet | None = None,
+                  series: dict | None = None) -> dict | None:
     """A torchrun rank of ``evaluate --workers N`` (or of ``evaluate`` under torchrun):
     one engine on device ``LOCAL_RANK`` (CUDA) or a CPU process with its share of its
     node's cores, started (:func:`start_engine`)
@@ -239,6 +240,8 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     (:class:`~mlperf_grpo.evaluate.worker_group.TensorParallelGroup`). ``validation``: the
     evaluator's task suite and validation tasks when this is its own process (rank 0 of
     torchrun's ranks); ``None`` in a launched rank's process: loaded here, once.
+    ``series``: another trainer's series (``ForeignSeries.rank_spec``: its layout and the
+    config's path; ``run_dir`` is then its folder), else the run directory's own.
 
     Returns:
         rank 0: ``None`` or ``{"error": class name, "message": ...}``; others ``None``.
@@ -250,7 +253,7 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     tqdm.set_lock(threading.RLock())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = RunDir(Path(run_dir))
-    config = run.load()[0]
+    config, source = rank_series(run, series)
     if config.model.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
@@ -259,31 +262,29 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     joined = join_process_group(config) if t > 1 else False
     engine: EngineAtFirstUse | None = None
     failure: list[dict] = []
-    committer_thread = None
+    committer_thread, watch = None, None
     try:
         validation = load_validation_set(config) if validation is None else validation
         engine = EngineAtFirstUse(run, config, validation, launch_unix_s)
-        source = RunSeries(run.checkpoints)
         checkpoints = series_by_step(source)
         queue = rank_queue(len(plan.pending_steps), serve=True)
-        # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
-        group = TensorParallelGroup(engine(), queue.store, rank // t) if t > 1 else None
-        if rank == 0:
-            committer = StepOrderCommitter(run, config, Path(mllog_file), plan, checkpoints,
-                                           rank_queue(len(plan.pending_steps), serve=False), show_progress)
-
-            def commit_all() -> None:
-                try:
-                    committer.advance(block=True)
-                except tuple(WORKER_ERRORS.values()) as err:
-                    failure.append({"error": type(err).__name__, "message": str(err)})
-                finally:
-                    committer.close()
-
-            committer_thread = threading.Thread(target=commit_all, name="commit-in-step-order")
-            committer_thread.start()
-        evaluate_claimed(queue, run, source, config, validation, checkpoints, plan, engine, group=group)
+        watch = watch_group(queue.store, rank, t)  # T > 1: from before the engine's collectives on
+        with watch.watching() if watch is not None else contextlib.nullcontext():  # a dead peer: one line, the job ends
+            # T > 1: every rank of the world builds its engine now (the groups' mesh is a collective)
+            group = TensorParallelGroup(engine(), queue.store, rank // t, source) if t > 1 else None
+            if rank == 0:
+                committer_thread = _start_committer(StepOrderCommitter(
+                    run, config, Path(mllog_file), plan, checkpoints, rank_queue(len(plan.pending_steps), serve=False),
+                    show_progress), failure)
+            evaluate_claimed(queue, run, source, config, validation, checkpoints, plan, engine, group=group)
+    except BaseException as err:
+        if committer_thread is not None:  # rank 0: its committer waits for no result more
+            with contextlib.suppress(Exception):
+                queue.fail(f"rank 0: {type(err).__name__}: {err}")
+        raise
     finally:
+        if watch is not None:
+            watch.close()
         if engine is not None:
             engine.close()
         if joined:
@@ -293,8 +294,41 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
     return failure[0] if failure else None
 
 
-def join_evaluation(run_dir: Path, ranks: TorchrunRanks) -> int:
-    """A rank other than 0 of ``evaluate RUN_DIR`` under torchrun: wait for rank 0's
+def _start_committer(committer: StepOrderCommitter, failure: list[dict]) -> threading.Thread:
+    """Rank 0's committer, in a thread of its own: it commits in step order until the
+    run is decided; a worker error it meets is appended to ``failure``."""
+    def commit_all() -> None:
+        try:
+            committer.advance(block=True)
+        except tuple(WORKER_ERRORS.values()) as err:
+            failure.append({"error": type(err).__name__, "message": str(err)})
+        finally:
+            committer.close()
+
+    thread = threading.Thread(target=commit_all, name="commit-in-step-order")
+    thread.start()
+    return thread
+
+
+def rank_series(run: RunDir, series: dict | None) -> tuple[RunConfig, SeriesSource]:
+    """A rank's config and series: the run directory's (``run.json``, ``checkpoints/``),
+    or, for another trainer's series (``series``: ``ForeignSeries.rank_spec``), the
+    config file rank 0 loaded and that series.
+
+    Raises:
+        RunDirError, ConfigError: the run directory or the config is not usable.
+    """
+    if series is None:
+        return run.load()[0], RunSeries(run.checkpoints)
+    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.evaluate.foreign_series import source_from_spec
+
+    return load_config(Path(series["config_file"])), source_from_spec(series)
+
+
+def join_evaluation(run_dir: Path | None, ranks: TorchrunRanks) -> int:
+    """A rank other than 0 of ``evaluate`` under torchrun (``RUN_DIR``, or another
+    trainer's series: rank 0's plan names the folder and the series): wait for rank 0's
     plan and evaluate as a worker (:func:`evaluate_rank`), or nothing when rank 0
     concluded without a plan (nothing to evaluate, or it failed first); then tell rank 0
     this rank stopped (with its error if it failed) and wait for rank 0 to conclude.
@@ -312,7 +346,8 @@ def join_evaluation(run_dir: Path, ranks: TorchrunRanks) -> int:
         if shared is not None:
             p = shared["plan"]
             plan = EvalPlan(p["pending_steps"], p["problem"] and SeriesProblem(**p["problem"]), p["final_step"])
-            evaluate_rank(str(run_dir), shared["mllog_file"], plan, show_progress=False)
+            evaluate_rank(shared.get("run_dir", str(run_dir)), shared["mllog_file"], plan, show_progress=False,
+                          series=shared.get("series"))
     except BaseException as err:
         with contextlib.suppress(Exception):  # best effort (rank 0 may be gone): this error is the one raised
             ranks.end(failure=f"rank {ranks.rank}: {type(err).__name__}: {err}")

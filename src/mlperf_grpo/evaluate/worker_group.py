@@ -8,7 +8,8 @@ through store keys (:class:`TensorParallelGroup`); every rank reads its share of
 checkpoint (:func:`~mlperf_grpo.checkpoint.share_read.read_share`), the group agrees on
 the read (a failed hash fails every rank), refits, verifies (the v2 fingerprint combined
 over the group, the canary) and generates (collectives); the leader alone writes results
-and publishes them. :class:`SoloWorker` is the one-rank worker of T = 1.
+and publishes them. The group's ranks watch each other (``group_watch.py``): a dead one
+ends the job with one line. :class:`SoloWorker` is the one-rank worker of T = 1.
 
 Store keys (under the work queue's prefix)::
 
@@ -27,10 +28,11 @@ import torch
 
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.checkpoint.share_read import agree_on_read, read_share, reserve_share
+from mlperf_grpo.checkpoint.share_read import agree_on_read
 from mlperf_grpo.config import RunConfig
 from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
-from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for
+from mlperf_grpo.evaluate.group_watch import GroupWatch
+from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for, rank_store
 
 
 def group_size(config: RunConfig) -> int:
@@ -96,17 +98,19 @@ class TensorParallelGroup:
             ``tp_group``, ``weight_slices()``).
         store: the work queue's store (every rank's connection).
         worker: the worker's index (``RANK // tp_size``).
+        source: the series (its ``read_share`` and ``reserve_share``: our series'
+            ``share_read``, a foreign one's ``foreign_share``).
     """
 
-    def __init__(self, engine, store, worker: int) -> None:
-        self.engine, self.store, self.worker = engine, store, worker
+    def __init__(self, engine, store, worker: int, source: SeriesSource) -> None:
+        self.engine, self.store, self.worker, self.source = engine, store, worker, source
         self.leader = engine.tp_rank == 0
         self._slices = engine.weight_slices()
-        self.reserve = functools.partial(reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
+        self.reserve = functools.partial(source.reserve_share, slices=self._slices)  # the share's buffers, allocated ahead
         self._turns = {"claim": 0, "go": 0}
 
     def read(self, checkpoint: Checkpoint, buffers: ReadBuffers, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
-        return read_share(checkpoint, self._slices, buffers, self.engine.tp_rank, self.engine.tp_size, stop)
+        return self.source.read_share(checkpoint, self._slices, buffers, self.engine.tp_rank, self.engine.tp_size, stop)
 
     def claim(self, queue: WorkQueue) -> int | None:
         """The leader claims the next index and tells the group; the others wait for it."""
@@ -131,12 +135,24 @@ class TensorParallelGroup:
         return json.loads(self.store.get(key))
 
 
+def watch_group(store, rank: int, t: int) -> GroupWatch | None:
+    """At T > 1, this rank's watch over the other ranks of its group (``group_watch.py``:
+    a dead one ends the job with one line), started: its thread on a store connection of
+    its own, its main-thread checks on ``store`` (the work queue's). None at T = 1."""
+    if t == 1:
+        return None
+    first = rank // t * t
+    return GroupWatch(rank_store(serve=False), store, rank, [r for r in range(first, first + t) if r != rank],
+                      "" if rank == 0 else f"rank {rank}: ").start()
+
+
 def join_process_group(config: RunConfig) -> bool:
     """Initialise ``torch.distributed``'s default process group from torchrun's
     environment (gloo on the CPU, NCCL on CUDA) unless it is; returns whether this call
     did (the caller then destroys it). The tensor-parallel engine's mesh is built over it;
-    its collectives time out after torch's default (a rank of a group that died leaves the
-    others waiting that long, 30 min for gloo)."""
+    its collectives time out after torch's default (30 min for gloo), so a dead rank of a
+    group is found by the group's watchers instead (:class:`TensorParallelGroup`'s
+    ``watch``, ``group_watch.py``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
