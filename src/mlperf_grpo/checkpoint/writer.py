@@ -87,12 +87,10 @@ SHARD_WRITERS = 4
 """Threads writing the shards of one checkpoint in parallel."""
 
 CHECKSUM_THREADS = 1
-"""Threads computing the fingerprint checksums of the staged copies (numpy reductions,
-which release the interpreter lock), beside the writes. One keeps up with the disk
-(about 2.3 GB/s of bfloat16 on the H200's host, beside a 2 GB/s write) and leaves the
-training step alone: on one H200 (1.4B, a checkpoint every step, ``benchmarks/
-checkpoint.py``) 4 threads made the steps 1.21x longer, 1 thread 1.02x, no checksums at
-all 0.99x (docs/running.md, Outputs)."""
+"""Threads computing the fingerprint checksums of the staged copies (numpy, the interpreter
+lock released), beside the writes. One keeps up with the disk and leaves the training step
+alone: on one H200 (1.4B, a checkpoint every step, ``benchmarks/checkpoint.py``) 4 threads
+made the steps 1.21x longer, 1 thread 1.02x, none 0.99x (docs/running.md, Outputs)."""
 
 
 @dataclass(frozen=True)
