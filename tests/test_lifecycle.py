@@ -395,6 +395,27 @@ def test_a_lock_that_cannot_be_opened_is_a_run_dir_error(tmp_path):
             pass
 
 
+@pytest.mark.parametrize("output", ["r", None], ids=["--output", "default-output"])
+@pytest.mark.parametrize("log", ["a-folder", "a-file/log.txt", "used.log"])
+def test_a_log_path_that_cannot_take_the_run_is_refused_before_anything_is_printed(tmp_path, capsys, monkeypatch,
+                                                                                   log, output):
+    """``MLPERF_MLLOG_FILE`` naming a folder, a path under a file, or a log holding
+    another run's lines: one error line, exit 2, nothing on stdout (the open-division note
+    and the run directory line used to come first), no run directory made."""
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "used.log").write_text(':::MLLOG {"key": "run_start"}\n')
+    monkeypatch.setenv("MLPERF_MLLOG_FILE", str(tmp_path / log))
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    monkeypatch.chdir(tmp_path)  # the default output is runs/YYYYMMDD-HHMMSS under it
+    assert main(["train", "--config", str(cfg)] + (["--output", output] if output else [])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("mlperf-grpo: error: ") and ("cannot write MLPerf log" in line or "already holds" in line)
+    assert not (tmp_path / "r").exists() and not any((tmp_path / "runs").glob("*"))
+
+
 @pytest.mark.parametrize("output", ["ro", "ro/run"])
 def test_output_on_a_read_only_file_system_is_one_error_line(tmp_path, capsys, output):
     """``--output`` on a read-only mount (refused to root too): one line, exit 2,

@@ -198,12 +198,24 @@ class RunDir:
         if existing is not None and (not os.access(existing, os.W_OK | os.X_OK) or (lock.exists() and not lock.is_file())):
             why = f"{lock} is not a file" if lock.exists() else f"{existing} is not writable"
             raise RunDirError(f"output {self.root}: {why}; pass an --output this user may write")
+        self.check_log_path()
         if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
             raise RunDirError(
                 f"{self.root} already holds a run; pass another --output or delete it. If its training "
                 f"stopped early, 'mlperf-grpo evaluate {self.root}' finishes it: it evaluates the published "
                 "checkpoints, or closes a run stopped before its first checkpoint as aborted"
             )
+
+    def check_log_path(self) -> None:
+        """Raises RunDirError when the log (``$MLPERF_MLLOG_FILE``, else ``<run>/mlperf.log``)
+        is a directory, lies under a file, or already holds MLPerf lines."""
+        log = environment.mllog_file(self.root / "mlperf.log")
+        blocker = next((p for p in log.parents if p.exists()), None)
+        if log.is_dir() or (blocker is not None and not blocker.is_dir()):
+            why = "Is a directory" if log.is_dir() else f"{blocker} is a file"
+            raise RunDirError(f"cannot write MLPerf log {log}: {why}; set {environment.MLLOG_ENV} to a new file's path")
+        if log.is_file() and ":::MLLOG" in log.read_text(errors="replace"):
+            raise RunDirError(f"MLPerf log {log.resolve()} already holds a run's lines; use a new log file")
 
     def create(self, config: RunConfig, retain_checkpoints: bool = False) -> Path:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.
