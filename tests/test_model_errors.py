@@ -255,10 +255,14 @@ BERT_SIZES = {"hidden_size": 64, "intermediate_size": 128}
     ("bert", "AutoModelForMaskedLM", BERT_SIZES, "BertForMaskedLM (model_type bert), a masked LM (it predicts hidden tokens from both sides)"),
     ("roberta", "AutoModelForCausalLM", BERT_SIZES, "RobertaForCausalLM (model_type roberta), its attention sees the "
                                                     "whole sequence (is_decoder is false)"),
-], ids=["bert-masked-lm", "roberta-causal-head-without-is_decoder"])
+    ("t5", "AutoModelForSeq2SeqLM", {"hidden_size": 64, "d_ff": 128, "d_kv": 16},
+     "T5ForConditionalGeneration (model_type t5), transformers has no causal-LM class for it"),
+], ids=["bert-masked-lm", "roberta-causal-head-without-is_decoder", "t5-encoder-decoder"])
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type, head, sizes, named):
     """AutoModelForCausalLM builds BERT's BertLMHeadModel from a masked-LM directory (it
-    attends both ways): every loader refuses it in one line, and train exits 2, nothing made."""
+    attends both ways), and has no class at all for T5 (the refusal said to copy
+    config.json again): every loader refuses each in one line saying it is not a causal
+    LM, and train exits 2, nothing made."""
     import yaml
 
     from mlperf_grpo.cli import main

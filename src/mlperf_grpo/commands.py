@@ -56,6 +56,7 @@ def _start_training(request: TrainRequest, progress: Progress):
     by rank 0, its name on every rank)."""
     from mlperf_grpo.config_load import load_config
     from mlperf_grpo.plan import format_differences
+    from mlperf_grpo.errors import RunDirError
     from mlperf_grpo.rundir import RunDir
     from mlperf_grpo.train import collectives, ranks
     from mlperf_grpo.train.inputs import check_training_inputs
@@ -67,6 +68,12 @@ def _start_training(request: TrainRequest, progress: Progress):
     if output is None:
         output = collectives.broadcast_object(new_run_dir() if ranks.is_writer() else None)
         progress.made_output = ranks.is_writer()
+        if progress.made_output:
+            try:
+                RunDir(output).check_log_path()  # $MLPERF_MLLOG_FILE, before the note
+            except RunDirError:
+                RunDir(output).remove_if_unwritten()
+                raise
     progress.run_dir, progress.retain_recorded = output, request.retain
     if config.division == "open" and (text := format_differences(config)):
         print(f"note: {text}")  # after every check: never before an error

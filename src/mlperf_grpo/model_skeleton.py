@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.model_files import (
@@ -21,9 +23,13 @@ def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The architecture of ``directory/config.json`` in ``dtype`` on the meta device.
 
     Raises:
-        ModelLoadError: ``config.json`` does not load or names an unknown architecture.
+        ModelLoadError: ``config.json`` does not load, names an unknown architecture, or
+            a family ``AutoModelForCausalLM`` has no class for (T5, ViT: not a causal LM).
     """
     config = hf_config(directory)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(_not_causal(directory, config, ", ".join(getattr(config, "architectures", None) or [config.model_type]),
+                                         "transformers has no causal-LM class for it"))
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -59,8 +65,12 @@ def check_causal(directory: Path, config, model: torch.nn.Module) -> None:
         why = "its attention sees the whole sequence" + (" (is_decoder is false)" if hasattr(config, "is_decoder") else "")
     else:
         return
-    named = ", ".join(listed) or type(model).__name__
-    raise ModelLoadError(
+    raise ModelLoadError(_not_causal(directory, config, ", ".join(listed) or type(model).__name__, why))
+
+
+def _not_causal(directory: Path, config, named: str, why: str) -> str:
+    """The one line refusing ``directory`` as not a causal LM: what it is, why, what is accepted."""
+    return (
         f"model {directory}: config.json describes {named} (model_type {config.model_type}), {why}: not a causal LM; "
         "give a causal LM directory (architectures ...ForCausalLM or ...LMHeadModel; an encoder family such as BERT "
         "only with is_decoder: true)"

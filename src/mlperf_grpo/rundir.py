@@ -69,6 +69,8 @@ class RunLock:
 
     Raises:
         RunLockedError: on entry, when another process holds the lock.
+        RunDirError: on entry, when the lock file cannot be made or opened (a read-only
+            directory, a ``.lock`` that is a directory): one line naming the path.
     """
 
     def __init__(self, root: Path, role: str) -> None:
@@ -77,8 +79,14 @@ class RunLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunDirError(
+                f"cannot write the run's lock file {self.path}: {err.strerror}; give a directory this user may "
+                "write (a new --output for run/train)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -180,17 +188,35 @@ class RunDir:
 
     def check_unused(self) -> None:
         """Raises RunDirError when the path or a folder above it is a file (the directory
-        cannot be made), or the directory already holds a run (a second run there would
-        mix two runs in one log); the message says how to finish or replace it."""
+        cannot be made), the nearest existing one cannot be written (a read-only file
+        system or folder; its ``.lock`` not a file), or the directory already holds a run
+        (a second run there would mix two runs in one log); the message says how to
+        finish or replace it."""
         existing = next((p for p in (self.root, *self.root.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():
             raise RunDirError(f"output {self.root}: {existing} is a file, not a directory; pass a new --output directory")
+        lock = self.root / ".lock"
+        if existing is not None and (not os.access(existing, os.W_OK | os.X_OK) or (lock.exists() and not lock.is_file())):
+            why = f"{lock} is not a file" if lock.exists() else f"{existing} is not writable"
+            raise RunDirError(f"output {self.root}: {why}; pass an --output this user may write")
         if self.info_file.exists() or self.config_file.exists() or self.checkpoints.exists():
             raise RunDirError(
                 f"{self.root} already holds a run; pass another --output or delete it. If its training "
                 f"stopped early, 'mlperf-grpo evaluate {self.root}' finishes it: it evaluates the published "
                 "checkpoints, or closes a run stopped before its first checkpoint as aborted"
             )
+        self.check_log_path()
+
+    def check_log_path(self) -> None:
+        """Raises RunDirError when the log (``$MLPERF_MLLOG_FILE``, else ``<run>/mlperf.log``)
+        is a directory, lies under a file, or already holds MLPerf lines."""
+        log = environment.mllog_file(self.root / "mlperf.log")
+        blocker = next((p for p in log.parents if p.exists()), None)
+        if log.is_dir() or (blocker is not None and not blocker.is_dir()):
+            why = "Is a directory" if log.is_dir() else f"{blocker} is a file"
+            raise RunDirError(f"cannot write MLPerf log {log}: {why}; set {environment.MLLOG_ENV} to a new file's path")
+        if log.is_file() and ":::MLLOG" in log.read_text(errors="replace"):
+            raise RunDirError(f"MLPerf log {log.resolve()} already holds a run's lines; use a new log file")
 
     def create(self, config: RunConfig, retain_checkpoints: bool = False) -> Path:
         """Make the directory, write ``config.yaml`` and ``run.json``; return the log path.

@@ -365,3 +365,71 @@ def test_output_that_is_a_file_is_one_error_line_and_nothing_is_made(tmp_path, c
                                          "file, not a directory; pass a new --output directory"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "c.yaml"]
     assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+def test_output_whose_lock_cannot_be_written_is_one_error_line_and_nothing_is_made(tmp_path, capsys, command):
+    """An existing ``--output`` where the run's ``.lock`` cannot be made (here a folder
+    stands in its place, which refuses even root): one error line naming it, exit 2,
+    nothing on stdout (no open-division note, no run directory line), nothing written."""
+    out = tmp_path / "out"
+    (out / ".lock").mkdir(parents=True)
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    assert main([command, "--config", str(cfg), "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"mlperf-grpo: error: output {out}: {out / '.lock'} is not a file; "
+                                         "pass an --output this user may write"]
+    assert [p.name for p in out.iterdir()] == [".lock"] and not any((out / ".lock").iterdir())
+
+
+def test_a_lock_that_cannot_be_opened_is_a_run_dir_error(tmp_path):
+    """``RunLock`` on a directory whose ``.lock`` cannot be opened raises RunDirError
+    (exit 2 at the CLI) naming the lock file, not a bare OSError (exit 1)."""
+    from mlperf_grpo.errors import RunDirError
+    from mlperf_grpo.rundir import RunLock
+
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(RunDirError, match=r"cannot write the run's lock file .*\.lock: Is a directory"):
+        with RunLock(tmp_path, "evaluator"):
+            pass
+
+
+@pytest.mark.parametrize("output", ["r", None], ids=["--output", "default-output"])
+@pytest.mark.parametrize("log", ["a-folder", "a-file/log.txt", "used.log"])
+def test_a_log_path_that_cannot_take_the_run_is_refused_before_anything_is_printed(tmp_path, capsys, monkeypatch,
+                                                                                   log, output):
+    """``MLPERF_MLLOG_FILE`` naming a folder, a path under a file, or a log holding
+    another run's lines: one error line, exit 2, nothing on stdout (the open-division note
+    and the run directory line used to come first), no run directory made."""
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "used.log").write_text(':::MLLOG {"key": "run_start"}\n')
+    monkeypatch.setenv("MLPERF_MLLOG_FILE", str(tmp_path / log))
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    monkeypatch.chdir(tmp_path)  # the default output is runs/YYYYMMDD-HHMMSS under it
+    assert main(["train", "--config", str(cfg)] + (["--output", output] if output else [])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("mlperf-grpo: error: ") and ("cannot write MLPerf log" in line or "already holds" in line)
+    assert not (tmp_path / "r").exists() and not any((tmp_path / "runs").glob("*"))
+
+
+@pytest.mark.parametrize("output", ["ro", "ro/run"])
+def test_output_on_a_read_only_file_system_is_one_error_line(tmp_path, capsys, output):
+    """``--output`` on a read-only mount (refused to root too): one line, exit 2,
+    nothing on stdout. Skipped where a tmpfs cannot be mounted."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+        assert main(["train", "--config", str(cfg), "--output", str(tmp_path / output)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.splitlines() == [f"mlperf-grpo: error: output {tmp_path / output}: {ro} is not writable; "
+                                             "pass an --output this user may write"]
+    finally:
+        subprocess.run(["umount", str(ro)])

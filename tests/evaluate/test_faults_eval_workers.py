@@ -66,6 +66,29 @@ def test_two_workers_log_equals_one_workers_pass_at_the_3rd_checkpoint(trained, 
     assert all(s["launch_unix_s"] <= s["start_unix_s"] and s["warm_up_s"] > 0 for s in startups)
 
 
+def test_more_workers_than_pending_checkpoints_start_one_per_checkpoint(trained, tmp_path, monkeypatch, capsys):
+    """``--workers 64`` with one checkpoint to evaluate evaluates it with one worker here
+    and launches no ranks (a worker beyond the pending checkpoints would claim nothing;
+    64 engines would exhaust the machine), says so in one note, and logs what one worker
+    logs."""
+    from mlperf_grpo.evaluate import offline
+
+    def only_step_18(dst):
+        run = never_passing(trained, dst)
+        shutil.rmtree(run / "checkpoints" / "step_19")
+        end = json.loads((run / "checkpoints" / "training_end.json").read_text())
+        (run / "checkpoints" / "training_end.json").write_text(json.dumps({**end, "last_published_step": 18}))
+        return run
+
+    one, many = only_step_18(tmp_path / "one"), only_step_18(tmp_path / "many")
+    launched = []
+    monkeypatch.setattr(offline, "launch", lambda entrypoint, args, nprocs: launched.append(nprocs) or {})
+    assert evaluate_with(many, 64) == evaluate_with(one, 1)
+    assert launched == []
+    assert "note: 1 checkpoint(s) to evaluate: 1 worker(s), not 64" in capsys.readouterr().err
+    assert eval_steps(many / "mlperf.log") == [18]
+
+
 def test_two_workers_log_equals_one_workers_when_nothing_passes(trained, tmp_path):
     one, two = never_passing(trained, tmp_path / "one"), never_passing(trained, tmp_path / "two")
     assert evaluate_with(one, 1) == evaluate_with(two, 2)

@@ -151,6 +151,23 @@ def test_jsonl_overlap_and_missing_file_are_refused(tmp_path, capsys):
     assert "task.name jsonl needs task.validation_path" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("section, key, count, most", [
+    ("validation", "num_tasks", 100_000, 8100),
+    ("task", "num_train_tasks", 100_000_000, 8100 - 251),
+])
+def test_more_arithmetic_tasks_than_exist_exit_2_with_one_line(tmp_path, capsys, section, key, count, most):
+    """The built-in arithmetic task has 90 x 90 = 8,100 problems (the default 251 held out
+    for validation): asking for more is one line naming the key and its largest value,
+    exit 2, nothing made (it was exit 1, without the key)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({section: {key: count}}))
+    assert main(["train", "--config", str(cfg), "--output", str(tmp_path / "run")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1].endswith(f"{section}.{key} is {count}: set {section}.{key} to at most {most}")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("entry_point, needle", [
     ("no_such_package.tasks:factory", "task.entry_point: entry point no_such_package.tasks:factory: cannot import no_such_package"),
     ("reward_fixtures:nope", "has no attribute nope"),

@@ -327,8 +327,14 @@ def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, 
                           log: ParsedLog, show_progress: bool, workers: int, ranks: TorchrunRanks | None = None) -> None:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
     up to the first pass; one worker runs here, more are torchrun ranks (``ranks``, or
-    launched here: :func:`launch`)."""
+    launched here: :func:`launch`). Workers launched here are no more than the pending
+    checkpoints (one at least): a worker beyond them would claim nothing, and ``--workers
+    99999`` would start that many engines."""
     plan = plan_evaluation(source, config, validation, log)
+    if ranks is None and workers > max(1, len(plan.pending_steps)):
+        print(f"note: {len(plan.pending_steps)} checkpoint(s) to evaluate: {max(1, len(plan.pending_steps))} "
+              f"worker(s), not {workers}", file=sys.stderr)
+        workers = max(1, len(plan.pending_steps))
     try:
         _run_workers(run, source, config, validation, mllog_file, plan, show_progress, workers, ranks)
     except EvaluationError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 
-from mlperf_grpo.tasks.base import Task
+from mlperf_grpo.tasks.base import Task, TaskError
 
 OPERAND_RANGE = range(10, 100)
 VALIDATION_SEED = 20261130
@@ -33,11 +33,12 @@ def validation_tasks(num_tasks: int) -> list[Task]:
     """The first ``num_tasks`` problems of the fixed validation draw.
 
     Raises:
-        ValueError: more tasks asked for than problems exist (8,100).
+        TaskError: more tasks asked for than problems exist (8,100): one line, exit 2.
     """
     problems = all_problems()
     if num_tasks > len(problems):
-        raise ValueError(f"arithmetic has {len(problems)} problems; asked for {num_tasks} validation tasks")
+        raise TaskError(f"the arithmetic task has {len(problems)} problems; validation.num_tasks is {num_tasks}: "
+                        f"set validation.num_tasks to at most {len(problems)}")
     random.Random(VALIDATION_SEED).shuffle(problems)
     return [_task(a, b) for a, b in problems[:num_tasks]]
 
@@ -46,14 +47,14 @@ def train_tasks(num_tasks: int, num_validation_tasks: int, seed: int) -> list[Ta
     """A training pool of ``num_tasks`` problems disjoint from the validation tasks.
 
     Raises:
-        ValueError: the pool does not fit beside the validation set.
+        TaskError: the pool does not fit beside the validation set: one line, exit 2.
     """
     held_out = {t.task_id for t in validation_tasks(num_validation_tasks)}
     problems = [p for p in all_problems() if f"add-{p[0]}-{p[1]}" not in held_out]
     if num_tasks > len(problems):
-        raise ValueError(
-            f"arithmetic has {len(problems)} problems outside the validation set; "
-            f"asked for {num_tasks} training tasks"
+        raise TaskError(
+            f"the arithmetic task has {len(problems)} problems outside the validation set; task.num_train_tasks is "
+            f"{num_tasks}: set task.num_train_tasks to at most {len(problems)}"
         )
     random.Random(seed).shuffle(problems)
     return [_task(a, b) for a, b in problems[:num_tasks]]
