@@ -1,6 +1,5 @@
 """`mlperf-grpo package`: refusals (fast) and three closed runs packaged end to end (slow)."""
 
-import os
 import re
 import subprocess
 import sys

@@ -4,7 +4,7 @@ our own helpers: no false lint finding, the official verdict in one actionable l
 report labels true to the run."""
 
 import pytest
-from logtools_helpers import GBS, figure_texts, find, reference_style, synth, to_text
+from logtools_helpers import figure_texts, find, reference_style, synth, to_text
 
 from mlperf_grpo.check import check_log, lint_text
 from mlperf_grpo.check.shape import evaluation_mode
