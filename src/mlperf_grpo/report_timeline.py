@@ -13,9 +13,10 @@ from mlperf_grpo.mllog import ParsedLog
 
 
 @dataclass
-
-
 class EvalSpan:
+    """One evaluation drawn on the timeline: its step, ``samples_count`` as logged, start
+    (its eval_start, None when not logged) and stop (Unix ms, as logged), accuracy and
+    whether it passed."""
     step: int | None
     samples_count: object
     start_ms: float | None
@@ -25,8 +26,6 @@ class EvalSpan:
 
 
 @dataclass
-
-
 class Timeline:
     """The drawable facts of one log; times are Unix ms, steps are 1-based."""
 

@@ -105,6 +105,8 @@ def plan_evaluation(source: SeriesSource, config: RunConfig, validation: Validat
 
 
 def unscorable(problem: SeriesProblem) -> str:
+    """The one-line error when a series problem (a missing or damaged checkpoint) comes
+    before any checkpoint passed: the run cannot be scored, and how to recover."""
     return (f"{problem.message}; no checkpoint before it passed, so the run cannot be scored past it "
             "(nothing was logged for the checkpoints evaluated): restore the checkpoint from a copy and run "
             "evaluate again, or train again")

@@ -396,4 +396,5 @@ def discover_run_series(checkpoint_root: Path) -> tuple[list[Checkpoint], list[P
 
 
 def series_by_step(source: SeriesSource) -> dict[int, Checkpoint]:
+    """step -> checkpoint of the series ``source`` discovers now (its published ones)."""
     return {c.step: c for c in source.discover()[0]}

@@ -29,8 +29,7 @@ Sampling is :func:`~mlperf_grpo.inference.sampling.sample_tokens`, the same as
 ``random.Random(seeds[i])``; its log-probability is ``log_softmax(logits /
 temperature)`` at that token, before top-p. Optional (off by default): top-p over each
 row's largest logits with a block run again exactly where they do not hold the nucleus
-(``top_p_candidates``), and the step's forward through ``torch.compile``
-(``compile_backend``). The cache and the per-slot state live in
+(``top_p_candidates``). The cache and the per-slot state live in
 :mod:`~mlperf_grpo.inference.slot_state`.
 
 Only models whose every layer is full attention over a per-layer KV cache take this
@@ -165,10 +164,6 @@ class SlotDecoder:
             (a wide nucleus costs one block a call at most). 0 (the default): always
             :func:`sample_tokens` (on one H200 the candidates made validation slower,
             docs/engines.md).
-        compile_backend: ``torch.compile`` backend of the decode step's forward pass
-            (``dynamic=True``: one compilation serves every bucket; captured in the
-            graphs as it is); None (the default): eager. ``"inductor"`` was slower on
-            one H200 (docs/engines.md), so it is off.
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -177,8 +172,7 @@ class SlotDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int, cuda_graphs: bool,
-                 key_block: int = 256, check_every: int | None = None, top_p_candidates: int = 0,
-                 compile_backend: str | None = None) -> None:
+                 key_block: int = 256, check_every: int | None = None, top_p_candidates: int = 0) -> None:
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         self.model = model
@@ -189,9 +183,6 @@ class SlotDecoder:
         self.check_every = check_every if check_every is not None else (8 if cuda_graphs else 1)
         self.top_p_candidates = top_p_candidates
         self._candidates_failed = False  # this call has run a block again: no more candidates
-        self.compile_backend = compile_backend
-        self._forward = self._decode_logits if compile_backend is None else torch.compile(
-            self._decode_logits, backend=compile_backend, dynamic=True)
         self.cache: SlotCache | None = None
         self.state: SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -395,9 +386,7 @@ class SlotDecoder:
     def _decode_logits(self, rows: int, key_length: int) -> torch.Tensor:
         """``[rows, V]`` next-token logits of the first ``rows`` slots (their last tokens
         at their positions and write columns), each attending to its columns ``[start,
-        column]`` of the first ``key_length``; writes their keys and values. What
-        ``compile_backend`` compiles: whole state tensors and int sizes as inputs (views
-        as inputs would make it recompile for each bucket)."""
+        column]`` of the first ``key_length``; writes their keys and values."""
         state = self.state
         columns = self.cache.write_columns[:rows]  # [r]
         arange = state.arange[:key_length]
@@ -414,7 +403,7 @@ class SlotDecoder:
         state, cache = self.state, self.cache
         columns = cache.write_columns[:rows]  # [r]
         with _decode_attention(self.model):
-            logits = self._forward(rows, key_length)  # [r, V]
+            logits = self._decode_logits(rows, key_length)  # [r, V]
         counts, done = state.counts[:rows], state.done[:rows]
         # a row that has ended keeps its count and writes past its tokens (at its limit:
         # the spare column), so steps may run between two looks at which rows ended
@@ -441,7 +430,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _bucket(live: int, rows: int) -> int:
     """The smallest power of two >= ``live`` and >= 2 if it is below ``rows``, else
-    ``rows`` (no bucket of 1 row below more: a compiled step would specialize on it)."""
+    ``rows``."""
     size = 2
     while size < live:
         size *= 2

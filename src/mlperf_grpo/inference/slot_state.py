@@ -16,8 +16,8 @@ class SlotCache:
     Handed to the model as its cache: attention layers call :meth:`update`.
 
     Memory: ``2 x layers x slots x kv_heads x (length + 1) x head_dim`` elements of the
-    model's dtype, allocated once: one column more than any key length, so that no read
-    of ``K`` columns is the whole tensor (a compiled step would specialize on it).
+    model's dtype, allocated once: one column more than any key length (the column the
+    steps after a row ended at its limit write to).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
