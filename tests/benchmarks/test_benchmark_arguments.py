@@ -3,6 +3,7 @@
 benchmarks/evaluate.py from the config parser on ``--checkpoints 0``, and from torch's
 lazy CUDA init on ``--device cuda`` without CUDA)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("sampler.py", ["--candidates", "0"], "--candidates"),
     ("generation.py", ["--top-p-candidates", "0"], "--top-p-candidates"),
     ("sampler.py", ["--top-p", "1.0"], "--top-p"),
+    ("decode_step.py", ["--batch", "0", "--new-tokens", "1"], "--batch 0, --new-tokens 1"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
@@ -29,3 +31,17 @@ def test_bad_benchmark_arguments_are_one_line_exit_2(tmp_path, script, arguments
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and named in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing made
+
+
+def test_decode_step_benchmark_prints_every_section(tmp_path):
+    """The smallest run: one JSON line on stdout with the proxy, the baseline and the parts."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "decode_step.py"), "--batch", "2", "--new-tokens", "3",
+                           "--key-length", "8", "--profile-top", "2", "--variants"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["baseline"]["tokens_per_s"] > 0 and line["proxy"]["tokens_per_s"] > 0
+    assert line["baseline"]["proxy_ratio"] == round(line["baseline"]["tokens_per_s"] / line["proxy"]["tokens_per_s"], 3)
+    assert set(line["parts_ms"]) == {"key_length", "forward", "output_head", "sample_training", "sample_validation",
+                                     "sample_validation_64_candidates"}
+    assert len(line["profile"]["top_ms_per_step"]) == 2

@@ -1,0 +1,262 @@
+"""Where a decode step of the slot decoder spends its time, and what fusing its small kernels gives.
+
+    python benchmarks/decode_step.py [--device cpu|cuda] [--batch B] [--new-tokens T]
+        [--layers N --hidden H | --params P] [--dtype float32|bfloat16] [--key-length K]
+        [--variants fused_elementwise compiled_layers] [--profile-top N]
+
+Builds the Qwen3-shaped model of ``benchmarks/generation.py`` (random init, vocabulary
+151,936, nothing downloaded) and measures, in one process:
+
+- ``proxy``: the GEMM-only decode proxy of ``generation.py`` (every ``nn.Linear`` on a
+  ``[B, in_features]`` input), the floor a step is judged by;
+- ``baseline``: ``SlotDecoder`` as the engine runs it (CUDA graphs on CUDA), B prompts
+  x T new tokens, the second call timed: ``ms_per_step`` (wall / decode steps),
+  ``tokens_per_s``, ``proxy_ratio``;
+- ``parts_ms``: pieces of one step timed alone (on CUDA each captured as a CUDA graph
+  and replayed 20 times; on CPU 3 calls): the model's forward over B rows and
+  ``--key-length`` cache columns (with the output head), the output head alone, and
+  the sampler at training's sampling (temperature 1, top_p 1), at validation's
+  (temperature 0.1, top_p 0.95) and validation's over 64 candidates;
+- ``profile``: the eager step (no graphs) under ``torch.profiler``: ``kernels_per_step``
+  and the ``--profile-top`` operators by device time (CPU: CPU time), ms per step;
+- per ``--variants`` entry, the slot decoder with the model changed as named:
+  ``fused_elementwise`` (``torch.compile`` of Qwen3's RMSNorm, rotary embedding and
+  SiLU-times-up: each a handful of small kernels in eager mode) and
+  ``compiled_layers`` (``torch.compile`` of each decoder layer, attention included):
+  ``ms_per_step``, ``speedup_vs_baseline``, ``identical_completions`` (the fraction of
+  rows with the baseline's tokens: kernels that round differently may change a sample)
+  and ``first_call_s`` (compilation and captures). The model is restored after each.
+
+Prints ONE JSON line on stdout (each section also on stderr as it ends, so a run cut
+short still shows what it measured). Bad arguments: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generation import DTYPES, build_model, config_for_params, gemm_proxy, qwen3_config  # noqa: E402
+
+from mlperf_grpo.inference import decode  # noqa: E402
+from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
+from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates  # noqa: E402
+
+PROMPT_TOKENS = 32
+REPLAYS = 20
+VARIANTS = ("fused_elementwise", "compiled_layers")
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(decoder: SlotDecoder, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[dict, list]:
+    """The second of two identical calls (training's sampling, no EOS): wall seconds,
+    ms per decode step, tokens/s; the first call's seconds; the rows' token ids."""
+    seeds = list(range(len(prompts)))
+    start = time.perf_counter()
+    decoder.generate(prompts, seeds, 1.0, 1.0, new_tokens, [])
+    synchronize(device)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    rows = decoder.generate(prompts, seeds, 1.0, 1.0, new_tokens, [])
+    synchronize(device)
+    wall = time.perf_counter() - start
+    return {"wall_s": round(wall, 4), "ms_per_step": round(wall / max(decoder.decode_steps, 1) * 1e3, 3),
+            "tokens_per_s": round(len(prompts) * new_tokens / wall, 1), "first_call_s": round(first, 2)}, \
+        [ids for ids, _ in rows]
+
+
+def time_ms(fn: Callable[[], object], device: str) -> float:
+    """Milliseconds per call of ``fn``: on CUDA captured once as a CUDA graph (after two
+    warm-up calls on a side stream) and replayed :data:`REPLAYS` times between two
+    events; on CPU the mean of 3 calls after one."""
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return round((time.perf_counter() - start) / 3 * 1e3, 3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(begin.elapsed_time(end) / REPLAYS, 3)
+
+
+def parts(model, decoder: SlotDecoder, rows: int, key_length: int, device: str) -> dict:
+    """``parts_ms`` (module docstring); ``decoder`` holds a cache from a call of ``rows`` rows."""
+
+    def forward() -> torch.Tensor:
+        with decode._decode_attention(model):
+            return decoder._decode_logits(rows, key_length)
+
+    with torch.no_grad():
+        logits = forward()
+        uniforms = torch.rand(rows, 1, device=device)
+        hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype, device=device)
+        return {
+            "forward": time_ms(forward, device),
+            "output_head": time_ms(lambda: model.lm_head(hidden), device),
+            "sample_training": time_ms(lambda: sample_tokens(logits, uniforms, 1.0, 1.0), device),
+            "sample_validation": time_ms(lambda: sample_tokens(logits, uniforms, 0.1, 0.95), device),
+            "sample_validation_64_candidates": time_ms(
+                lambda: sample_tokens_from_candidates(logits, uniforms, 0.1, 0.95, 64), device),
+        }
+
+
+def profile_step(model, prompts: list[list[int]], device: str, top: int, steps: int = 8) -> dict:
+    """The eager slot decoder's steps under ``torch.profiler``: kernels per step and the
+    ``top`` operators (and kernels) by device time, ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = SlotDecoder(model, len(prompts), pad_token_id=0, cuda_graphs=False)
+    seeds = list(range(len(prompts)))
+    decoder.generate(prompts, seeds, 1.0, 1.0, 2, [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        decoder.generate(prompts, seeds, 1.0, 1.0, steps + 1, [])  # one prefill + `steps` decode steps
+        synchronize(device)
+    field = "device_time_total" if device == "cuda" else "cpu_time_total"
+    totals = sorted(((getattr(e, field, 0) or 0, e.key, e.count) for e in prof.key_averages()), reverse=True)
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"steps": steps, "kernels_per_step": round(kernels / steps, 1),
+            "top_ms_per_step": [[name[:100], count, round(us / steps / 1e3, 4)] for us, name, count in totals[:top]]}
+
+
+@contextlib.contextmanager
+def fused_elementwise() -> Iterator[None]:
+    """Qwen3's RMSNorm, rotary embedding and SiLU-times-up through ``torch.compile``
+    (the same arithmetic; restored on exit)."""
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(gate) * up
+
+    norm, times = torch.compile(rms_norm, dynamic=True), torch.compile(silu_times, dynamic=True)
+    saved = qwen3.Qwen3RMSNorm.forward, qwen3.apply_rotary_pos_emb, qwen3.Qwen3MLP.forward
+    qwen3.Qwen3RMSNorm.forward = lambda self, x: norm(x, self.weight, self.variance_epsilon)
+    qwen3.apply_rotary_pos_emb = torch.compile(saved[1], dynamic=True)
+    qwen3.Qwen3MLP.forward = lambda self, x: self.down_proj(times(self.gate_proj(x), self.up_proj(x)))
+    try:
+        yield
+    finally:
+        qwen3.Qwen3RMSNorm.forward, qwen3.apply_rotary_pos_emb, qwen3.Qwen3MLP.forward = saved
+
+
+@contextlib.contextmanager
+def compiled_layers(model) -> Iterator[None]:
+    """Each decoder layer's forward through ``torch.compile`` (restored on exit)."""
+    import torch._dynamo
+
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, 4 * len(model.model.layers))  # a graph per layer index
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    try:
+        yield
+    finally:
+        for layer in model.model.layers:
+            del layer.forward  # the class's forward again
+        torch._dynamo.config.cache_size_limit = limit
+
+
+def bad_input(message: str) -> None:
+    """One line on stderr, exit 2."""
+    print(f"decode_step.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--batch", type=int, default=8, help="prompts (rows, slots)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--params", type=float, help="pick --hidden (16 layers) for this many parameters")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--key-length", type=int, default=256, help="cache columns the timed forward reads")
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--profile-top", type=int, default=30, help="operators listed by the profile (0: no profile)")
+    args = parser.parse_args()
+    bad = [f"--{name.replace('_', '-')} {value}" for name, value, low in (
+        ("batch", args.batch, 1), ("new_tokens", args.new_tokens, 2), ("layers", args.layers, 1),
+        ("hidden", args.hidden, 8), ("key_length", args.key_length, 1), ("profile_top", args.profile_top, 0))
+        if value < low]
+    if args.params is not None and args.params <= 0:
+        bad.append(f"--params {args.params:g}")
+    if bad:
+        bad_input(f"{', '.join(bad)}: sizes must be positive (--new-tokens >= 2: a prefill and a decode step; "
+                  "--profile-top >= 0)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        bad_input("--device cuda but torch sees no CUDA device; use --device cpu")
+
+    device = args.device
+    config = config_for_params(args.params) if args.params else qwen3_config(args.layers, args.hidden)
+    model = build_model(config, DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")], device)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(args.batch)]
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "params": sum(p.numel() for p in model.parameters()), "hidden": config.hidden_size,
+                    "layers": config.num_hidden_layers, "batch": args.batch, "new_tokens": args.new_tokens,
+                    "dtype": str(model.dtype).removeprefix("torch."), "torch": torch.__version__}
+
+    def section(name: str, value: object) -> None:
+        result[name] = value
+        print(json.dumps({name: value}), file=sys.stderr, flush=True)
+
+    section("proxy", gemm_proxy(model, args.batch, device))
+    cuda_graphs = device == "cuda"
+    decoder = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs)
+    baseline, baseline_rows = timed_generate(decoder, prompts, args.new_tokens, device)
+    baseline["proxy_ratio"] = round(baseline["tokens_per_s"] / result["proxy"]["tokens_per_s"], 3)
+    section("baseline", baseline)
+    key_length = min(args.key_length, decoder.cache.length)
+    section("parts_ms", {"key_length": key_length, **parts(model, decoder, args.batch, key_length, device)})
+    del decoder
+    if args.profile_top:
+        section("profile", profile_step(model, prompts, device, args.profile_top))
+    for name in args.variants:
+        change = fused_elementwise() if name == "fused_elementwise" else compiled_layers(model)
+        with change:
+            figures, rows = timed_generate(SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs),
+                                           prompts, args.new_tokens, device)
+        figures["speedup_vs_baseline"] = round(baseline["ms_per_step"] / figures["ms_per_step"], 3)
+        figures["proxy_ratio"] = round(figures["tokens_per_s"] / result["proxy"]["tokens_per_s"], 3)
+        figures["identical_completions"] = round(sum(a == b for a, b in zip(rows, baseline_rows)) / args.batch, 3)
+        section(name, figures)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
