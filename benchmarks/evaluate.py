@@ -40,6 +40,11 @@ one JSON line:
   evaluator's launch call to the rank's engine build, i.e. spawn, imports, rendezvous;
   ``engine_s``; ``warm_up_s``) and its checkpoints with median read wait, refit and
   generation seconds; ``before_launch_s``: the N-worker evaluator's start to its launch;
+- with ``--top-p-candidates K``, ``candidates``: a third, serial evaluation of another
+  copy whose ``config.yaml`` sets ``inference.top_p_candidates: K`` (validation's top-p
+  from each row's K largest logits, ``inference/sampling.py``): its median
+  ``generation_s``, ``over_exact`` (that over the serial run's) and ``logs_identical``
+  (against the serial run's log);
 - ``logs_identical`` (the two logs apart from ``time_ms``), ``setup_s`` (model build and
   training, not measured), and the ratios the goals are judged by (``refit_over_load``,
   ``non_generation_over_load``).
@@ -59,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -130,6 +136,20 @@ def timed_evaluation(run: Path, workers: int, timeout_s: float) -> tuple[float, 
         raise SystemExit(f"evaluate --workers {workers} exited {done.returncode}")
     progress(f"evaluated with {workers} worker(s) in {wall_s:.1f} s")
     return start_unix_s, wall_s
+
+
+def with_candidates(trained: Path, dst: Path, k: int, timeout_s: float, serial: Path) -> dict:
+    """A serial evaluation of a copy of ``trained`` with ``inference.top_p_candidates: k``
+    in its config; its median ``generation_s`` against the ``serial`` run's."""
+    run = copy_run(trained, dst)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config.setdefault("inference", {})["top_p_candidates"] = k
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    timed_evaluation(run, 1, timeout_s)
+    generation_s = statistics.median(t["generation_s"] for t in timings(run))
+    exact_s = statistics.median(t["generation_s"] for t in timings(serial))
+    return {"k": k, "generation_s": generation_s, "over_exact": round(generation_s / exact_s, 4),
+            "logs_identical": normalized_log(run) == normalized_log(serial)}
 
 
 def startups(run: Path) -> dict[int, dict]:
@@ -239,9 +259,11 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the run is made (a real disk)")
     parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
+    parser.add_argument("--top-p-candidates", type=int, help="also evaluate serially with inference.top_p_candidates K")
     args = parser.parse_args()
     at_least_one = {"--checkpoints": args.checkpoints, "--workers": args.workers, "--tasks": args.tasks,
-                    "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens}
+                    "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens,
+                    "--top-p-candidates": args.top_p_candidates}
     bad = [f"{flag} {value}" for flag, value in at_least_one.items() if value is not None and value < 1]
     bad += [f"{flag} {value:g}" for flag, value in (("--params", args.params), ("--eval-timeout-s", args.eval_timeout_s))
             if not value > 0]
@@ -277,6 +299,8 @@ def main() -> None:
         serial_worker = per_worker(serial, serial_start)[0]
         parallel_per_rank = per_worker(parallel, parallel_start)
         launch_unix_s = next(iter(startups(parallel).values()))["launch_unix_s"]
+        candidates = None if args.top_p_candidates is None else with_candidates(
+            trained, root / "candidates", args.top_p_candidates, args.eval_timeout_s, serial)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = {
@@ -306,6 +330,7 @@ def main() -> None:
         "serial_worker": serial_worker,
         "parallel_per_rank": parallel_per_rank,
         "setup_s": setup_s,
+        **({"candidates": candidates} if candidates is not None else {}),
     }
     out["refit_over_load"] = out["refit_s"] / load_s
     out["non_generation_over_load"] = out["non_generation_s"] / load_s

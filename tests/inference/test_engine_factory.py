@@ -56,6 +56,27 @@ def test_factory_builds_the_hf_engine():
     assert isinstance(engine, HFEngine) and engine.batch_size == 7 and engine.dtype == torch.float32
 
 
+@pytest.mark.parametrize("refit_only", [False, True])
+def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
+    """``inference.top_p_candidates`` reaches the slot decoder on CUDA; the CPU keeps the
+    full-vocabulary sampler whatever it says (its sort has no stable tie order)."""
+    made = {}
+    real_init = HFEngine._init
+
+    def spy(self, model, tokenizer, batch_size, model_path, decode, top_p_candidates=0):
+        made["top_p_candidates"] = top_p_candidates
+        real_init(self, model, tokenizer, batch_size, model_path, "slots", top_p_candidates)
+
+    monkeypatch.setattr(HFEngine, "_init", spy)
+    config = parse_config({"inference": {"top_p_candidates": 64}})
+    assert parse_config({}).inference.top_p_candidates == 0
+    engine = build_engine(config, batch_size=4, refit_only=refit_only)
+    assert made == {"top_p_candidates": 64}
+    assert engine.describe()["engine"].startswith("slot decoder") and engine.describe()["top_p_candidates"] == 0
+    with pytest.raises(ConfigError, match=r"inference\.top_p_candidates"):
+        parse_config({"inference": {"top_p_candidates": -1}})
+
+
 def test_missing_vllm_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(base.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))

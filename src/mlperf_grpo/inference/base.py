@@ -177,12 +177,10 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
         return VLLMEngine(config.model.path, config.model.dtype, config.model.device, config.inference, config.seed)
     from mlperf_grpo.inference.hf import HFEngine
 
-    t = config.inference.tensor_parallel_size
-    if refit_only:
-        return HFEngine.for_refit(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
-                                  tensor_parallel_size=t)
-    return HFEngine(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
-                    tensor_parallel_size=t)
+    build = HFEngine.for_refit if refit_only else HFEngine
+    return build(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
+                 tensor_parallel_size=config.inference.tensor_parallel_size,
+                 top_p_candidates=config.inference.top_p_candidates)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_config: object | None) -> list[int]:

@@ -77,6 +77,10 @@ class HFEngine:
             on CUDA for a model whose layers are all full attention, else ``generate``;
             ``"generate"``: always ``generate``; ``"slots"``: slot decoding (CUDA graphs on
             CUDA only; raises ValueError for a model it does not support, or at T > 1).
+        top_p_candidates: K > 0: on CUDA the slot decoder samples at top-p < 1 from each
+            row's K largest logits, running a block of steps again exactly where a
+            nucleus is wider (``SlotDecoder``'s option of that name); 0 (the default), or
+            on the CPU (whose sort has no stable tie order), the full-vocabulary sampler.
     Raises:
         ModelLoadError: the model cannot be loaded.
         ValueError: T > 1 without a process group whose world size T divides (a
@@ -92,18 +96,19 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                 decode: str = "auto", tensor_parallel_size: int = 1) -> None:
+                 decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0) -> None:
         if tensor_parallel_size == 1:
-            self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode)
+            self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode,
+                       top_p_candidates)
             return
         mesh = tensor_parallel_mesh(tensor_parallel_size, device)
         self._init(build_tensor_parallel_model(model_path, dtype, device, mesh), load_tokenizer(model_path),
-                   batch_size, model_path, decode)
+                   batch_size, model_path, decode, top_p_candidates)
         self.load_checkpoint(check_model_path(model_path))
 
     @classmethod
     def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                  decode: str = "auto", tensor_parallel_size: int = 1) -> HFEngine:
+                  decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0) -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
         nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`, or at T > 1
@@ -116,7 +121,7 @@ class HFEngine:
             model = build_model_for_refit(model_path, dtype, device)
         else:
             model = build_tensor_parallel_model(model_path, dtype, device, tensor_parallel_mesh(tensor_parallel_size, device))
-        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode)
+        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, top_p_candidates)
         return engine
 
     @classmethod
@@ -140,7 +145,7 @@ class HFEngine:
 
     def _init(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str,
-        decode: str,
+        decode: str, top_p_candidates: int = 0,
     ) -> None:
         self.model = model
         mesh = mesh_of(model)
@@ -158,9 +163,9 @@ class HFEngine:
         pad = _single_id(source.pad_token_id)
         self.pad_token_id: int = pad if pad is not None else (
             self.eos_token_ids[0] if tokenizer is not None and self.eos_token_ids else 0)
-        self._decoder = self._slot_decoder(decode)
+        self._decoder = self._slot_decoder(decode, top_p_candidates)
 
-    def _slot_decoder(self, decode: str) -> SlotDecoder | None:
+    def _slot_decoder(self, decode: str, top_p_candidates: int) -> SlotDecoder | None:
         """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``.
 
         Raises:
@@ -175,7 +180,8 @@ class HFEngine:
         on_cuda = self.model.device.type == "cuda"
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
             return None
-        return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda)
+        return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda,
+                           top_p_candidates=top_p_candidates if on_cuda else 0)
 
     def load_weights(self, weights: Weights) -> None:
         """Refit in place: each given tensor is copied into the engine's own (any source
@@ -281,6 +287,7 @@ class HFEngine:
         return {
             "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
             "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
+            "top_p_candidates": 0 if self._decoder is None else self._decoder.top_p_candidates,
             "model": self.model_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.model.device),

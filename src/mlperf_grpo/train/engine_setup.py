@@ -27,6 +27,7 @@ def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
         ModelLoadError: the model or its tokenizer does not load.
     """
     engine = HFEngine.for_refit(config.model.path, config.model.dtype, device=config.model.device,
-                                tensor_parallel_size=config.inference.tensor_parallel_size)
+                                tensor_parallel_size=config.inference.tensor_parallel_size,
+                                top_p_candidates=config.inference.top_p_candidates)
     engine.load_weights(policy_weights(policy))
     return engine
