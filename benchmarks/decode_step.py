@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import sys
 import time
@@ -213,11 +214,13 @@ def main() -> None:
         ("batch", args.batch, 1), ("new_tokens", args.new_tokens, 2), ("layers", args.layers, 1),
         ("hidden", args.hidden, 8), ("key_length", args.key_length, 1), ("profile_top", args.profile_top, 0))
         if value < low]
-    if args.params is not None and args.params <= 0:
+    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
         bad.append(f"--params {args.params:g}")
     if bad:
         bad_input(f"{', '.join(bad)}: sizes must be positive (--new-tokens >= 2: a prefill and a decode step; "
-                  "--profile-top >= 0)")
+                  "--profile-top >= 0; --params finite)")
+    if args.params is None and args.hidden % 8:
+        bad_input(f"--hidden {args.hidden}: must be a multiple of 8 (an even head_dim, hidden / 4, for RoPE)")
     if args.device == "cuda" and not torch.cuda.is_available():
         bad_input("--device cuda but torch sees no CUDA device; use --device cpu")
 

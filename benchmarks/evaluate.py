@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -266,7 +267,7 @@ def main() -> None:
                     "--top-p-candidates": args.top_p_candidates}
     bad = [f"{flag} {value}" for flag, value in at_least_one.items() if value is not None and value < 1]
     bad += [f"{flag} {value:g}" for flag, value in (("--params", args.params), ("--eval-timeout-s", args.eval_timeout_s))
-            if not value > 0]
+            if not (math.isfinite(value) and value > 0)]
     if bad:
         parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --params and --eval-timeout-s > 0\n")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -265,6 +266,10 @@ def main() -> None:
         bad_input("--device cpu measures peak RSS through /proc/self/clear_refs (Linux only); use --device cuda")
     if min(args.batch, *args.new_tokens, args.prompt_tokens, args.layers, args.hidden) < 1:
         bad_input("--batch, --new-tokens, --prompt-tokens, --layers and --hidden must be >= 1")
+    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
+        bad_input(f"--params {args.params:g}: must be a finite number > 0")
+    if args.params is None and args.hidden % 8:
+        bad_input(f"--hidden {args.hidden}: must be a multiple of 8 (an even head_dim, hidden / 4, for RoPE)")
     if args.top_p_candidates is not None and args.top_p_candidates < 1:
         bad_input("--top-p-candidates must be >= 1")
 

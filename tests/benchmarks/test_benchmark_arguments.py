@@ -23,6 +23,12 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("generation.py", ["--top-p-candidates", "0"], "--top-p-candidates"),
     ("sampler.py", ["--top-p", "1.0"], "--top-p"),
     ("decode_step.py", ["--batch", "0", "--new-tokens", "1"], "--batch 0, --new-tokens 1"),
+    ("decode_step.py", ["--params", "nan"], "--params nan"),  # was accepted: a 16-layer model of hidden 256
+    ("decode_step.py", ["--params", "inf"], "--params inf"),  # config_for_params looped forever
+    ("decode_step.py", ["--hidden", "100"], "--hidden 100"),  # head_dim 25: a RoPE traceback
+    ("generation.py", ["--params", "inf"], "--params inf"),
+    ("generation.py", ["--params", "-5"], "--params -5"),
+    ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
