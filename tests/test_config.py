@@ -25,6 +25,9 @@ def test_default_is_the_builtin_run():
         ({"grpo": {"micro_batch_size": 100}}, "must divide the global batch size 256"),
         ({"division": "semi"}, "field 'division'"),
         ([1, 2], "expected a mapping"),
+        ({"optimizer": {"learning_rate": float("inf")}}, "field 'optimizer.learning_rate'"),  # trained NaN weights, exit 0
+        ({"grpo": {"ratio_clip_max": float("nan")}}, "field 'grpo.ratio_clip_max'"),
+        ({"optimizer": {"beta_1": 2.0}}, "field 'optimizer.beta_1'"),  # torch's AdamW error, exit 1
     ],
 )
 def test_bad_fields_name_the_field(data, needle):

@@ -21,8 +21,9 @@ class Strict(BaseModel):
     """A config section: unknown keys refused, values never coerced."""
 
     # strict: no coercion (``max_steps: true`` or ``"5"`` is an error, not 1 or 5);
-    # an integer is still accepted where a float is expected.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # an integer is still accepted where a float is expected; .nan and .inf are refused
+    # (a learning rate of .inf trained NaN weights to the end and exited 0).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class SubmissionConfig(Strict):
@@ -225,8 +226,8 @@ class OptimizerConfig(Strict):
     learning_rate: float | None = Field(DEFAULT_LEARNING_RATE, gt=0)
     """Open-division default, calibrated for the built-in model (README, Calibration)."""
     gradient_clip_norm: float | None = Field(None, gt=0)
-    beta_1: float = rules.ADAMW_BETA_1
-    beta_2: float = rules.ADAMW_BETA_2
+    beta_1: float = Field(rules.ADAMW_BETA_1, ge=0, lt=1)  # torch's AdamW raises outside [0, 1)
+    beta_2: float = Field(rules.ADAMW_BETA_2, ge=0, lt=1)
     epsilon: float = rules.ADAMW_EPSILON
     weight_decay: float = rules.ADAMW_WEIGHT_DECAY
 
