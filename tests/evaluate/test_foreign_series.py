@@ -184,6 +184,20 @@ def test_ours_outside_a_run_directory(trained, reference, tmp_path, monkeypatch)
     assert not list(series.glob("step_*")) and (series / "eval" / "summary.json").is_file()
 
 
+def test_ours_at_a_run_that_keeps_its_checkpoints_keeps_them(trained, tmp_path, capsys, monkeypatch):
+    """--checkpoints RUN/checkpoints of a run trained with --retain-checkpoints: the run's
+    choice holds there too (they were all deleted, those after the passing one unevaluated)."""
+    monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log", "retain_checkpoints": True}))
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert main(["evaluate", "--checkpoints", str(run / "checkpoints"), "--mllog", str(run / "mlperf.log"),
+                 "--config", str(run / "config.yaml")]) == 0
+    assert "records that its run keeps its checkpoints: they are kept" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == steps
+
+
 def _tree(root):
     """Every file under ``root`` (relative path -> bytes)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -28,7 +28,7 @@ from mlperf_grpo.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
 from mlperf_grpo.model_files import check_model_path
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.rundir import RunDir, RunDirError
 from mlperf_grpo.tasks import ValidationSet
 
 SOURCE_FILE = "source.json"
@@ -354,6 +354,20 @@ def check_eval_log(eval_log: Path, root: Path) -> None:
                               "give a new path (an existing eval log is only resumed by the evaluation that wrote it)")
 
 
+def _run_keeps_its_checkpoints(checkpoints: Path) -> bool:
+    """Whether ``checkpoints`` is a run directory's ``checkpoints/`` whose ``run.json``
+    asked to keep them (``--retain-checkpoints`` or ``RETAIN_GRPO_CHECKPOINTS=1`` at
+    training); an unreadable ``run.json`` beside it counts as asking (nothing is deleted
+    on a guess)."""
+    run = RunDir(checkpoints.resolve().parent)
+    if checkpoints.resolve() != run.checkpoints.resolve() or not run.info_file.is_file():
+        return False
+    try:
+        return run.retain_recorded()
+    except RunDirError:
+        return True
+
+
 def evaluate_checkpoints(
     checkpoints: Path, mllog_file: Path, config: RunConfig, fmt: str = "auto", eval_log: Path | None = None,
     retain: bool = False, show_progress: bool = True, config_file: Path | None = None, ranks=None,
@@ -378,6 +392,10 @@ def evaluate_checkpoints(
                               "torchrun (one worker), or evaluate its run directory under torchrun")
     if eval_log is not None:
         check_eval_log(eval_log, source.root)
+    if isinstance(source, OursAt) and not retain and _run_keeps_its_checkpoints(checkpoints):
+        print(f"note: {checkpoints.resolve().parent / 'run.json'} records that its run keeps its checkpoints: "
+              "they are kept", file=sys.stderr)
+        retain = True
     run = RunDir(source.root)
     unchecked = foreign.UNCHECKED.get(getattr(source, "format", foreign.OURS), ())
     for what in unchecked:
