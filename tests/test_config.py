@@ -44,6 +44,22 @@ def test_malformed_yaml(tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize("text, key, line", [
+    ("grpo:\n  max_steps: 3\ngrpo:\n  max_steps: 4\n", "grpo", 3),
+    ("grpo:\n  max_steps: 3\n  max_steps: 4\n", "max_steps", 3),
+    ("grpo: {max_steps: 3, max_steps: 4}\n", "max_steps", 1),
+])
+def test_a_key_given_twice_is_refused(tmp_path, text, key, line):
+    """PyYAML keeps the last of two equal keys: the first would be ignored unseen."""
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=f"key '{key}' given twice at line {line}; keep one of them"):
+        load_config(p)
+    p.write_text("grpo: {max_steps: 3}\n? [1, 2]\n: x\n")  # a key that is no string: the usual error, no crash
+    with pytest.raises(ConfigError, match="malformed YAML at line 2; fix the syntax"):
+        load_config(p)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")

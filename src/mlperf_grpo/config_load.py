@@ -81,7 +81,18 @@ class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's floats: PyYAML follows YAML 1.1, whose float
     needs a dot, so ``learning_rate: 1e-5`` would be the string ``"1e-5"`` (the same
     mantissa-and-exponent form that YAML 1.2's core schema and JSON read as a number).
-    Every other scalar resolves as ``yaml.safe_load`` resolves it."""
+    Every other scalar resolves as ``yaml.safe_load`` resolves it. A key given twice in
+    one mapping is an error (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key '{key}' given twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 ConfigLoader.add_implicit_resolver(  # only the form YAML 1.1 lacks: digits, then an exponent (1e-5, -2E+3)
@@ -108,6 +119,9 @@ def load_config(path: str | Path | None) -> RunConfig:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(err, "problem", "") or ""
+        if problem.endswith("given twice"):
+            raise ConfigError(f"{path}: {problem}{where}; keep one of them") from None
         raise ConfigError(f"{path}: malformed YAML{where}; fix the syntax") from None
     config = parse_config(data, source=str(path))
     return _paths_from(config, path.parent)
