@@ -207,7 +207,8 @@ def main() -> None:
     parser.add_argument("--params", type=float, help="pick --hidden (16 layers) for this many parameters")
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--key-length", type=int, default=256, help="cache columns the timed forward reads")
-    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
+                        help="changes of the model to measure (default: both; the bare flag: none)")
     parser.add_argument("--profile-top", type=int, default=30, help="operators listed by the profile (0: no profile)")
     args = parser.parse_args()
     bad = [f"--{name.replace('_', '-')} {value}" for name, value, low in (
