@@ -246,6 +246,10 @@ def test_a_tokenizer_that_transformers_extends_is_named_in_the_refusal(tmp_path)
         check_model(str(model), "1+2=")
     assert "the largest vocabulary id is 15 ('<|endoftext|>', tokenizer loaded as Qwen2Tokenizer) but the embedding " \
            "'model.embed_tokens.weight' has 15 rows" in str(err.value)
+    # and says why: the class tokenizer_config.json names is not the one transformers used
+    assert str(err.value).endswith("; tokenizer_config.json names TokenizersBackend, but transformers loaded "
+                                   "Qwen2Tokenizer for this model type and it adds tokens: use this model type's own "
+                                   "tokenizer, or an embedding of at least 16 rows")
 
 
 BERT_SIZES = {"hidden_size": 64, "intermediate_size": 128}

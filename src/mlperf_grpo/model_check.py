@@ -3,6 +3,8 @@ weight files against ``config.json`` and its tokenizer against the embedding."""
 
 from __future__ import annotations
 
+import json
+
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.model import load_tokenizer
 from mlperf_grpo.model_files import check_model_path
@@ -41,8 +43,20 @@ def check_model(path: str, sample_text: str) -> None:
     for what, token_id in ids.items():
         if token_id >= rows:  # name the token and the class transformers loaded (it may add tokens: Qwen2Tokenizer)
             token = tokenizer.convert_ids_to_tokens(token_id)
+            loaded, named = type(tokenizer).__name__, _named_tokenizer_class(directory)
+            why = (f"tokenizer_config.json names {named}, but transformers loaded {loaded} for this model type and "
+                   f"it adds tokens: use this model type's own tokenizer, or an embedding of at least {token_id + 1} rows"
+                   if named is not None and named != loaded else "the tokenizer does not belong to these weights")
             raise ModelLoadError(
                 f"tokenizer of {directory}: {what} is {token_id} ({token!r}, tokenizer loaded as "
-                f"{type(tokenizer).__name__}) but the embedding {embedding_name!r} has {rows} rows; the tokenizer "
-                "does not belong to these weights"
+                f"{loaded}) but the embedding {embedding_name!r} has {rows} rows; {why}"
             )
+
+
+def _named_tokenizer_class(directory) -> str | None:
+    """``tokenizer_class`` of the directory's ``tokenizer_config.json``, or None."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
