@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import qwen3_config  # noqa: E402  (benchmarks/checkpoint.py)
 
+from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import hf  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
 from mlperf_grpo.inference.hf import HFEngine  # noqa: E402
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=2e6, help="model size in parameters (e.g. 1.4e9)")
     parser.add_argument("--rows", type=int, default=256, help="prompts per generation (one engine batch)")
     parser.add_argument("--new-tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if not (args.params > 0 and args.rows >= 1 and args.new_tokens >= 1):
         parser.exit(2, f"{parser.prog}: error: --params must be > 0, --rows and --new-tokens >= 1 (got {args.params:g}, "
                        f"{args.rows}, {args.new_tokens})\n")

@@ -50,6 +50,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from mlperf_grpo.checkpoint.direct_io import aligned_empty, write_file_image
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.config_load import parse_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR, DTYPES
@@ -197,7 +198,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="rollout length (default: 16 on cuda, 8 on cpu)")
     parser.add_argument("--max-in-flight", type=int, default=2, help="checkpoint.max_in_flight (K)")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where checkpoints are written (a real disk)")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     cuda = args.device == "cuda"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.prompts = args.prompts or (4 if cuda else 1)

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import DTYPES, build_model, config_for_params, gemm_proxy, qwen3_config  # noqa: E402
 
+from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import decode  # noqa: E402
 from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates  # noqa: E402
@@ -210,7 +211,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
                         help="changes of the model to measure (default: both; the bare flag: none)")
     parser.add_argument("--profile-top", type=int, default=30, help="operators listed by the profile (0: no profile)")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     bad = [f"--{name.replace('_', '-')} {value}" for name, value, low in (
         ("batch", args.batch, 1), ("new_tokens", args.new_tokens, 2), ("layers", args.layers, 1),
         ("hidden", args.hidden, 8), ("key_length", args.key_length, 1), ("profile_top", args.profile_top, 0))

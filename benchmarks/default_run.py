@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from mlperf_grpo.cli_parser import parse_args_one_line
+
 BUDGET_S = 600.0
 BUDGET_BYTES = 4 * 1024**3
 BASELINE = (
@@ -39,7 +41,7 @@ def timed_child(argv: list[str]) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     base_s, base_rss = timed_child([sys.executable, "-c", BASELINE])
     print(f"baseline (import + load model): {base_s:.2f} s, peak RSS {base_rss / 2**20:.0f} MiB")
     for i in range(args.repeat):

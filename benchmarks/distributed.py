@@ -109,6 +109,8 @@ from pathlib import Path
 
 import yaml
 
+from mlperf_grpo.cli_parser import parse_args_one_line
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LARGE_PARAMS = 8e9
@@ -336,7 +338,7 @@ def main() -> None:
                         help="T > 1: the bytes of the hf engine split over groups of T ranks (no training run)")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "RESULT"), help=argparse.SUPPRESS)
     parser.add_argument("--tp-worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if args.worker:
         worker(*(Path(p) for p in args.worker))
         return

@@ -71,6 +71,7 @@ from safetensors.torch import load, load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build_model_dir  # noqa: E402  (benchmarks/checkpoint.py)
 
+from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.config_load import parse_config  # noqa: E402
 from mlperf_grpo.model_files import DTYPES  # noqa: E402
 from mlperf_grpo.mllog import PREFIX  # noqa: E402
@@ -261,7 +262,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
     parser.add_argument("--top-p-candidates", type=int, help="also evaluate serially with inference.top_p_candidates K")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     at_least_one = {"--checkpoints": args.checkpoints, "--workers": args.workers, "--tasks": args.tasks,
                     "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens,
                     "--top-p-candidates": args.top_p_candidates}

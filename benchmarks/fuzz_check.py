@@ -61,6 +61,7 @@ from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 from mlperf_grpo.check import MAX_LINE_CHARS, UnreadableLog, check_log  # noqa: E402
 from mlperf_grpo.check.official import preload_checkers  # noqa: E402
 from mlperf_grpo.check.render import format_reports, to_json  # noqa: E402
+from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 
 TOKENS = ["", "x", "null", '"', "}", "{", "[", "]", ",", "9e999", "-1", "NaN", "\\u0000", "ü", "\x00", "\\", "true"]
 BAD_VALUES = [[], {}, [1, 2], {"a": 1}, "18", 18.5, -4608, None, True]
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0, help="number of the first input (to re-check one)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one core each)")
     parser.add_argument("--time-limit-s", type=float, default=10.0, help="the official checkers' limit per input")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if args.n < 1 or args.jobs < 1 or args.start < 0 or args.time_limit_s <= 0:
         parser.error("--n and --jobs must be at least 1, --start at least 0, --time-limit-s above 0")
     preload_checkers()  # before the workers fork: they start with the checkers loaded

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.decode import SlotDecoder
 from mlperf_grpo.inference.hf import HFEngine
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--top-p-candidates", type=int, default=None,
                         help="add the slot decoder at validation's sampling, exact and with this many candidates")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if args.device == "cuda" and not torch.cuda.is_available():
         bad_input("--device cuda but no CUDA device is available; use --device cpu")
     if args.device == "cpu" and not Path("/proc/self/clear_refs").exists():

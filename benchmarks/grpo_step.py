@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 
 from mlperf_grpo import rules, tasks
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.config_load import parse_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR, check_model_path
@@ -273,7 +274,7 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="the engine gets no EOS id: completions run to the limit")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                         help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if args.steps < 2:
         sys.exit("--steps must be >= 2 (step 1 is left out)")
     with_trl = not args.no_trl and trl_available()

@@ -31,6 +31,7 @@ import yaml
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from mlperf_grpo import cli
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 
@@ -68,7 +69,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--new-tokens", type=int, default=None, help="grpo.max_new_tokens (default: the config's)")
     parser.add_argument("--output", type=Path, default=None, help="run directory (default: a temporary one)")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, config = Path(tmp) / "model", Path(tmp) / "run.yaml"
         params = make_model(model_dir, args.shape)

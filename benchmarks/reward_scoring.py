@@ -19,6 +19,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.tasks import arithmetic, scoring
 
 SIZES = {"step": 256, "validation": 1004}
@@ -46,7 +47,7 @@ def _median_s(fn, items: list, repeat: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     t0 = time.perf_counter()
     scoring.score(arithmetic.reward, _items(8))
     figures: dict[str, float] = {"pool_cold_start_s": round(time.perf_counter() - t0, 4)}

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--candidates", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sampler.py: --device cuda but no CUDA device is available", file=sys.stderr)
         sys.exit(2)

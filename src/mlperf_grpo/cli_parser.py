@@ -43,6 +43,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{where}{message} (see 'mlperf-grpo {command + ' ' if command else ''}--help')")
 
 
+def parse_args_one_line(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` for a script's own parser (``benchmarks/``): a refusal,
+    and any ``parser.error`` call, prints ``PROG: error: REASON (see PROG --help)`` on
+    stderr and exits 2, without the usage block."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+    parser.error = error
+    return parser.parse_args(argv)
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse reports anything else with exit 2)."""
     try:

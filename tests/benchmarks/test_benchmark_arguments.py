@@ -23,6 +23,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("generation.py", ["--top-p-candidates", "0"], "--top-p-candidates"),
     ("sampler.py", ["--top-p", "1.0"], "--top-p"),
     ("decode_step.py", ["--batch", "0", "--new-tokens", "1"], "--batch 0, --new-tokens 1"),
+    ("decode_step.py", ["--batch", "x"], "argument --batch: invalid int value: 'x'"),  # argparse's: no usage block
+    ("generation.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("sampler.py", ["--dtype", "int8"], "argument --dtype: invalid choice"),
     ("decode_step.py", ["--params", "nan"], "--params nan"),  # was accepted: a 16-layer model of hidden 256
     ("decode_step.py", ["--params", "inf"], "--params inf"),  # config_for_params looped forever
     ("decode_step.py", ["--hidden", "100"], "--hidden 100"),  # head_dim 25: a RoPE traceback
