@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import random
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation import DTYPES, build_model, config_for_params, gemm_proxy, qwen3_config  # noqa: E402
+from generation import DTYPES, add_model_arguments, bad_input, build_model, gemm_proxy, model_config  # noqa: E402
 
 from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import decode  # noqa: E402
@@ -192,20 +191,12 @@ def compiled_layers(model) -> Iterator[None]:
         torch._dynamo.config.cache_size_limit = limit
 
 
-def bad_input(message: str) -> None:
-    """One line on stderr, exit 2."""
-    print(f"decode_step.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--batch", type=int, default=8, help="prompts (rows, slots)")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--params", type=float, help="pick --hidden (16 layers) for this many parameters")
+    add_model_arguments(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--key-length", type=int, default=256, help="cache columns the timed forward reads")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
@@ -213,21 +204,16 @@ def main() -> None:
     parser.add_argument("--profile-top", type=int, default=30, help="operators listed by the profile (0: no profile)")
     args = parse_args_one_line(parser)
     bad = [f"--{name.replace('_', '-')} {value}" for name, value, low in (
-        ("batch", args.batch, 1), ("new_tokens", args.new_tokens, 2), ("layers", args.layers, 1),
-        ("hidden", args.hidden, 8), ("key_length", args.key_length, 1), ("profile_top", args.profile_top, 0))
-        if value < low]
-    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
-        bad.append(f"--params {args.params:g}")
+        ("batch", args.batch, 1), ("new_tokens", args.new_tokens, 2), ("key_length", args.key_length, 1),
+        ("profile_top", args.profile_top, 0)) if value < low]
     if bad:
         bad_input(f"{', '.join(bad)}: sizes must be positive (--new-tokens >= 2: a prefill and a decode step; "
-                  "--profile-top >= 0; --params finite)")
-    if args.params is None and args.hidden % 8:
-        bad_input(f"--hidden {args.hidden}: must be a multiple of 8 (an even head_dim, hidden / 4, for RoPE)")
+                  "--profile-top >= 0)")
     if args.device == "cuda" and not torch.cuda.is_available():
         bad_input("--device cuda but torch sees no CUDA device; use --device cpu")
 
     device = args.device
-    config = config_for_params(args.params) if args.params else qwen3_config(args.layers, args.hidden)
+    config = model_config(args)
     model = build_model(config, DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")], device)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(args.batch)]

@@ -242,9 +242,32 @@ def ratio_or_none(numerator: int, denominator: int) -> float | None:
 
 
 def bad_input(message: str) -> None:
-    """One line on stderr, exit 2."""
-    print(f"generation.py: {message}", file=sys.stderr)
+    """One line on stderr, naming the script run, exit 2."""
+    print(f"{Path(sys.argv[0]).name}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-shape options of the benchmarks that build :func:`qwen3_config` models:
+    ``--layers N --hidden H`` or ``--params P``."""
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--params", type=float, default=None, help="pick --hidden (16 layers) for this many parameters")
+
+
+def model_config(args: argparse.Namespace) -> Qwen3Config:
+    """The config :func:`add_model_arguments`' options ask for: :func:`config_for_params`
+    when ``--params`` is given, else :func:`qwen3_config`. A value that builds no model
+    (``--params`` not finite and > 0; ``--layers`` < 1; ``--hidden`` not a positive
+    multiple of 8, whose head_dim hidden / 4 must be even for RoPE): :func:`bad_input`."""
+    if args.params is not None:
+        if not (math.isfinite(args.params) and args.params > 0):
+            bad_input(f"--params {args.params:g}: must be a finite number > 0")
+        return config_for_params(args.params)
+    if args.layers < 1 or args.hidden < 8 or args.hidden % 8:
+        bad_input(f"--layers {args.layers}, --hidden {args.hidden}: layers >= 1 and hidden a positive multiple of 8 "
+                  "(an even head_dim, hidden / 4, for RoPE)")
+    return qwen3_config(args.layers, args.hidden)
 
 
 def main() -> None:
@@ -254,9 +277,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[32])
     parser.add_argument("--mixed", action="store_true", help="add a mixed-length case at the largest --new-tokens")
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--params", type=float, default=None, help="pick --hidden (16 layers) for this many parameters")
+    add_model_arguments(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--top-p-candidates", type=int, default=None,
                         help="add the slot decoder at validation's sampling, exact and with this many candidates")
@@ -265,16 +286,12 @@ def main() -> None:
         bad_input("--device cuda but no CUDA device is available; use --device cpu")
     if args.device == "cpu" and not Path("/proc/self/clear_refs").exists():
         bad_input("--device cpu measures peak RSS through /proc/self/clear_refs (Linux only); use --device cuda")
-    if min(args.batch, *args.new_tokens, args.prompt_tokens, args.layers, args.hidden) < 1:
-        bad_input("--batch, --new-tokens, --prompt-tokens, --layers and --hidden must be >= 1")
-    if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
-        bad_input(f"--params {args.params:g}: must be a finite number > 0")
-    if args.params is None and args.hidden % 8:
-        bad_input(f"--hidden {args.hidden}: must be a multiple of 8 (an even head_dim, hidden / 4, for RoPE)")
+    if min(args.batch, *args.new_tokens, args.prompt_tokens) < 1:
+        bad_input("--batch, --new-tokens and --prompt-tokens must be >= 1")
     if args.top_p_candidates is not None and args.top_p_candidates < 1:
         bad_input("--top-p-candidates must be >= 1")
 
-    config = config_for_params(args.params) if args.params else qwen3_config(args.layers, args.hidden)
+    config = model_config(args)
     model = build_model(config, DTYPES[args.dtype], args.device)
     engine = HFEngine.from_model(model, batch_size=args.batch)
     engine_generate = HFEngine.from_model(model, batch_size=args.batch, decode="generate")
