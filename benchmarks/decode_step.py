@@ -58,6 +58,7 @@ VARIANTS = ("fused_elementwise", "compiled_layers")
 
 
 def synchronize(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
     if device == "cuda":
         torch.cuda.synchronize()
 
