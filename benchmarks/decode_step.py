@@ -1,31 +1,33 @@
-"""Where a decode step of the slot decoder spends its time, and what fusing its small kernels gives.
+"""Where a decode step of the slot decoder spends its time, and what its fused kernels and key buckets give.
 
     python benchmarks/decode_step.py [--device cpu|cuda] [--batch B] [--new-tokens T]
         [--layers N --hidden H | --params P] [--dtype float32|bfloat16] [--key-length K]
-        [--variants fused_elementwise compiled_layers] [--profile-top N]
+        [--variants unfused key_block_256] [--profile-top N]
 
 Builds the Qwen3-shaped model of ``benchmarks/generation.py`` (random init, vocabulary
 151,936, nothing downloaded) and measures, in one process:
 
 - ``proxy``: the GEMM-only decode proxy of ``generation.py`` (every ``nn.Linear`` on a
   ``[B, in_features]`` input), the floor a step is judged by;
-- ``baseline``: ``SlotDecoder`` as the engine runs it (CUDA graphs on CUDA), B prompts
-  x T new tokens, the second call timed: ``ms_per_step`` (wall / decode steps),
-  ``tokens_per_s``, ``proxy_ratio``;
+- ``baseline``: ``SlotDecoder`` as the engine runs it (on CUDA: CUDA graphs and the
+  fused kernels of ``inference/fused_decode.py``), B prompts x T new tokens, the second
+  call timed: ``ms_per_step`` (wall / decode steps), ``tokens_per_s``, ``proxy_ratio``,
+  ``fused_kernels`` (the kinds fused);
 - ``parts_ms``: pieces of one step timed alone (on CUDA each captured as a CUDA graph
   and replayed 20 times; on CPU 3 calls): the model's forward over B rows and
   ``--key-length`` cache columns (with the output head), the output head alone, and
   the sampler at training's sampling (temperature 1, top_p 1), at validation's
   (temperature 0.1, top_p 0.95) and validation's over 64 candidates;
-- ``profile``: the eager step (no graphs) under ``torch.profiler``: ``kernels_per_step``
-  and the ``--profile-top`` operators by device time (CPU: CPU time), ms per step;
-- per ``--variants`` entry, the slot decoder with the model changed as named:
-  ``fused_elementwise`` (``torch.compile`` of Qwen3's RMSNorm, rotary embedding and
-  SiLU-times-up: each a handful of small kernels in eager mode) and
-  ``compiled_layers`` (``torch.compile`` of each decoder layer, attention included):
-  ``ms_per_step``, ``speedup_vs_baseline``, ``identical_completions`` (the fraction of
-  rows with the baseline's tokens: kernels that round differently may change a sample)
-  and ``first_call_s`` (compilation and captures). The model is restored after each.
+- ``profile``: 8 decode steps of the baseline run eagerly (no graphs, no prefill) under
+  ``torch.profiler``: ``kernels_per_step`` and the ``--profile-top`` operators by device
+  time (CPU: CPU time), ms per step;
+- per ``--variants`` entry, the slot decoder changed as named: ``unfused`` (no fused
+  kernels: the model's own eager code in the graphs) and ``key_block_256`` (key-length
+  buckets of 256 columns instead of 64: attention reads more unused columns, fewer
+  graphs are captured): ``ms_per_step``, ``speedup_vs_baseline``,
+  ``identical_completions`` (the fraction of rows with the baseline's tokens: kernels
+  that round differently may change a sample) and ``first_call_s`` (compilation and
+  captures).
 
 Prints ONE JSON line on stdout (each section also on stderr as it ends, so a run cut
 short still shows what it measured). Bad arguments: one line, exit 2.
@@ -39,7 +41,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,13 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import DTYPES, add_model_arguments, bad_input, build_model, gemm_proxy, model_config  # noqa: E402
 
 from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
-from mlperf_grpo.inference import decode  # noqa: E402
+from mlperf_grpo.inference import decode, fused_decode  # noqa: E402
 from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates  # noqa: E402
 
 PROMPT_TOKENS = 32
 REPLAYS = 20
-VARIANTS = ("fused_elementwise", "compiled_layers")
+VARIANTS = {"unfused": {"fused_kernels": False}, "key_block_256": {"key_block": 256}}
 
 
 def synchronize(device: str) -> None:
@@ -110,86 +112,55 @@ def time_ms(fn: Callable[[], object], device: str) -> float:
 
 
 def parts(model, decoder: SlotDecoder, rows: int, key_length: int, device: str) -> dict:
-    """``parts_ms`` (module docstring); ``decoder`` holds a cache from a call of ``rows`` rows."""
+    """``parts_ms`` (module docstring); ``decoder`` holds a cache from a call of ``rows``
+    rows. With the decoder's fused kernels on, each part runs with them."""
+    scope = fused_decode.fused if decoder.fused_kernels else contextlib.nullcontext
+
+    def within(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with scope():
+                return fn()
+        return run
 
     def forward() -> torch.Tensor:
         with decode._decode_attention(model):
             return decoder._decode_logits(rows, key_length)
 
+    def sample(fn: Callable, *args) -> Callable[[], object]:
+        return lambda: fn(logits, uniforms, *args)
+
     with torch.no_grad():
-        logits = forward()
+        logits = within(forward)()
         uniforms = torch.rand(rows, 1, device=device)
         hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype, device=device)
         return {
-            "forward": time_ms(forward, device),
+            "forward": time_ms(within(forward), device),
             "output_head": time_ms(lambda: model.lm_head(hidden), device),
-            "sample_training": time_ms(lambda: sample_tokens(logits, uniforms, 1.0, 1.0), device),
-            "sample_validation": time_ms(lambda: sample_tokens(logits, uniforms, 0.1, 0.95), device),
-            "sample_validation_64_candidates": time_ms(
-                lambda: sample_tokens_from_candidates(logits, uniforms, 0.1, 0.95, 64), device),
+            "sample_training": time_ms(sample(sample_tokens, 1.0, 1.0), device),
+            "sample_validation": time_ms(sample(sample_tokens, 0.1, 0.95), device),
+            "sample_validation_64_candidates": time_ms(sample(sample_tokens_from_candidates, 0.1, 0.95, 64), device),
         }
 
 
-def profile_step(model, prompts: list[list[int]], device: str, top: int, steps: int = 8) -> dict:
-    """The eager slot decoder's steps under ``torch.profiler``: kernels per step and the
-    ``top`` operators (and kernels) by device time, ms per step."""
+def profile_step(decoder: SlotDecoder, rows: int, device: str, top: int, steps: int = 8) -> dict:
+    """``steps`` eager decode steps of ``decoder`` (which holds a cache from a call of
+    ``rows`` rows) under ``torch.profiler``: kernels per step and the ``top`` operators
+    (and kernels) by device time, ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    decoder = SlotDecoder(model, len(prompts), pad_token_id=0, cuda_graphs=False)
-    seeds = list(range(len(prompts)))
-    decoder.generate(prompts, seeds, 1.0, 1.0, 2, [])
+    call = decode._Call(1.0, 1.0, decoder.state.uniforms.shape[1], (-1,))
+    key_length = decoder.cache.length
+    decoder._step_body(call, rows, key_length, exact=True)  # compiled kernels built before the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        decoder.generate(prompts, seeds, 1.0, 1.0, steps + 1, [])  # one prefill + `steps` decode steps
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(steps):
+            decoder._step_body(call, rows, key_length, exact=True)
         synchronize(device)
     field = "device_time_total" if device == "cuda" else "cpu_time_total"
     totals = sorted(((getattr(e, field, 0) or 0, e.key, e.count) for e in prof.key_averages()), reverse=True)
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"steps": steps, "kernels_per_step": round(kernels / steps, 1),
+    return {"steps": steps, "key_length": key_length, "kernels_per_step": round(kernels / steps, 1),
             "top_ms_per_step": [[name[:100], count, round(us / steps / 1e3, 4)] for us, name, count in totals[:top]]}
-
-
-@contextlib.contextmanager
-def fused_elementwise() -> Iterator[None]:
-    """Qwen3's RMSNorm, rotary embedding and SiLU-times-up through ``torch.compile``
-    (the same arithmetic; restored on exit)."""
-    from transformers.models.qwen3 import modeling_qwen3 as qwen3
-
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x.to(dtype)
-
-    def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.silu(gate) * up
-
-    norm, times = torch.compile(rms_norm, dynamic=True), torch.compile(silu_times, dynamic=True)
-    saved = qwen3.Qwen3RMSNorm.forward, qwen3.apply_rotary_pos_emb, qwen3.Qwen3MLP.forward
-    qwen3.Qwen3RMSNorm.forward = lambda self, x: norm(x, self.weight, self.variance_epsilon)
-    qwen3.apply_rotary_pos_emb = torch.compile(saved[1], dynamic=True)
-    qwen3.Qwen3MLP.forward = lambda self, x: self.down_proj(times(self.gate_proj(x), self.up_proj(x)))
-    try:
-        yield
-    finally:
-        qwen3.Qwen3RMSNorm.forward, qwen3.apply_rotary_pos_emb, qwen3.Qwen3MLP.forward = saved
-
-
-@contextlib.contextmanager
-def compiled_layers(model) -> Iterator[None]:
-    """Each decoder layer's forward through ``torch.compile`` (restored on exit)."""
-    import torch._dynamo
-
-    limit = torch._dynamo.config.cache_size_limit
-    torch._dynamo.config.cache_size_limit = max(limit, 4 * len(model.model.layers))  # a graph per layer index
-    for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-    try:
-        yield
-    finally:
-        for layer in model.model.layers:
-            del layer.forward  # the class's forward again
-        torch._dynamo.config.cache_size_limit = limit
 
 
 def main() -> None:
@@ -200,8 +171,8 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--key-length", type=int, default=256, help="cache columns the timed forward reads")
-    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
-                        help="changes of the model to measure (default: both; the bare flag: none)")
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="changes of the decoder to measure (default: both; the bare flag: none)")
     parser.add_argument("--profile-top", type=int, default=30, help="operators listed by the profile (0: no profile)")
     args = parse_args_one_line(parser)
     bad = [f"--{name.replace('_', '-')} {value}" for name, value, low in (
@@ -232,17 +203,21 @@ def main() -> None:
     decoder = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs)
     baseline, baseline_rows = timed_generate(decoder, prompts, args.new_tokens, device)
     baseline["proxy_ratio"] = round(baseline["tokens_per_s"] / result["proxy"]["tokens_per_s"], 3)
+    baseline["fused_kernels"] = decoder.fused_kernels
     section("baseline", baseline)
     key_length = min(args.key_length, decoder.cache.length)
     section("parts_ms", {"key_length": key_length, **parts(model, decoder, args.batch, key_length, device)})
     del decoder
     if args.profile_top:
-        section("profile", profile_step(model, prompts, device, args.profile_top))
+        eager = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=False, fused_kernels=cuda_graphs)
+        timed_generate(eager, prompts, 2, device)
+        section("profile", profile_step(eager, args.batch, device, args.profile_top))
+        del eager
     for name in args.variants:
-        change = fused_elementwise() if name == "fused_elementwise" else compiled_layers(model)
-        with change:
-            figures, rows = timed_generate(SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs),
-                                           prompts, args.new_tokens, device)
+        decoder = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs,
+                              **{"fused_kernels": cuda_graphs, **VARIANTS[name]})
+        figures, rows = timed_generate(decoder, prompts, args.new_tokens, device)
+        del decoder
         figures["speedup_vs_baseline"] = round(baseline["ms_per_step"] / figures["ms_per_step"], 3)
         figures["proxy_ratio"] = round(figures["tokens_per_s"] / result["proxy"]["tokens_per_s"], 3)
         figures["identical_completions"] = round(sum(a == b for a, b in zip(rows, baseline_rows)) / args.batch, 3)

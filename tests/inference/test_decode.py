@@ -134,9 +134,10 @@ def test_candidate_sampling_orders_equal_logits_as_a_stable_sort():
 
 def test_blocks_with_a_nucleus_beyond_the_candidates_run_again_exactly():
     """top_p_candidates of 3 (of a vocabulary of 24): the first block has a row whose
-    nucleus is wider, it runs again with sample_tokens, the call's later blocks sample
-    with it, and every completion is the reference's; 24 candidates (the vocabulary) hold
-    the nuclei of this model, so no block runs again."""
+    nucleus is wider, it runs again with sample_tokens, the call's later blocks take
+    twice as many candidates (3, 6, 12, 24: at most three blocks of 3 steps run again),
+    and every completion is the reference's; 24 candidates (the vocabulary) hold the
+    nuclei of this model, so no block runs again."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     prompts, seeds = _prompts(14, seed=3)
     expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
@@ -148,8 +149,9 @@ def test_blocks_with_a_nucleus_beyond_the_candidates_run_again_exactly():
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
             assert tokens == want_tokens
             torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
-        reruns[k] = decoder.rerun_steps
-    assert 0 < reruns[3] <= 3 and reruns[24] == 0
+        reruns[k] = (decoder.rerun_steps, decoder._candidates)
+    assert 0 < reruns[3][0] <= 9 and reruns[3][1] == 3 * 2 ** (reruns[3][0] // 3)
+    assert reruns[24] == (0, 24)
 
 
 def test_slot_decoding_equals_generate_on_the_builtin_model():
@@ -195,7 +197,8 @@ def test_cuda_graph_replays_give_the_eager_steps():
     runs = {}
     for graphs in (False, True):
         # the same schedule (looks every 4 steps): buckets and compaction as in the graphs
-        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4)
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4,
+                              fused_kernels=False)
         for _ in range(2):  # the second call replays the graphs the first captured
             runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
                                             PARAMS.max_new_tokens, [EOS])
@@ -215,7 +218,7 @@ def test_cuda_graph_replays_run_a_block_again_as_the_eager_steps():
     runs = {}
     for graphs in (False, True):
         decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4,
-                              top_p_candidates=3)
+                              top_p_candidates=3, fused_kernels=False)
         for _ in range(2):  # the second call replays the graphs the first captured
             runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
                                             PARAMS.max_new_tokens, [EOS])

@@ -48,6 +48,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
+from mlperf_grpo.inference import fused_decode
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
 from mlperf_grpo.inference.slot_state import SlotCache, SlotState
 
@@ -91,8 +92,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     q = query.reshape(b * kv_heads, group, dim)
     keys = key.reshape(b * kv_heads, columns, dim)  # a view of the cache rows (their rows and heads merge)
     scores = _bmm_float32(q, keys.transpose(1, 2)).view(b, kv_heads, group, columns)
-    scores.mul_(dim**-0.5 if scaling is None else scaling).add_(attention_mask)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b * kv_heads, group, columns)
+    probs = fused_decode.masked_softmax_fn()(scores, dim**-0.5 if scaling is None else scaling, attention_mask,
+                                             value.dtype).view(b * kv_heads, group, columns)
     out = torch.bmm(probs, value.reshape(b * kv_heads, columns, value.shape[-1]))  # [b x Hkv, group, D]
     return out.view(b, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
@@ -160,10 +161,12 @@ class SlotDecoder:
             largest logits (:func:`~mlperf_grpo.inference.sampling.sample_tokens_from_candidates`:
             no full-vocabulary sort); a block of steps in which some live row's nucleus
             was not among them runs again from its start with :func:`sample_tokens`
-            (``rerun_steps`` counts them), and the call's later blocks sample with it
-            (a wide nucleus costs one block a call at most). 0 (the default): always
-            :func:`sample_tokens` (on one H200 the candidates made validation slower,
-            docs/engines.md).
+            (``rerun_steps`` counts them), and the call's later blocks take twice as
+            many candidates, up to :data:`MAX_CANDIDATES`, then :func:`sample_tokens`
+            (a wide nucleus costs a few blocks a call at most). 0 (the default): always
+            :func:`sample_tokens`.
+        fused_kernels: run the decode step with :mod:`~mlperf_grpo.inference.fused_decode`'s
+            fused elementwise kernels (``torch.compile``; default: with ``cuda_graphs``).
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -172,7 +175,8 @@ class SlotDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int, cuda_graphs: bool,
-                 key_block: int = 256, check_every: int | None = None, top_p_candidates: int = 0) -> None:
+                 key_block: int = 64, check_every: int | None = None, top_p_candidates: int = 0,
+                 fused_kernels: bool | None = None) -> None:
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         self.model = model
@@ -182,7 +186,9 @@ class SlotDecoder:
         self.key_block = key_block
         self.check_every = check_every if check_every is not None else (8 if cuda_graphs else 1)
         self.top_p_candidates = top_p_candidates
-        self._candidates_failed = False  # this call has run a block again: no more candidates
+        self._candidates = top_p_candidates  # this call's (doubled after each block run again; 0: none)
+        self.fused_kernels = fused_decode.fuse(model) if (cuda_graphs if fused_kernels is None else fused_kernels) \
+            else []  # the kinds of fused kernels the decode step runs
         self.cache: SlotCache | None = None
         self.state: SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -230,7 +236,7 @@ class SlotDecoder:
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
         rows = slots
         self.decode_steps = self.rerun_steps = 0
-        self._candidates_failed = False
+        self._candidates = self.top_p_candidates
 
         def admit(free: list[int]) -> None:
             taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
@@ -301,7 +307,7 @@ class SlotDecoder:
         uniforms = self.state.uniforms[index, :1]
         if self._uses_candidates(call, exact=False):
             chosen, logprob, exact = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
-                                                                   self.top_p_candidates)
+                                                                   self._candidates)
         if not self._uses_candidates(call, exact=False) or not bool(exact.all()):
             chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
         self.state.record_first(index, chosen[:, 0], logprob[:, 0], self._eos_tensor(call), call.max_new_tokens)
@@ -329,7 +335,7 @@ class SlotDecoder:
 
     def _uses_candidates(self, call: _Call, exact: bool) -> bool:
         """Whether a step samples from candidates (:func:`sample_tokens_from_candidates`)."""
-        return not exact and not self._candidates_failed and self.top_p_candidates > 0 and call.top_p < 1.0
+        return not exact and self._candidates > 0 and call.top_p < 1.0
 
     def _run_block(self, call: _Call, rows: int, key_length: int, steps: int, exact: bool) -> tuple | None:
         """``steps`` decode steps; returns what :meth:`_run_again` needs when they sample
@@ -347,7 +353,7 @@ class SlotDecoder:
         rows, key_length, steps, saved = block
         self.state.restore(saved, self.cache)
         self.rerun_steps += steps
-        self._candidates_failed = True
+        self._candidates = 2 * self._candidates if 2 * self._candidates <= MAX_CANDIDATES else 0
         self._run_block(call, rows, key_length, steps, exact=True)
 
     def _step(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
@@ -355,7 +361,7 @@ class SlotDecoder:
         if not self.cuda_graphs:
             self._step_body(call, rows, key_length, exact)
         else:
-            key = (rows, key_length, call, exact)
+            key = (rows, key_length, call, exact, self._candidates)
             graph = self._graphs.get(key)
             if graph is None:
                 graph = self._graphs[key] = self._capture(call, rows, key_length, exact)
@@ -400,10 +406,14 @@ class SlotDecoder:
     def _step_body(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
         """Forward the first ``rows`` slots' last tokens, sample, record, advance; device
         tensors only (no host sync), so it can be captured."""
+        with _decode_attention(self.model), fused_decode.fused() if self.fused_kernels else contextlib.nullcontext():
+            self._step_ops(call, rows, key_length, exact)
+
+    def _step_ops(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
+        """:meth:`_step_body` inside the slot attention and, if on, the fused kernels."""
         state, cache = self.state, self.cache
         columns = cache.write_columns[:rows]  # [r]
-        with _decode_attention(self.model):
-            logits = self._decode_logits(rows, key_length)  # [r, V]
+        logits = self._decode_logits(rows, key_length)  # [r, V]
         counts, done = state.counts[:rows], state.done[:rows]
         # a row that has ended keeps its count and writes past its tokens (at its limit:
         # the spare column), so steps may run between two looks at which rows ended
@@ -411,7 +421,7 @@ class SlotDecoder:
         uniforms = state.uniforms[:rows].gather(1, at.clamp(max=call.max_new_tokens - 1))
         if self._uses_candidates(call, exact):
             chosen, logprob, ok = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
-                                                                self.top_p_candidates)
+                                                                self._candidates)
             state.inexact |= (~ok & ~done).any().view(1)  # ended rows' samples are thrown away
         else:
             chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
@@ -422,6 +432,10 @@ class SlotDecoder:
         state.positions[:rows].add_(1)
         counts.add_((~done).long())
         done |= (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)
+
+
+MAX_CANDIDATES = 4096
+"""The most logits per row :class:`SlotDecoder`'s doubling takes before it sorts the vocabulary."""
 
 
 def _round_up(n: int, multiple: int) -> int:

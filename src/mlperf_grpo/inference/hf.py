@@ -288,6 +288,7 @@ class HFEngine:
             "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
             "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
             "top_p_candidates": 0 if self._decoder is None else self._decoder.top_p_candidates,
+            "fused_kernels": [] if self._decoder is None else self._decoder.fused_kernels,
             "model": self.model_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.model.device),
