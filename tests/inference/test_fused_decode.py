@@ -1,6 +1,7 @@
 """The slot decoder's fused kernels (inference/fused_decode.py): on CPU through
 inductor's C++ backend, the same code path the CUDA graphs capture on a GPU."""
 
+import shutil
 import threading
 import warnings
 
@@ -13,6 +14,8 @@ from test_decode import PARAMS, _prompts
 from test_generation import EOS, tiny_qwen3
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor's CPU backend needs a C++ compiler")
 def test_fused_decoding_gives_the_models_own_completions():
     """float32: the fused twins round once where eager rounds after each operation
     (float32 ulps, far below the 1e-5 the log-probabilities are compared at), so every

@@ -20,8 +20,10 @@ On CUDA each ``(rows, key_length)`` step is captured once as a ``torch.cuda.CUDA
 one launch a token instead of thousands. The host looks at which rows ended every
 ``check_every`` steps (8 with graphs), so it enqueues several replays while the device
 runs; a row that ends between two looks keeps its count and its tokens. Attention is
-:func:`slot_attention` (two batched products over the cache view). Prefill stays eager
-and computes the last position's logits only.
+:func:`slot_attention` (two batched products over the cache view). With CUDA graphs
+the step runs with :mod:`~mlperf_grpo.inference.fused_decode`'s fused elementwise
+kernels (RMSNorm, rotary embedding, SiLU-times-up, the attention's masked softmax).
+Prefill stays eager and computes the last position's logits only.
 
 Sampling is :func:`~mlperf_grpo.inference.sampling.sample_tokens`, the same as
 ``RowSeededSampler``'s: row ``i``'s ``t``-th token is the inverse CDF of
