@@ -28,6 +28,8 @@ def test_default_is_the_builtin_run():
         ({"optimizer": {"learning_rate": float("inf")}}, "field 'optimizer.learning_rate'"),  # trained NaN weights, exit 0
         ({"grpo": {"ratio_clip_max": float("nan")}}, "field 'grpo.ratio_clip_max'"),
         ({"optimizer": {"beta_1": 2.0}}, "field 'optimizer.beta_1'"),  # torch's AdamW error, exit 1
+        ({"optimizer": {"epsilon": -2e-08}}, "field 'optimizer.epsilon'"),  # torch's AdamW error, exit 1
+        ({"optimizer": {"weight_decay": -0.1}}, "field 'optimizer.weight_decay'"),
     ],
 )
 def test_bad_fields_name_the_field(data, needle):
@@ -180,7 +182,9 @@ def test_a_float_written_without_a_dot_is_a_number(tmp_path, path):
 
 def test_exponent_forms_and_what_stays_text(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("optimizer: {learning_rate: 1E+1, epsilon: -2e-08, beta_1: 0.5}\nsubmission: {org: '1e-5', platform: e5}\n")
+    p.write_text("optimizer: {learning_rate: 1E+1, epsilon: 2e-08, beta_1: 0.5, beta_2: -0e0}\n"
+                 "submission: {org: '1e-5', platform: e5}\n")
     config = load_config(p)
-    assert (config.optimizer.learning_rate, config.optimizer.epsilon, config.optimizer.beta_1) == (10.0, -2e-08, 0.5)
+    assert (config.optimizer.learning_rate, config.optimizer.epsilon, config.optimizer.beta_1,
+            config.optimizer.beta_2) == (10.0, 2e-08, 0.5, 0.0)
     assert (config.submission.org, config.submission.platform) == ("1e-5", "e5")  # quoted, or not a number

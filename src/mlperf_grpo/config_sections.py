@@ -228,8 +228,8 @@ class OptimizerConfig(Strict):
     gradient_clip_norm: float | None = Field(None, gt=0)
     beta_1: float = Field(rules.ADAMW_BETA_1, ge=0, lt=1)  # torch's AdamW raises outside [0, 1)
     beta_2: float = Field(rules.ADAMW_BETA_2, ge=0, lt=1)
-    epsilon: float = rules.ADAMW_EPSILON
-    weight_decay: float = rules.ADAMW_WEIGHT_DECAY
+    epsilon: float = Field(rules.ADAMW_EPSILON, ge=0)  # torch's AdamW raises below 0
+    weight_decay: float = Field(rules.ADAMW_WEIGHT_DECAY, ge=0)
 
 
 class ValidationConfig(Strict):
