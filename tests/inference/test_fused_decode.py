@@ -31,7 +31,7 @@ def test_fused_decoding_gives_the_models_own_completions():
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
     norm, mlp = model.model.layers[0].input_layernorm.forward, model.model.layers[0].mlp.forward
-    assert norm.ok is True and mlp.ok is True and fused_decode.masked_softmax_fn().ok is True
+    assert norm.ok is True and mlp.ok is True and fused_decode._twins["masked_softmax"].ok is True
     # outside the decode step the model runs its own code: a forward equals a fresh model's
     fresh = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     ids = torch.tensor([prompts[0]])

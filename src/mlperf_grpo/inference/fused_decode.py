@@ -66,8 +66,9 @@ def _compile(name: str, fn: Callable) -> Callable:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, the normalisation in
-    float32, the product in ``x``'s dtype. ``x``: ``[..., H]``; ``weight``: ``[H]``."""
+    """Llama's RMSNorm (Zhang and Sennrich 2019, as ``transformers``' ``LlamaRMSNorm``):
+    ``weight * (x / sqrt(mean(x^2) + eps))``, the normalisation in float32, the product
+    in ``x``'s dtype. ``x``: ``[..., H]``; ``weight``: ``[H]``; returns ``[..., H]``."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -75,7 +76,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (the gated MLP's activation), same shapes in and out."""
+    """``silu(gate) * up``, the SwiGLU MLP's activation (Shazeer 2020, as ``LlamaMLP``):
+    ``gate`` and ``up`` ``[..., I]`` of one dtype; returns ``[..., I]``."""
     return torch.nn.functional.silu(gate) * up
 
 
@@ -84,12 +86,17 @@ def masked_softmax(scores: torch.Tensor, scale: float, mask: torch.Tensor, dtype
 
     Args:
         scores: float32 ``[b, Hkv, group, K]``; mask: float32 broadcastable to it (0 or -inf).
+        scale: the attention's scaling, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[b, Hkv, group, K]`` in ``dtype``.
     """
     return torch.softmax(scores * scale + mask, dim=-1).to(dtype)
 
 
 def masked_softmax_fn() -> Callable:
     """:func:`masked_softmax`; inside :func:`fused`, its fused twin (checked as the others)."""
+    if not active():
+        return masked_softmax  # no compile wrapper outside the fused step (the CPU's eager decoder)
     if "masked_softmax" not in _twins:
         _twins["masked_softmax"] = _Twin("masked_softmax", masked_softmax, _compile("masked_softmax", masked_softmax))
     return _twins["masked_softmax"]
@@ -112,7 +119,8 @@ class _Twin:
         try:
             got = self.twin(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - a twin that does not compile is dropped, not fatal
-            return self._drop(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}", args, kwargs)
+            return self._drop(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}", args, kwargs,
+                              want)
         if self.ok is None:
             self.ok = _agree(got, want)
             if not self.ok:
