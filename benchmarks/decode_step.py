@@ -16,8 +16,10 @@ Builds the Qwen3-shaped model of ``benchmarks/generation.py`` (random init, voca
 - ``parts_ms``: pieces of one step timed alone (on CUDA each captured as a CUDA graph
   and replayed 20 times; on CPU 3 calls): the model's forward over B rows and
   ``--key-length`` cache columns (with the output head), the output head alone, and
-  the sampler at training's sampling (temperature 1, top_p 1), at validation's
-  (temperature 0.1, top_p 0.95) and validation's over 64 candidates;
+  the sampler at training's sampling (temperature 1, top_p 1: ``sample_tokens``, the
+  definition, and ``sample_tokens_by_blocks``, what the decoder runs, with its fused
+  block masses when the decoder fuses), at validation's (temperature 0.1, top_p 0.95)
+  and validation's over 64 candidates;
 - ``profile``: 8 decode steps of the baseline run eagerly (no graphs, no prefill) under
   ``torch.profiler``: ``kernels_per_step`` and the ``--profile-top`` operators by device
   time (CPU: CPU time), ms per step;
@@ -52,7 +54,8 @@ from generation import DTYPES, add_model_arguments, bad_input, build_model, gemm
 from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import decode, fused_decode  # noqa: E402
 from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
-from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates  # noqa: E402
+from mlperf_grpo.inference.sampling import (  # noqa: E402
+    sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates)
 
 PROMPT_TOKENS = 32
 REPLAYS = 20
@@ -137,6 +140,8 @@ def parts(model, decoder: SlotDecoder, rows: int, key_length: int, device: str) 
             "forward": time_ms(within(forward), device),
             "output_head": time_ms(lambda: model.lm_head(hidden), device),
             "sample_training": time_ms(sample(sample_tokens, 1.0, 1.0), device),
+            "sample_training_by_blocks": time_ms(within(
+                lambda: sample_tokens_by_blocks(logits, uniforms, 1.0, fused_decode.block_masses_fn())), device),
             "sample_validation": time_ms(sample(sample_tokens, 0.1, 0.95), device),
             "sample_validation_64_candidates": time_ms(sample(sample_tokens_from_candidates, 0.1, 0.95, 64), device),
         }

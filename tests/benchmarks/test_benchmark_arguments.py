@@ -52,6 +52,25 @@ def test_decode_step_benchmark_prints_every_section(tmp_path):
     line = json.loads(done.stdout)
     assert line["baseline"]["tokens_per_s"] > 0 and line["proxy"]["tokens_per_s"] > 0
     assert line["baseline"]["proxy_ratio"] == round(line["baseline"]["tokens_per_s"] / line["proxy"]["tokens_per_s"], 3)
-    assert set(line["parts_ms"]) == {"key_length", "forward", "output_head", "sample_training", "sample_validation",
-                                     "sample_validation_64_candidates"}
+    assert set(line["parts_ms"]) == {"key_length", "forward", "output_head", "sample_training",
+                                     "sample_training_by_blocks", "sample_validation", "sample_validation_64_candidates"}
     assert len(line["profile"]["top_ms_per_step"]) == 2
+
+
+def test_generation_benchmark_adds_the_cache_reads_to_the_proxy(tmp_path):
+    """generation.py's kv_floor: a step's cache bytes counted from the model's shape (2
+    layers x 2 KV heads x head_dim 16, float32: K and V are 512 bytes a column; each of
+    the 2 rows has 4 tokens, the prefill's and 3 decode steps over 32 + 1, 2, 3 columns),
+    and a floor below the GEMM-only proxy by exactly those reads."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "generation.py"), "--batch", "2", "--new-tokens", "4",
+                           "--layers", "2", "--hidden", "64"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    floor = line["kv_floor"]
+    per_token_bytes = 512 * (3 * 32 + 1 + 2 + 3) / 4
+    assert floor["kv_bytes_per_step"] == int(per_token_bytes * 2)
+    assert floor["kv_ms_per_step"] == pytest.approx(per_token_bytes * 2 / (floor["read_bandwidth_gb_s"] * 1e9) * 1e3,
+                                                    rel=0.01, abs=0.0011)  # rounded to 0.1 GB/s and 1 us
+    per_token_s = line["proxy"]["step_ms"] / 1e3 / 2 + floor["kv_ms_per_step"] / 1e3 / 2
+    assert floor["floor_tokens_per_s"] == pytest.approx(1 / per_token_s, rel=0.01)
+    assert line["floor_ratio"] == round(line["tokens_per_s"] / floor["floor_tokens_per_s"], 3)

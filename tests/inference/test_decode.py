@@ -13,7 +13,8 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
+from mlperf_grpo.inference.sampling import (
+    block_masses, sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates)
 from test_generation import EOS, reference_sample, tiny_qwen3
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
@@ -116,6 +117,51 @@ def test_candidate_sampling_gives_the_definitions_token_or_says_it_cannot():
         torch.testing.assert_close(logprob[exact], want_logprob[exact], rtol=0, atol=2e-5)
         exact_rows, flagged_rows = exact_rows + int(exact.sum()), flagged_rows + int((~exact).sum())
     assert exact_rows > 100 and flagged_rows > 10
+
+
+@pytest.mark.parametrize("vocab, block", [(4096, 128), (1000, 128), (300, 512)])
+def test_sampling_by_blocks_is_the_inverse_cdf(vocab, block):
+    """sample_tokens_by_blocks' token is the inverse CDF of softmax(scores / T) in id
+    order at u, computed here in float64 (the first id whose cumulative probability
+    reaches u): exactly, except where u lies within 1e-5 of a boundary (float32 sums
+    in another order); its log-probability is log_softmax's; u = 0 gives id 0, as the
+    definition; and a vocabulary with ids of zero probability never yields one."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 512
+    for std, temperature in [(1.0, 1.0), (3.0, 0.7), (0.3, 1.3)]:
+        scores = torch.randn(rows, vocab, generator=gen) * std
+        u = torch.rand(rows, 1, generator=gen)
+        u[0], u[1] = 0.0, 1 - 2**-24
+        got, logprob = sample_tokens_by_blocks(scores, u, temperature, block=block)
+        cdf = torch.softmax(scores.double() / temperature, dim=-1).cumsum(-1)
+        want = torch.searchsorted(cdf, u.double() * cdf[:, -1:]).clamp(max=vocab - 1)
+        near = ((cdf - u.double() * cdf[:, -1:]).abs() < 1e-5).any(-1, keepdim=True)
+        assert int(near.sum()) < rows // 4  # boundaries about 1 / vocab apart: at most 2e-5 x 4096 = 8% of the rows
+        assert torch.equal(got[~near], want[~near])
+        assert got[0, 0] == 0
+        # float32 x - top - log(sum) against float64 log_softmax at |x| <= 20 / 0.7: a few ulps (1e-5)
+        log_softmax = torch.log_softmax(scores.double() / temperature, -1).gather(1, got)
+        torch.testing.assert_close(logprob.double(), log_softmax, rtol=0, atol=1e-5)
+        # the same token as the definition's float32 arithmetic away from the boundaries
+        definition, _ = sample_tokens(scores, u, temperature, 1.0)
+        assert torch.equal(got[~near], definition[~near])
+    masked = torch.randn(rows, vocab, generator=gen).masked_fill_(torch.rand(rows, vocab, generator=gen) < 0.9,
+                                                                  -torch.inf)
+    masked[:, 0] = 0.0  # every row has a token to take
+    got, logprob = sample_tokens_by_blocks(masked, torch.rand(rows, 1, generator=gen), 1.0, block=block)
+    assert bool(torch.isfinite(masked.gather(1, got)).all()) and bool(torch.isfinite(logprob).all())
+
+
+def test_block_masses_sum_each_blocks_probability_mass():
+    """block_masses: the row's largest tempered logit and, per block of ids (the last
+    one short), the sum of exp(x - top), here against a float64 loop over the blocks."""
+    scores = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2)) * 2
+    top, sums = block_masses(scores, 0.5, 128)
+    x = scores.double() / 0.5
+    assert torch.equal(top, (scores / 0.5).amax(-1, keepdim=True))
+    want = torch.stack([torch.exp(x[:, i:i + 128] - x.amax(-1, keepdim=True)).sum(-1) for i in range(0, 1000, 128)], -1)
+    assert sums.shape == (8, 8)
+    torch.testing.assert_close(sums.double(), want, rtol=1e-6, atol=0)  # 128 float32 terms in (0, 1]
 
 
 def test_candidate_sampling_orders_equal_logits_as_a_stable_sort():

@@ -16,22 +16,25 @@ from test_generation import EOS, tiny_qwen3
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor's CPU backend needs a C++ compiler")
-def test_fused_decoding_gives_the_models_own_completions():
+@pytest.mark.parametrize("top_p", [PARAMS.top_p, 1.0])
+def test_fused_decoding_gives_the_models_own_completions(top_p):
     """float32: the fused twins round once where eager rounds after each operation
     (float32 ulps, far below the 1e-5 the log-probabilities are compared at), so every
-    token is the unfused decoder's."""
+    token is the unfused decoder's; at top-p 1 the sampler's block masses run fused too."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     prompts, seeds = _prompts(10, seed=5)
     runs = {}
     for fused in (False, True):
         decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4, fused_kernels=fused)
-        runs[fused] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+        runs[fused] = decoder.generate(prompts, seeds, PARAMS.temperature, top_p, PARAMS.max_new_tokens, [EOS])
         assert decoder.fused_kernels == (["rms_norm", "rotary", "silu_times"] if fused else [])
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs[True], runs[False]):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
     norm, mlp = model.model.layers[0].input_layernorm.forward, model.model.layers[0].mlp.forward
     assert norm.ok is True and mlp.ok is True and fused_decode._twins["masked_softmax"].ok is True
+    if top_p == 1.0:
+        assert fused_decode._twins["block_masses"].ok is True
     # outside the decode step the model runs its own code: a forward equals a fresh model's
     fresh = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     ids = torch.tensor([prompts[0]])

@@ -21,17 +21,20 @@ one launch a token instead of thousands. The host looks at which rows ended ever
 ``check_every`` steps (8 with graphs), so it enqueues several replays while the device
 runs; a row that ends between two looks keeps its count and its tokens. Attention is
 :func:`slot_attention` (two batched products over the cache view). With CUDA graphs
-the step runs with :mod:`~mlperf_grpo.inference.fused_decode`'s fused elementwise
-kernels (RMSNorm, rotary embedding, SiLU-times-up, the attention's masked softmax).
-Prefill stays eager and computes the last position's logits only.
+the step runs with :mod:`~mlperf_grpo.inference.fused_decode`'s fused kernels
+(RMSNorm, rotary embedding, SiLU-times-up, the attention's masked softmax, the
+sampler's block masses). Prefill stays eager and computes the last position's logits only.
 
 Sampling is :func:`~mlperf_grpo.inference.sampling.sample_tokens`, the same as
 ``RowSeededSampler``'s: row ``i``'s ``t``-th token is the inverse CDF of
 ``softmax(top_p(logits / temperature))`` at the ``t``-th ``random()`` of
 ``random.Random(seeds[i])``; its log-probability is ``log_softmax(logits /
-temperature)`` at that token, before top-p. Optional (off by default): top-p over each
-row's largest logits with a block run again exactly where they do not hold the nucleus
-(``top_p_candidates``). The cache and the per-slot state live in
+temperature)`` at that token, before top-p. At top-p 1 (training rollouts) a decode step
+finds that token in two levels, over blocks of 128 ids and inside one
+(:func:`~mlperf_grpo.inference.sampling.sample_tokens_by_blocks`: no vocabulary-wide
+cumulative sum; the same token up to float rounding). Optional (off by default): top-p
+over each row's largest logits with a block run again exactly where they do not hold
+the nucleus (``top_p_candidates``). The cache and the per-slot state live in
 :mod:`~mlperf_grpo.inference.slot_state`.
 
 Only models whose every layer is full attention over a per-layer KV cache take this
@@ -51,7 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
-from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
+from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates
 from mlperf_grpo.inference.slot_state import SlotCache, SlotState
 
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
@@ -425,6 +428,8 @@ class SlotDecoder:
             chosen, logprob, ok = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
                                                                 self._candidates)
             state.inexact |= (~ok & ~done).any().view(1)  # ended rows' samples are thrown away
+        elif call.top_p == 1.0:
+            chosen, logprob = sample_tokens_by_blocks(logits, uniforms, call.temperature, fused_decode.block_masses_fn())
         else:
             chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
         state.tokens[:rows].scatter_(1, at, chosen)

@@ -21,9 +21,12 @@ whose norm or MLP differs from the Llama form (Gemma's ``1 + weight``, another
 activation) keeps its own code. Fused: modules whose class name ends in ``RMSNorm``
 and that have ``weight`` and ``variance_epsilon``; MLPs with ``gate_proj``,
 ``up_proj``, ``down_proj`` and a SiLU ``act_fn``; the ``apply_rotary_pos_emb`` of each
-attention module's modeling module; and :func:`masked_softmax` of the slot attention.
-The sampler is not fused (inductor's scan of a vocabulary-wide cumulative sum failed to
-compile with dynamic shapes on one H200, torch 2.11).
+attention module's modeling module; :func:`masked_softmax` of the slot attention; and
+the sampler's vocabulary-wide pass at top-p 1 (:func:`~mlperf_grpo.inference.sampling.block_masses`,
+one reduction; the rest of :func:`~mlperf_grpo.inference.sampling.sample_tokens_by_blocks`
+works on ``[B, 128]`` and ``[B, V / 128]`` tensors). Top-p < 1 keeps its sort (inductor's
+scan of a vocabulary-wide cumulative sum failed to compile with dynamic shapes on one
+H200, torch 2.11).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from mlperf_grpo.inference.sampling import block_masses
+
 _thread = threading.local()
 _compiled: dict[str, Callable] = {}
-_twins: dict[str, "_Twin"] = {}  # the shared twins: "masked_softmax", "rotary:<modeling module>"
+_twins: dict[str, "_Twin"] = {}  # the shared twins: "masked_softmax", "block_masses", "rotary:<modeling module>"
 
 
 def active() -> bool:
@@ -100,6 +105,16 @@ def masked_softmax_fn() -> Callable:
     if "masked_softmax" not in _twins:
         _twins["masked_softmax"] = _Twin("masked_softmax", masked_softmax, _compile("masked_softmax", masked_softmax))
     return _twins["masked_softmax"]
+
+
+def block_masses_fn() -> Callable:
+    """:func:`~mlperf_grpo.inference.sampling.block_masses`; inside :func:`fused`, its
+    fused twin (checked as the others)."""
+    if not active():
+        return block_masses
+    if "block_masses" not in _twins:
+        _twins["block_masses"] = _Twin("block_masses", block_masses, _compile("block_masses", block_masses))
+    return _twins["block_masses"]
 
 
 class _Twin:

@@ -6,6 +6,8 @@ distribution at the row's own uniform, with the token's log-probability.
 gives the same token without sorting the vocabulary when top-p < 1: the nucleus is
 read from the ``k`` largest logits when they provably contain it, and the row is
 flagged otherwise (the caller then samples it with :func:`sample_tokens`).
+:func:`sample_tokens_by_blocks` gives the same token at top-p 1 (training rollouts)
+without a vocabulary-wide cumulative sum or ``log_softmax``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 from transformers import LogitsProcessor
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -95,6 +98,74 @@ def sample_tokens_from_candidates(
     chosen = ids.gather(1, torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1))  # [B, 1]
     chosen = torch.where(u > 0, chosen, 0)  # u = 0: the definition's first id, 0
     return chosen, scores.gather(1, chosen) - lse, exact
+
+
+SAMPLER_BLOCK = 128
+"""Vocabulary ids per block of :func:`sample_tokens_by_blocks` (151,936 = 1,187 x 128)."""
+
+
+def block_masses(scores: torch.Tensor, temperature: float, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest tempered logit and the unnormalised probability mass of each
+    block of ``block`` consecutive ids.
+
+    Args:
+        scores: ``[B, V]`` logits (any float dtype; computed in float32).
+        temperature: > 0, applied as ``TemperatureLogitsWarper`` does (``scores / temperature``).
+        block: ids per block (the last block is padded with zero mass).
+    Returns:
+        ``(top, masses)``: ``[B, 1]`` float32 ``max(scores / temperature)`` and
+        ``[B, ceil(V / block)]`` float32 sums of ``exp(scores / temperature - top)``.
+    """
+    tempered = scores.float() / temperature  # [B, V]
+    top = tempered.amax(dim=-1, keepdim=True)  # [B, 1]
+    p = torch.exp(tempered - top)  # [B, V], in (0, 1]
+    pad = -p.shape[-1] % block
+    if pad:
+        p = F.pad(p, (0, pad))
+    return top, p.view(p.shape[0], -1, block).sum(dim=-1)
+
+
+def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
+                            masses=block_masses, block: int = SAMPLER_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` at top-p 1 in two levels: the inverse CDF first over the
+    cumulative masses of blocks of ``block`` ids, then inside the block it falls in.
+
+    The definition takes the first id whose cumulative probability (in id order)
+    reaches ``u x cdf[-1]``. With ``p = exp(scores / temperature - top)`` (the
+    probabilities times ``sum(p)``, so the same inverse CDF), the block that holds that
+    id is the first whose cumulative block mass reaches ``u x sum(p)``, and the id is the
+    first in it whose mass before the block plus the cumulative mass inside reaches the
+    same value. The same arithmetic in exact numbers; in float32 the sums run in another
+    order, so a uniform within rounding (about 1e-6 relative) of a token's CDF boundary
+    may take its neighbour, as batched kernels' rounding may change any sampled token.
+    Where rounding leaves the block's own cumulative mass below the target, the block's
+    last id of positive mass is taken (never one of zero probability). The
+    log-probability is ``scores / temperature - top - log(sum(p))`` at the token, which
+    is ``log_softmax(scores / temperature)`` there. Reads the ``[B, V]`` logits about
+    four times (``masses``), where :func:`sample_tokens` makes about a dozen passes.
+
+    Args:
+        scores: ``[B, V]`` logits (any float dtype; computed in float32).
+        uniforms: ``[B, 1]`` float32 in [0, 1).
+        temperature: > 0.
+        masses: :func:`block_masses` or a function of the same arithmetic (a fused twin).
+        block: ids per block.
+    Returns:
+        ``(chosen, logprob)``: ``[B, 1]`` int64 ids and ``[B, 1]`` float32
+        ``log_softmax(scores / temperature)`` at them.
+    """
+    vocab = scores.shape[-1]
+    top, sums = masses(scores, temperature, block)  # [B, 1], [B, N]
+    cumulative = sums.cumsum(dim=-1)  # [B, N]
+    total = cumulative[:, -1:]  # [B, 1]
+    target = uniforms.to(total.dtype) * total  # [B, 1]
+    at = torch.searchsorted(cumulative, target).clamp_(max=cumulative.shape[-1] - 1)  # [B, 1]: the block
+    before = torch.where(at > 0, cumulative.gather(1, (at - 1).clamp(min=0)), 0.0)  # [B, 1]
+    ids = at * block + torch.arange(block, device=scores.device)  # [B, block]
+    tempered = scores.gather(1, ids.clamp(max=vocab - 1)).float() / temperature  # [B, block]
+    inside = torch.where(ids < vocab, torch.exp(tempered - top), 0.0).cumsum_(dim=-1) + before  # [B, block]
+    offset = torch.searchsorted(inside, torch.minimum(target, inside[:, -1:]))  # [B, 1], < block
+    return ids.gather(1, offset), tempered.gather(1, offset) - top - torch.log(total)
 
 
 class RowSeededSampler(LogitsProcessor):
