@@ -22,6 +22,8 @@ one JSON line:
 - ``generation_s``, ``refit_s``, ``read_wait_s``: medians over the serial run's
   checkpoints from ``eval/timing.jsonl`` (validation; weights into the engine and
   verified; waiting for the verified read that the prefetch did not hide);
+  ``by_checkpoint``: each checkpoint's ``generation_s`` and the engine's counts of its
+  validation (``decode_steps``, ``rerun_steps``, ``graph_captures``: the slot decoder's);
 - ``non_generation_s``: the median over the serial run's checkpoints of its
   ``eval_stop``-to-``eval_stop`` gap minus its own ``generation_s`` (paired by step);
 - ``load_limit_s``: median over the checkpoints of ``safetensors.torch.load_file`` of
@@ -43,8 +45,8 @@ one JSON line:
 - with ``--top-p-candidates K``, ``candidates``: a third, serial evaluation of another
   copy whose ``config.yaml`` sets ``inference.top_p_candidates: K`` (validation's top-p
   from each row's K largest logits, ``inference/sampling.py``): its median
-  ``generation_s``, ``over_exact`` (that over the serial run's) and ``logs_identical``
-  (against the serial run's log);
+  ``generation_s``, ``over_exact`` (that over the serial run's), ``logs_identical``
+  (against the serial run's log) and its ``by_checkpoint``;
 - ``logs_identical`` (the two logs apart from ``time_ms``), ``setup_s`` (model build and
   training, not measured), and the ratios the goals are judged by (``refit_over_load``,
   ``non_generation_over_load``).
@@ -151,7 +153,17 @@ def with_candidates(trained: Path, dst: Path, k: int, timeout_s: float, serial: 
     generation_s = statistics.median(t["generation_s"] for t in timings(run))
     exact_s = statistics.median(t["generation_s"] for t in timings(serial))
     return {"k": k, "generation_s": generation_s, "over_exact": round(generation_s / exact_s, 4),
-            "logs_identical": normalized_log(run) == normalized_log(serial)}
+            "logs_identical": normalized_log(run) == normalized_log(serial), "by_checkpoint": by_checkpoint(run)}
+
+
+GENERATION_FIELDS = ("generation_s", "decode_steps", "rerun_steps", "graph_captures")
+
+
+def by_checkpoint(run: Path) -> list[dict]:
+    """Per evaluated checkpoint, in step order: its ``eval/timing.jsonl`` ``step`` and
+    :data:`GENERATION_FIELDS` (the engine's counts where it keeps them)."""
+    return [{"step": t["step"], **{k: t[k] for k in GENERATION_FIELDS if k in t}}
+            for t in sorted(timings(run), key=lambda t: t["step"])]
 
 
 def startups(run: Path) -> dict[int, dict]:
@@ -295,6 +307,7 @@ def main() -> None:
         load_s = load_limit_s(serial, args.device)
         progress("load limit measured")
         steps = timings(serial)
+        serial_by_checkpoint = by_checkpoint(serial)
         identical = normalized_log(serial) == normalized_log(parallel)
         serial_eval_s, per_checkpoint_s, non_generation_s, serial_first_s = eval_span_s(serial)
         parallel_eval_s, _, _, parallel_first_s = eval_span_s(parallel)
@@ -313,6 +326,7 @@ def main() -> None:
         "per_checkpoint_s": per_checkpoint_s,
         "non_generation_s": non_generation_s,
         "generation_s": statistics.median(t["generation_s"] for t in steps),
+        "by_checkpoint": serial_by_checkpoint,
         "refit_s": statistics.median(t["refit_s"] for t in steps),
         "read_wait_s": statistics.median(t["read_wait_s"] for t in steps),
         "load_limit_s": load_s,

@@ -33,7 +33,8 @@ the time between consecutive ``on_step_end`` callbacks.
 ``--decode`` sets how the ``hf`` engine decodes (``HFEngine``'s ``decode``: ``auto``
 = the slot decoder on CUDA, ``generate`` = the engine before it); with several values,
 ours is measured once per value in the same run (TRL once), and ``decode_arms`` gives
-each one's ``ours_step_s`` and ``phases_s``, and ``rollout_speedup`` the first value's
+each one's ``ours_step_s``, ``phases_s`` and ``engine`` (how its engines decoded, from
+``HFEngine.describe()``), and ``rollout_speedup`` the first value's
 ``rollout_s`` over each other's. ``--max-new-tokens`` sets ``grpo.max_new_tokens``;
 ``--ignore-eos`` gives the engine no EOS id, so every completion runs to it (a random
 model ends rows early and unevenly).
@@ -153,15 +154,17 @@ def phase_timers(device: str):
 
 
 @contextlib.contextmanager
-def engine_decode(decode: str, ignore_eos: bool):
+def engine_decode(decode: str, ignore_eos: bool, built: list[str]):
     """Every ``HFEngine`` built inside decodes as ``decode`` (and, with ``ignore_eos``,
-    has no EOS id); restored on exit."""
+    has no EOS id); each one's ``describe()["engine"]`` is appended to ``built``;
+    restored on exit."""
     from mlperf_grpo.inference.hf import HFEngine
 
     original = HFEngine._init
 
-    def _init(self, model, tokenizer, batch_size, model_path, _decode):
-        original(self, model, tokenizer, batch_size, model_path, decode)
+    def _init(self, model, tokenizer, batch_size, model_path, _decode, *args, **kwargs):
+        original(self, model, tokenizer, batch_size, model_path, decode, *args, **kwargs)
+        built.append(self.describe()["engine"])
         if ignore_eos:
             self.eos_token_ids = []
 
@@ -172,11 +175,13 @@ def engine_decode(decode: str, ignore_eos: bool):
         HFEngine._init = original
 
 
-def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eos: bool = False) -> list[dict]:
+def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eos: bool = False,
+                 engines: list[str] | None = None) -> list[dict]:
     """Train ``config`` with the engine decoding as ``decode``; per step from step 2:
-    ``step_s`` and the :data:`PHASE_NAMES` seconds."""
+    ``step_s`` and the :data:`PHASE_NAMES` seconds. The engines built are described in
+    ``engines``."""
     run = RunDir(tmp / f"ours-{len(list(tmp.glob('ours-*')))}")
-    with phase_timers(device) as seconds, engine_decode(decode, ignore_eos):
+    with phase_timers(device) as seconds, engine_decode(decode, ignore_eos, [] if engines is None else engines):
         trainer_module.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
     log = read_log(log_file)
@@ -288,13 +293,15 @@ def main() -> None:
                             args.max_new_tokens)
         ours: list[dict] = []
         arms: dict[str, list[dict]] = {d: [] for d in args.decode}
+        engines: dict[str, list[str]] = {d: [] for d in args.decode}
         trl_steps: list[float] = []
         for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
             sides = ["ours", "trl"] if with_trl else ["ours"]
             for side in sides[::-1] if r % 2 else sides:
                 if side == "ours":
                     for decode in args.decode:
-                        arms[decode] += measure_ours(config, args.device, tmp, decode, args.ignore_eos)
+                        arms[decode] += measure_ours(config, args.device, tmp, decode, args.ignore_eos,
+                                                     engines[decode])
                         gc.collect()
                         if args.device == "cuda":
                             torch.cuda.empty_cache()
@@ -324,7 +331,8 @@ def main() -> None:
         "max_new_tokens": config.grpo.max_new_tokens,
         "ignore_eos": args.ignore_eos,
         "decode_arms": {d: {"ours_step_s": round(statistics.median(s["step_s"] for s in steps), 4),
-                            "phases_s": _phases(steps)} for d, steps in arms.items()},
+                            "phases_s": _phases(steps), "engine": sorted(set(engines[d]))}
+                        for d, steps in arms.items()},
         "rollout_speedup": {d: _ratio(statistics.median(s["rollout_s"] for s in arms[args.decode[0]]),
                                       statistics.median(s["rollout_s"] for s in steps)) for d, steps in arms.items()},
         "torch": torch.__version__,

@@ -74,3 +74,18 @@ def test_generation_benchmark_adds_the_cache_reads_to_the_proxy(tmp_path):
     per_token_s = line["proxy"]["step_ms"] / 1e3 / 2 + floor["kv_ms_per_step"] / 1e3 / 2
     assert floor["floor_tokens_per_s"] == pytest.approx(1 / per_token_s, rel=0.01)
     assert line["floor_ratio"] == round(line["tokens_per_s"] / floor["floor_tokens_per_s"], 3)
+
+
+def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
+    """--decode generate slots: ours trains once per arm, each arm's engines decode as
+    named (their describe() says so), with a rollout speedup per arm."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "grpo_step.py"), "--no-trl", "--steps", "2", "--decode",
+                           "generate", "slots", "--num-prompts-per-step", "2", "--micro-batch-size", "8",
+                           "--max-new-tokens", "8", "--max-trajectory-age-steps", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.splitlines()[-1])
+    arms = line["decode_arms"]
+    assert arms["generate"]["engine"] == ["transformers.generate"]
+    assert arms["slots"]["engine"] == ["slot decoder (static KV cache, refilled slots)"]
+    assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0

@@ -212,6 +212,11 @@ def test_slot_decoding_equals_generate_on_the_builtin_model():
         assert [c.text for c in new] == [c.text for c in old]
         for a, b in zip(new, old):  # float32, 2 layers: the kernels' summation order only
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+        # the counts of the call: 25 prompts through 16 refilled slots, the steps of list
+        # scheduling (no graphs on the CPU, no candidates)
+        steps = _makespan([len(c.token_ids) for c in new], 16)
+        assert slots.generation_stats() == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0}
+        assert generate.generation_stats() == {}
 
 
 def test_cpu_keeps_generate_by_default():

@@ -81,7 +81,8 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
                     write_results(run, item.checkpoint.step, results, params, config.seed, worker_engine.describe(), checked,
                                   unlogged_results(run, item.checkpoint.step))
                     record_timing(run, item.checkpoint.step, read_wait_s=refit_start_s - wait_start_s,
-                                  refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s)
+                                  refit_s=generation_start_s - refit_start_s, generation_s=generation_stop_s - generation_start_s,
+                                  **worker_engine.generation_stats())
                     queue.publish(item.index, {"accuracy": accuracy, "start_ms": start_ms, "stop_ms": now_ms()})
             except tuple(WORKER_ERRORS.values()) as err:
                 if group.leader:
@@ -95,7 +96,9 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
     """Append one line to ``eval/timing.jsonl``: where one checkpoint's evaluation time
     went, in seconds (``read_wait_s``: waiting for its verified read, the part the
     prefetch did not hide; ``refit_s``: weights into the engine and verified;
-    ``generation_s``: validation), which rank evaluated it, and the process
+    ``generation_s``: validation), the engine's counts of the validation's generation
+    (``InferenceEngine.generation_stats``: for the ``hf`` slot decoder ``decode_steps``,
+    ``rerun_steps``, ``graph_captures``), which rank evaluated it, and the process
     (:func:`process_fields`). Informational only."""
     record = {"step": step, "rank": int(os.environ.get("RANK", 0)), **{k: round(v, 4) for k, v in seconds.items()},
               **process_fields()}

@@ -128,6 +128,11 @@ class InferenceEngine(Protocol):
     def describe(self) -> dict:
         """Engine settings stored with evaluation results (for reproducing them)."""
 
+    def generation_stats(self) -> dict[str, int]:
+        """Counts of the last :meth:`generate` call where the engine keeps them (the
+        ``hf`` slot decoder: ``decode_steps``, ``rerun_steps``, ``graph_captures``;
+        ``{}`` elsewhere), for ``eval/timing.jsonl``. Informational only."""
+
     def close(self) -> None:
         """Release what garbage collection does not (vLLM: its engine core and
         process-wide distributed state); the engine is unusable afterwards."""

@@ -205,6 +205,7 @@ class SlotDecoder:
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
         self.rerun_steps = 0  # of the last call: steps run again with sample_tokens (a nucleus beyond the candidates)
+        self.graph_captures = 0  # of the last call: decode steps captured as new CUDA graphs
         if self.check_every < 1:
             raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
 
@@ -240,7 +241,7 @@ class SlotDecoder:
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
         rows = slots
-        self.decode_steps = self.rerun_steps = 0
+        self.decode_steps = self.rerun_steps = self.graph_captures = 0
         self._candidates = self.top_p_candidates
 
         def admit(free: list[int]) -> None:
@@ -370,6 +371,7 @@ class SlotDecoder:
             graph = self._graphs.get(key)
             if graph is None:
                 graph = self._graphs[key] = self._capture(call, rows, key_length, exact)
+                self.graph_captures += 1
             graph.replay()
         self.state.advance_cpu(rows)
 

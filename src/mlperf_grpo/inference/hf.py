@@ -299,6 +299,15 @@ class HFEngine:
             "sampler": "RowSeededSampler (per-row random.Random)",
         }
 
+    def generation_stats(self) -> dict[str, int]:
+        """The slot decoder's counts of the last call (``decode_steps``: forward passes
+        after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
+        top-p candidates; ``graph_captures``: decode steps captured as new CUDA graphs);
+        ``{}`` with ``generate``."""
+        d = self._decoder
+        return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,
+                                     "graph_captures": d.graph_captures}
+
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
         with these names, in the engine's dtype (tensor parallel: this rank's slices)."""

@@ -288,6 +288,10 @@ class VLLMEngine:
         """The model's vocabulary size (``config.json``), as the canary input uses."""
         return self.llm.llm_engine.model_config.get_vocab_size()
 
+    def generation_stats(self) -> dict[str, int]:
+        """``{}``: vLLM's counts stay inside vLLM."""
+        return {}
+
     def describe(self) -> dict:
         """Engine settings stored with evaluation results (for reproducing them)."""
         import vllm
