@@ -23,7 +23,8 @@ one JSON line:
   checkpoints from ``eval/timing.jsonl`` (validation; weights into the engine and
   verified; waiting for the verified read that the prefetch did not hide);
   ``by_checkpoint``: each checkpoint's ``generation_s`` and the engine's counts of its
-  validation (``decode_steps``, ``rerun_steps``, ``graph_captures``: the slot decoder's);
+  validation (``decode_steps``, ``rerun_steps``, ``graph_captures``, ``prefills``,
+  ``prefill_ms``: the slot decoder's);
 - ``non_generation_s``: the median over the serial run's checkpoints of its
   ``eval_stop``-to-``eval_stop`` gap minus its own ``generation_s`` (paired by step);
 - ``load_limit_s``: median over the checkpoints of ``safetensors.torch.load_file`` of
@@ -44,9 +45,10 @@ one JSON line:
   generation seconds; ``before_launch_s``: the N-worker evaluator's start to its launch;
 - with ``--top-p-candidates K``, ``candidates``: a third, serial evaluation of another
   copy whose ``config.yaml`` sets ``inference.top_p_candidates: K`` (validation's top-p
-  from each row's K largest logits, ``inference/sampling.py``): its median
-  ``generation_s``, ``over_exact`` (that over the serial run's), ``logs_identical``
-  (against the serial run's log) and its ``by_checkpoint``;
+  from each row's K largest logits, ``inference/sampling.py``; the default is 64, so
+  ``0``, the full-vocabulary sort, is the other arm): its median
+  ``generation_s``, ``over_serial`` (that over the serial run's, whose config has the
+  default), ``logs_identical`` (against the serial run's log) and its ``by_checkpoint``;
 - ``logs_identical`` (the two logs apart from ``time_ms``), ``setup_s`` (model build and
   training, not measured), and the ratios the goals are judged by (``refit_over_load``,
   ``non_generation_over_load``).
@@ -151,12 +153,12 @@ def with_candidates(trained: Path, dst: Path, k: int, timeout_s: float, serial: 
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     timed_evaluation(run, 1, timeout_s)
     generation_s = statistics.median(t["generation_s"] for t in timings(run))
-    exact_s = statistics.median(t["generation_s"] for t in timings(serial))
-    return {"k": k, "generation_s": generation_s, "over_exact": round(generation_s / exact_s, 4),
+    serial_s = statistics.median(t["generation_s"] for t in timings(serial))
+    return {"k": k, "generation_s": generation_s, "over_serial": round(generation_s / serial_s, 4),
             "logs_identical": normalized_log(run) == normalized_log(serial), "by_checkpoint": by_checkpoint(run)}
 
 
-GENERATION_FIELDS = ("generation_s", "decode_steps", "rerun_steps", "graph_captures")
+GENERATION_FIELDS = ("generation_s", "decode_steps", "rerun_steps", "graph_captures", "prefills", "prefill_ms")
 
 
 def by_checkpoint(run: Path) -> list[dict]:
@@ -273,12 +275,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the run is made (a real disk)")
     parser.add_argument("--keep", type=Path, help="copy both evaluations' logs and eval/ files into this directory")
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
-    parser.add_argument("--top-p-candidates", type=int, help="also evaluate serially with inference.top_p_candidates K")
+    parser.add_argument("--top-p-candidates", type=int,
+                        help="also evaluate serially with inference.top_p_candidates K (0: the full-vocabulary sampler)")
     args = parse_args_one_line(parser)
     at_least_one = {"--checkpoints": args.checkpoints, "--workers": args.workers, "--tasks": args.tasks,
-                    "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens,
-                    "--top-p-candidates": args.top_p_candidates}
+                    "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens}
     bad = [f"{flag} {value}" for flag, value in at_least_one.items() if value is not None and value < 1]
+    bad += [f"--top-p-candidates {args.top_p_candidates}"] if (args.top_p_candidates or 0) < 0 else []
     bad += [f"{flag} {value:g}" for flag, value in (("--params", args.params), ("--eval-timeout-s", args.eval_timeout_s))
             if not (math.isfinite(value) and value > 0)]
     if bad:

@@ -276,11 +276,11 @@ class InferenceConfig(Strict):
     (``inference/tensor_parallel.py``); T of the sharded layout in ``plan --memory``. It
     must divide the world size and the model's heads and experts, and for ``hf`` the KV
     heads and the vocabulary (``memory_plan.check_tensor_parallel``)."""
-    top_p_candidates: int = Field(0, ge=0)
-    """``hf`` on CUDA: K > 0 samples top-p < 1 (validation's) from each row's K largest
-    logits instead of sorting the vocabulary, a block of decode steps run again exactly
-    where a nucleus is wider (``inference/sampling.py``); 0 (the default): the
-    full-vocabulary sampler. Ignored on the CPU, with ``generate`` and by vLLM."""
+    top_p_candidates: int = Field(64, ge=0)
+    """``hf`` on CUDA: K > 0 (64 by default) samples top-p < 1 (validation's) from each
+    row's K largest logits instead of sorting the vocabulary, a block of decode steps run
+    again exactly where a nucleus is wider (``inference/sampling.py``: the same tokens);
+    0: the full-vocabulary sampler. Ignored on the CPU, with ``generate`` and by vLLM."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Fraction of the GPU's memory vLLM may take (weights + KV cache); the rest is left
     to the policy when both share one GPU. Unused on CPU (see ``VLLM_CPU_KVCACHE_SPACE``)."""

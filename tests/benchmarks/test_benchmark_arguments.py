@@ -18,7 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("attention_backends.py", ["--rows", "0"], "--rows"),
     ("attention_backends.py", ["--params", "-5"], "--params"),
     ("evaluate.py", ["--checkpoints", "0", "--tasks", "-3"], "--checkpoints 0, --tasks -3"),
-    ("evaluate.py", ["--top-p-candidates", "0"], "--top-p-candidates 0"),
+    ("evaluate.py", ["--top-p-candidates", "-1"], "--top-p-candidates -1"),
     ("sampler.py", ["--candidates", "0"], "--candidates"),
     ("generation.py", ["--top-p-candidates", "0"], "--top-p-candidates"),
     ("sampler.py", ["--top-p", "1.0"], "--top-p"),

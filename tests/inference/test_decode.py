@@ -215,7 +215,11 @@ def test_slot_decoding_equals_generate_on_the_builtin_model():
         # the counts of the call: 25 prompts through 16 refilled slots, the steps of list
         # scheduling (no graphs on the CPU, no candidates)
         steps = _makespan([len(c.token_ids) for c in new], 16)
-        assert slots.generation_stats() == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0}
+        stats = slots.generation_stats()
+        assert stats.pop("prefill_ms") > 0
+        # the first 16 admitted together, then the other 9 in at least one admission, at most one each
+        assert 2 <= stats.pop("prefills") <= 1 + 9
+        assert stats == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0}
         assert generate.generation_stats() == {}
 
 

@@ -68,10 +68,10 @@ def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
         real_init(self, model, tokenizer, batch_size, model_path, "slots", top_p_candidates)
 
     monkeypatch.setattr(HFEngine, "_init", spy)
-    config = parse_config({"inference": {"top_p_candidates": 64}})
-    assert parse_config({}).inference.top_p_candidates == 0
+    config = parse_config({"inference": {"top_p_candidates": 32}})
+    assert parse_config({}).inference.top_p_candidates == 64
     engine = build_engine(config, batch_size=4, refit_only=refit_only)
-    assert made == {"top_p_candidates": 64}
+    assert made == {"top_p_candidates": 32}
     assert engine.describe()["engine"].startswith("slot decoder") and engine.describe()["top_p_candidates"] == 0
     with pytest.raises(ConfigError, match=r"inference\.top_p_candidates"):
         parse_config({"inference": {"top_p_candidates": -1}})

@@ -130,7 +130,8 @@ class InferenceEngine(Protocol):
 
     def generation_stats(self) -> dict[str, int]:
         """Counts of the last :meth:`generate` call where the engine keeps them (the
-        ``hf`` slot decoder: ``decode_steps``, ``rerun_steps``, ``graph_captures``;
+        ``hf`` slot decoder: ``decode_steps``, ``rerun_steps``, ``graph_captures``,
+        ``prefills``, ``prefill_ms``;
         ``{}`` elsewhere), for ``eval/timing.jsonl``. Informational only."""
 
     def close(self) -> None:

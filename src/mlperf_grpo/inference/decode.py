@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -206,6 +207,9 @@ class SlotDecoder:
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
         self.rerun_steps = 0  # of the last call: steps run again with sample_tokens (a nucleus beyond the candidates)
         self.graph_captures = 0  # of the last call: decode steps captured as new CUDA graphs
+        self.prefills = 0  # of the last call: admissions (each one eager forward over the prompts admitted together)
+        self.prefill_ms = 0.0  # of the last call: their time on the device (CUDA events; the CPU: wall time)
+        self._prefill_times: list = []  # this call's (start, end) events, or wall seconds on the CPU
         if self.check_every < 1:
             raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
 
@@ -241,7 +245,8 @@ class SlotDecoder:
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
         rows = slots
-        self.decode_steps = self.rerun_steps = self.graph_captures = 0
+        self.decode_steps = self.rerun_steps = self.graph_captures = self.prefills = 0
+        self._prefill_times = []
         self._candidates = self.top_p_candidates
 
         def admit(free: list[int]) -> None:
@@ -284,10 +289,27 @@ class SlotDecoder:
             key_length = min(length, _round_up(max(state.column_cpu[s] for s in live) + steps, self.key_block))
             block = self._run_block(call, rows, key_length, steps, exact=False)
             self.decode_steps += steps
+        # the loop's last look synchronized after every prefill, so their events are complete
+        self.prefill_ms = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in self._prefill_times)
         return results  # type: ignore[return-value]
 
     def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: _Call, slots: int,
                  length: int) -> None:
+        """:meth:`_prefill_ops`, counted and timed (``prefills``, ``prefill_ms``)."""
+        self.prefills += 1
+        if self.model.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            end.record()
+            self._prefill_times.append((start, end))
+        else:
+            start_s = time.perf_counter()
+            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            self._prefill_times.append((time.perf_counter() - start_s) * 1e3)
+
+    def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: _Call, slots: int,
+                     length: int) -> None:
         """Run the prompts (left-padded to their longest) eagerly, copy their keys and
         values into the ``free`` slots' cache rows, and sample each one's first token."""
         device = self.model.device
@@ -428,7 +450,7 @@ class SlotDecoder:
         uniforms = state.uniforms[:rows].gather(1, at.clamp(max=call.max_new_tokens - 1))
         if self._uses_candidates(call, exact):
             chosen, logprob, ok = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
-                                                                self._candidates)
+                                                                self._candidates, fused_decode.block_masses_fn())
             state.inexact |= (~ok & ~done).any().view(1)  # ended rows' samples are thrown away
         elif call.top_p == 1.0:
             chosen, logprob = sample_tokens_by_blocks(logits, uniforms, call.temperature, fused_decode.block_masses_fn())

@@ -302,11 +302,13 @@ class HFEngine:
     def generation_stats(self) -> dict[str, int]:
         """The slot decoder's counts of the last call (``decode_steps``: forward passes
         after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
-        top-p candidates; ``graph_captures``: decode steps captured as new CUDA graphs);
-        ``{}`` with ``generate``."""
+        top-p candidates; ``graph_captures``: decode steps captured as new CUDA graphs;
+        ``prefills``: admissions of waiting prompts, each an eager forward; ``prefill_ms``:
+        their device time, ms); ``{}`` with ``generate``."""
         d = self._decoder
         return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,
-                                     "graph_captures": d.graph_captures}
+                                     "graph_captures": d.graph_captures, "prefills": d.prefills,
+                                     "prefill_ms": round(d.prefill_ms, 2)}
 
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors

@@ -44,8 +44,34 @@ def sample_tokens(
     return chosen, logprobs.gather(1, chosen)
 
 
+SAMPLER_BLOCK = 128
+"""Vocabulary ids per block of :func:`sample_tokens_by_blocks` (151,936 = 1,187 x 128)."""
+
+
+def block_masses(scores: torch.Tensor, temperature: float, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest tempered logit and the unnormalised probability mass of each
+    block of ``block`` consecutive ids.
+
+    Args:
+        scores: ``[B, V]`` logits (any float dtype; computed in float32).
+        temperature: > 0, applied as ``TemperatureLogitsWarper`` does (``scores / temperature``).
+        block: ids per block (the last block is padded with zero mass).
+    Returns:
+        ``(top, masses)``: ``[B, 1]`` float32 ``max(scores / temperature)`` and
+        ``[B, ceil(V / block)]`` float32 sums of ``exp(scores / temperature - top)``.
+    """
+    tempered = scores.float() / temperature  # [B, V]
+    top = tempered.amax(dim=-1, keepdim=True)  # [B, 1]
+    p = torch.exp(tempered - top)  # [B, V], in (0, 1]
+    pad = -p.shape[-1] % block
+    if pad:
+        p = F.pad(p, (0, pad))
+    return top, p.view(p.shape[0], -1, block).sum(dim=-1)
+
+
 def sample_tokens_from_candidates(
-    scores: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float, candidates: int
+    scores: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float, candidates: int,
+    masses=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` at ``top_p < 1`` over the ``candidates`` largest logits of
     each row: no full-vocabulary sort (``torch.topk`` and sorts of ``[B, k]`` instead).
@@ -70,20 +96,29 @@ def sample_tokens_from_candidates(
     on one H200 all 256 bfloat16 rows of ``benchmarks/sampler.py`` agreed); the CPU's
     sort promises no order among equals, so the CPU keeps :func:`sample_tokens`.
 
+    The candidates are the ``k`` largest logits as given (``torch.topk`` of ``scores``,
+    not of a float32 copy divided by the temperature: dividing by ``temperature > 0``
+    keeps their order, so every token of a tempered value above the ``k``-th's is among
+    them), and the log-normaliser is ``top + log(sum(block masses))``
+    (:func:`block_masses`), so the only vocabulary-wide passes are the top-k and one
+    reduction.
+
     Args:
         scores: ``[B, V]`` logits (any float dtype; computed in float32).
         uniforms: ``[B, 1]`` float32 in [0, 1).
         temperature: > 0; top_p: in (0, 1).
         candidates: k, the logits per row considered (clamped to V).
+        masses: :func:`block_masses` (the default) or a function of the same arithmetic.
     Returns:
         ``(chosen, logprob, exact)``: ``[B, 1]`` int64 ids, ``[B, 1]`` float32
         ``log_softmax(scores / temperature)`` at them, ``[B]`` bool: the row's nucleus
         lies within its candidates (where False, ``chosen`` is meaningless: sample that
         row with :func:`sample_tokens`).
     """
-    scores = TemperatureLogitsWarper(temperature)(None, scores.float())  # [B, V]
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, 1]
-    values, ids = scores.topk(min(candidates, scores.shape[-1]), dim=-1)  # [B, k], descending
+    top, sums = (block_masses if masses is None else masses)(scores, temperature, SAMPLER_BLOCK)
+    lse = top + torch.log(sums.sum(dim=-1, keepdim=True))  # [B, 1]: logsumexp(scores / temperature)
+    _, ids = scores.topk(min(candidates, scores.shape[-1]), dim=-1)  # [B, k], descending
+    values = scores.gather(1, ids).float() / temperature  # [B, k], as TemperatureLogitsWarper
     by_id = ids.argsort(dim=-1, descending=True)  # equal logits: the higher id first, as the warper's stable sort
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     order = values.argsort(dim=-1, descending=True, stable=True)
@@ -97,32 +132,7 @@ def sample_tokens_from_candidates(
     u = uniforms.to(cdf.dtype) * cdf[:, -1:]  # [B, 1]
     chosen = ids.gather(1, torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1))  # [B, 1]
     chosen = torch.where(u > 0, chosen, 0)  # u = 0: the definition's first id, 0
-    return chosen, scores.gather(1, chosen) - lse, exact
-
-
-SAMPLER_BLOCK = 128
-"""Vocabulary ids per block of :func:`sample_tokens_by_blocks` (151,936 = 1,187 x 128)."""
-
-
-def block_masses(scores: torch.Tensor, temperature: float, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's largest tempered logit and the unnormalised probability mass of each
-    block of ``block`` consecutive ids.
-
-    Args:
-        scores: ``[B, V]`` logits (any float dtype; computed in float32).
-        temperature: > 0, applied as ``TemperatureLogitsWarper`` does (``scores / temperature``).
-        block: ids per block (the last block is padded with zero mass).
-    Returns:
-        ``(top, masses)``: ``[B, 1]`` float32 ``max(scores / temperature)`` and
-        ``[B, ceil(V / block)]`` float32 sums of ``exp(scores / temperature - top)``.
-    """
-    tempered = scores.float() / temperature  # [B, V]
-    top = tempered.amax(dim=-1, keepdim=True)  # [B, 1]
-    p = torch.exp(tempered - top)  # [B, V], in (0, 1]
-    pad = -p.shape[-1] % block
-    if pad:
-        p = F.pad(p, (0, pad))
-    return top, p.view(p.shape[0], -1, block).sum(dim=-1)
+    return chosen, scores.gather(1, chosen).float() / temperature - lse, exact
 
 
 def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
