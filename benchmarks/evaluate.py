@@ -285,7 +285,8 @@ def main() -> None:
     bad += [f"{flag} {value:g}" for flag, value in (("--params", args.params), ("--eval-timeout-s", args.eval_timeout_s))
             if not (math.isfinite(value) and value > 0)]
     if bad:
-        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --params and --eval-timeout-s > 0\n")
+        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1 (--top-p-candidates >= 0), "
+                       "--params and --eval-timeout-s > 0\n")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: --device cuda but no CUDA device is available\n")
     cuda = args.device == "cuda"

@@ -61,7 +61,6 @@ import gc
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -72,6 +71,7 @@ import torch
 from mlperf_grpo import rules, tasks
 from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.errors import ConfigError, ModelLoadError
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR, check_model_path
 from mlperf_grpo.rundir import RunDir
@@ -280,8 +280,21 @@ def main() -> None:
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                         help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
     args = parse_args_one_line(parser)
-    if args.steps < 2:
-        sys.exit("--steps must be >= 2 (step 1 is left out)")
+    bad = [f"{flag} {value}" for flag, value in (("--num-prompts-per-step", args.num_prompts_per_step),
+                                                  ("--micro-batch-size", args.micro_batch_size),
+                                                  ("--repeat", args.repeat), ("--max-new-tokens", args.max_new_tokens))
+           if value is not None and value < 1]
+    bad += [f"--steps {args.steps}"] if args.steps < 2 else []
+    if bad:
+        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --steps >= 2 (step 1 is left out)\n")
+    try:
+        main_measured(args, parser)
+    except (ConfigError, ModelLoadError) as error:  # a model or shape the config refuses: one line, as the CLI's
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+
+
+def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Measure ours (each decode arm) and TRL as ``args`` asks; print the JSON line."""
     with_trl = not args.no_trl and trl_available()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

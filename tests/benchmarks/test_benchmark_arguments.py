@@ -32,6 +32,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("generation.py", ["--params", "inf"], "--params inf"),
     ("generation.py", ["--params", "-5"], "--params -5"),
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
+    ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
+    ("grpo_step.py", ["--micro-batch-size", "7", "--no-trl"], "must divide the global batch"),  # a ConfigError one
+    ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])

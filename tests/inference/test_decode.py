@@ -3,6 +3,7 @@ On CPU it runs without CUDA graphs; the bookkeeping (refill, compaction, key-len
 buckets) is the same code the graphs capture."""
 
 import heapq
+import math
 import random
 
 import pytest
@@ -152,6 +153,42 @@ def test_sampling_by_blocks_is_the_inverse_cdf(vocab, block):
     assert bool(torch.isfinite(masked.gather(1, got)).all()) and bool(torch.isfinite(logprob).all())
 
 
+def test_sampling_by_blocks_survives_rows_of_nan_and_infinite_logits():
+    """A row of NaN, +inf or all -inf logits gets some id in range and a NaN
+    log-probability (as sample_tokens gives them), and the batch's finite rows are
+    sampled as alone: one bad row does not fail the step."""
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(5, 1000, generator=gen)
+    scores[0, 10] = torch.nan
+    scores[1, 20] = torch.inf
+    scores[2] = -torch.inf
+    u = torch.rand(5, 1, generator=gen)
+    got, logprob = sample_tokens_by_blocks(scores, u, 1.0)
+    assert bool(((got >= 0) & (got < 1000)).all())
+    assert bool(torch.isnan(logprob[:3]).all())
+    alone, alone_logprob = sample_tokens_by_blocks(scores[3:], u[3:], 1.0)
+    assert torch.equal(got[3:], alone) and torch.equal(logprob[3:], alone_logprob)
+
+
+def test_candidate_sampling_keeps_its_precision_at_a_small_temperature():
+    """T = 1e-3 puts the tempered logits near 2.4e4: the token's mass is exp(x - top -
+    log(total)) with the two kept apart (one normaliser top + log(total) would round at
+    2.4e4's ulp, 2e-3, and move this row's nucleus boundary, 4e-4 from top_p)."""
+    scores = torch.linspace(-100.0, -90.0, 256)[None, :].clone()  # distinct: the 64th is below the removed
+    scores[0, 0], scores[0, 1] = 24.20554542541504, 24.20261001586914
+    u = torch.tensor([[0.99]])
+    want, want_logprob = sample_tokens(scores, u, 1e-3, 0.95)
+    got, logprob, exact = sample_tokens_from_candidates(scores, u, 1e-3, 0.95, 64)
+    assert bool(exact.all()) and torch.equal(got, want) and int(got) == 1
+    # float64 from the float32 tempered logits (as the definition tempers them):
+    # log p(1) = -d - log(1 + exp(-d)), d = x0 / T - x1 / T, about -2.99
+    tempered = (scores[0, :2] / 1e-3).double()
+    d = float(tempered[0] - tempered[1])
+    torch.testing.assert_close(logprob.double(), torch.tensor([[-d - math.log1p(math.exp(-d))]], dtype=torch.float64),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(logprob, want_logprob, rtol=0, atol=1e-5)
+
+
 def test_block_masses_sum_each_blocks_probability_mass():
     """block_masses: the row's largest tempered logit and, per block of ids (the last
     one short), the sum of exp(x - top), here against a float64 loop over the blocks."""
@@ -221,6 +258,21 @@ def test_slot_decoding_equals_generate_on_the_builtin_model():
         assert 2 <= stats.pop("prefills") <= 1 + 9
         assert stats == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0}
         assert generate.generation_stats() == {}
+
+
+def test_one_token_completions_take_no_decode_step():
+    """max_new_tokens 1: every token comes from a prefill (8 prompts through 4 slots, two
+    admissions), no forward pass after them; an empty call then resets the counts."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(8, seed=6)
+    decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4)
+    out = decoder.generate(prompts, seeds, 1.0, 1.0, 1, [EOS])
+    assert [len(tokens) for tokens, _ in out] == [1] * 8
+    assert [t for t, _ in out] == [reference_sample(model, p, s, SamplingParams(1.0, 1.0, 1))[0]
+                                   for p, s in zip(prompts, seeds)]
+    assert (decoder.decode_steps, decoder.prefills) == (0, 2)
+    assert decoder.generate([], [], 1.0, 1.0, 4, [EOS]) == []
+    assert (decoder.decode_steps, decoder.prefills, decoder.prefill_ms) == (0, 0, 0.0)
 
 
 def test_cpu_keeps_generate_by_default():

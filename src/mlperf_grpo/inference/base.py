@@ -128,7 +128,7 @@ class InferenceEngine(Protocol):
     def describe(self) -> dict:
         """Engine settings stored with evaluation results (for reproducing them)."""
 
-    def generation_stats(self) -> dict[str, int]:
+    def generation_stats(self) -> dict[str, int | float]:
         """Counts of the last :meth:`generate` call where the engine keeps them (the
         ``hf`` slot decoder: ``decode_steps``, ``rerun_steps``, ``graph_captures``,
         ``prefills``, ``prefill_ms``;

@@ -230,6 +230,8 @@ class SlotDecoder:
             ValueError: prompts and seeds differ in number, a prompt is empty, or
                 ``max_new_tokens`` < 1.
         """
+        self.decode_steps = self.rerun_steps = self.graph_captures = self.prefills = 0
+        self.prefill_ms, self._prefill_times = 0.0, []
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if any(not p for p in prompts):
@@ -245,8 +247,6 @@ class SlotDecoder:
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
         rows = slots
-        self.decode_steps = self.rerun_steps = self.graph_captures = self.prefills = 0
-        self._prefill_times = []
         self._candidates = self.top_p_candidates
 
         def admit(free: list[int]) -> None:
@@ -284,8 +284,11 @@ class SlotDecoder:
                 owner[:rows] = [owner[s] for s in order]
                 rows, live = smaller, list(range(len(live)))
             # up to check_every steps before the next look, none after every live row has
-            # reached its limit (a live row has not ended: its count is the host mirror's)
-            steps = max(1, min(self.check_every, max_new_tokens - min(state.count_cpu[s] for s in live)))
+            # reached its limit (a live row has not ended: its count is the host mirror's;
+            # rows admitted at their limit, max_new_tokens 1, are done: look again, no step)
+            steps = min(self.check_every, max_new_tokens - min(state.count_cpu[s] for s in live))
+            if steps < 1:
+                continue
             key_length = min(length, _round_up(max(state.column_cpu[s] for s in live) + steps, self.key_block))
             block = self._run_block(call, rows, key_length, steps, exact=False)
             self.decode_steps += steps

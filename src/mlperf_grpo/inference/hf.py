@@ -299,7 +299,7 @@ class HFEngine:
             "sampler": "RowSeededSampler (per-row random.Random)",
         }
 
-    def generation_stats(self) -> dict[str, int]:
+    def generation_stats(self) -> dict[str, int | float]:
         """The slot decoder's counts of the last call (``decode_steps``: forward passes
         after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
         top-p candidates; ``graph_captures``: decode steps captured as new CUDA graphs;

@@ -116,14 +116,16 @@ def sample_tokens_from_candidates(
         row with :func:`sample_tokens`).
     """
     top, sums = (block_masses if masses is None else masses)(scores, temperature, SAMPLER_BLOCK)
-    lse = top + torch.log(sums.sum(dim=-1, keepdim=True))  # [B, 1]: logsumexp(scores / temperature)
+    # logsumexp(scores / temperature) = top + log_total, kept apart: at a small temperature
+    # top is large and one sum would round the normaliser at its size
+    log_total = torch.log(sums.sum(dim=-1, keepdim=True))  # [B, 1]
     _, ids = scores.topk(min(candidates, scores.shape[-1]), dim=-1)  # [B, k], descending
     values = scores.gather(1, ids).float() / temperature  # [B, k], as TemperatureLogitsWarper
     by_id = ids.argsort(dim=-1, descending=True)  # equal logits: the higher id first, as the warper's stable sort
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     order = values.argsort(dim=-1, descending=True, stable=True)
     values, ids = values.gather(1, order), ids.gather(1, order)
-    p = torch.exp(values - lse)  # [B, k]
+    p = torch.exp(values - top - log_total)  # [B, k]
     above = torch.cat([torch.zeros_like(p[:, :1]), p[:, :-1].cumsum(dim=-1)], dim=-1)  # mass before each
     keep = above < top_p  # [B, k], a prefix (the first is always kept)
     exact = (~keep & (values > values[:, -1:])).any(dim=-1)  # [B]
@@ -132,7 +134,7 @@ def sample_tokens_from_candidates(
     u = uniforms.to(cdf.dtype) * cdf[:, -1:]  # [B, 1]
     chosen = ids.gather(1, torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1))  # [B, 1]
     chosen = torch.where(u > 0, chosen, 0)  # u = 0: the definition's first id, 0
-    return chosen, scores.gather(1, chosen).float() / temperature - lse, exact
+    return chosen, scores.gather(1, chosen).float() / temperature - top - log_total, exact
 
 
 def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
@@ -172,10 +174,13 @@ def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temper
     at = torch.searchsorted(cumulative, target).clamp_(max=cumulative.shape[-1] - 1)  # [B, 1]: the block
     before = torch.where(at > 0, cumulative.gather(1, (at - 1).clamp(min=0)), 0.0)  # [B, 1]
     ids = at * block + torch.arange(block, device=scores.device)  # [B, block]
-    tempered = scores.gather(1, ids.clamp(max=vocab - 1)).float() / temperature  # [B, block]
+    in_vocab = ids.clamp(max=vocab - 1)  # the last block's padding (zero mass: never taken from finite logits)
+    tempered = scores.gather(1, in_vocab).float() / temperature  # [B, block]
     inside = torch.where(ids < vocab, torch.exp(tempered - top), 0.0).cumsum_(dim=-1) + before  # [B, block]
-    offset = torch.searchsorted(inside, torch.minimum(target, inside[:, -1:]))  # [B, 1], < block
-    return ids.gather(1, offset), tempered.gather(1, offset) - top - torch.log(total)
+    # < block for finite logits; clamped for a row of NaN or infinite ones (some id, a NaN
+    # log-probability, as sample_tokens gives), so one bad row cannot index out of range
+    offset = torch.searchsorted(inside, torch.minimum(target, inside[:, -1:])).clamp_(max=block - 1)  # [B, 1]
+    return in_vocab.gather(1, offset), tempered.gather(1, offset) - top - torch.log(total)
 
 
 class RowSeededSampler(LogitsProcessor):

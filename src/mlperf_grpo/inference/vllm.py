@@ -288,7 +288,7 @@ class VLLMEngine:
         """The model's vocabulary size (``config.json``), as the canary input uses."""
         return self.llm.llm_engine.model_config.get_vocab_size()
 
-    def generation_stats(self) -> dict[str, int]:
+    def generation_stats(self) -> dict[str, int | float]:
         """``{}``: vLLM's counts stay inside vLLM."""
         return {}
 
