@@ -211,8 +211,8 @@ def test_real_log_is_clean_with_success_and_the_run_time_to_train(capsys):
     # it keeps one eval/step_N.jsonl, so the other accuracies could not be recomputed
     assert report.notes == ["eval series judged by the open-division rule (from the log's first evaluation, "
                             "samples_count 4608); closed logs are judged from S0",
-                            f"eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22: no eval/step_N.jsonl for "
-                            f"them under {report.run_dir}"]
+                            f"eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22: no step_N.jsonl for "
+                            f"them in {report.run_dir / 'eval'}"]
     assert report.mode.mode == "deferred"
     assert report.score.log_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)
     assert report.score.summarizer_minutes == pytest.approx(summary["time_to_train_ms"] / 60000)

@@ -43,6 +43,21 @@ def test_the_real_run_is_clean_and_its_stored_result_matches():
     assert any(n.startswith("eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22") for n in report.notes)
 
 
+def test_results_of_an_evaluation_of_the_checkpoints_folder_are_found_there():
+    # evaluate --checkpoints RUN/checkpoints writes its results to RUN/checkpoints/eval/
+    run = real_run()
+    (run / "checkpoints").mkdir(exist_ok=True)
+    (run / "eval").rename(run / "checkpoints" / "eval")
+    report = check_log(run / "mlperf.log")
+    assert report.clean, report.findings
+    assert any(n.startswith("eval_accuracy not recomputed for step(s) 18, 19, 20, 21, 22: no step_N.jsonl for them "
+                            f"in {run.resolve() / 'checkpoints' / 'eval'}") for n in report.notes), report.notes
+    events = events_of(run / "mlperf.log")
+    events[find(events, "eval_accuracy", 23)]["value"] = 0.72  # the stored rewards there give 175 / 251
+    [f] = [f for f in rewritten(run, events).findings if f.rule == "eval-results"]
+    assert "0.72 of step 23 is not 0.6972111553784861" in f.problem and "checkpoints/eval/step_23.jsonl" in f.problem
+
+
 def test_an_edited_accuracy_is_a_finding():
     run = real_run()
     events = events_of(run / "mlperf.log")

@@ -3,7 +3,9 @@
 ``<run>/eval/step_N.jsonl`` (written by the evaluator: a header line, then one line per
 validation task with its ``rewards``) gives each checkpoint's accuracy again:
 pass@k over the stored rewards (:func:`mlperf_grpo.rules.pass_at_k`), which is how the
-evaluator computed the value it logged. ``check`` compares the log with it.
+evaluator computed the value it logged. ``check`` compares the log with it. An
+evaluation of ``--checkpoints <run>/checkpoints`` (the series outside its run directory)
+writes them to ``<run>/checkpoints/eval/`` instead (:func:`results_dir`).
 """
 
 from __future__ import annotations
@@ -60,10 +62,25 @@ def read_result(path: Path) -> StoredResult:
     return StoredResult(path, len(rewards), rules.pass_at_k(rewards))
 
 
+def results_dir(run_dir: Path | None) -> Path | None:
+    """Where a run directory's evaluation results are: ``<run_dir>/eval/`` when it holds a
+    ``step_N.jsonl``, else ``<run_dir>/checkpoints/eval/`` when that does (the results of
+    ``evaluate --checkpoints <run_dir>/checkpoints``), else ``<run_dir>/eval/`` when it is
+    a folder; None without a run directory or any of these."""
+    if run_dir is None:
+        return None
+    candidates = [Path(run_dir) / "eval", Path(run_dir) / "checkpoints" / "eval"]
+    for folder in candidates:
+        if any(_RESULTS.fullmatch(p.name) for p in folder.glob("step_*.jsonl")):
+            return folder
+    return candidates[0] if candidates[0].is_dir() else None
+
+
 def stored_results(run_dir: Path | None) -> dict[int, StoredResult]:
-    """step -> :class:`StoredResult` of every ``<run_dir>/eval/step_N.jsonl`` (empty without one)."""
-    eval_dir = Path(run_dir) / "eval" if run_dir is not None else None
-    if eval_dir is None or not eval_dir.is_dir():
+    """step -> :class:`StoredResult` of every ``step_N.jsonl`` in :func:`results_dir`
+    (empty without one)."""
+    eval_dir = results_dir(run_dir)
+    if eval_dir is None:
         return {}
     found = {}
     for path in sorted(eval_dir.glob("step_*.jsonl")):
