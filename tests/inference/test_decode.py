@@ -120,6 +120,26 @@ def test_candidate_sampling_gives_the_definitions_token_or_says_it_cannot():
     assert exact_rows > 100 and flagged_rows > 10
 
 
+def test_candidates_that_are_the_whole_vocabulary_are_always_exact():
+    """k >= V: every row is exact, also where the nucleus is the whole vocabulary (equal
+    logits) or the removed tokens tie at the smallest value (which proves nothing when
+    k < V); the tokens are sample_tokens'. Equal logits give probabilities 1 / V, so the
+    token is floor(u x V) away from the rounding boundaries u x V near an integer."""
+    vocab = 8
+    flat = torch.zeros(4, vocab)
+    peaked = torch.zeros(4, vocab)
+    peaked[:, 3] = 5.0  # p(3) = e^5 / (e^5 + 7), about 0.95: the nucleus at top-p 0.5 is {3}
+    u = torch.tensor([[0.05], [0.3], [0.61], [0.93]])
+    for scores, top_p in ((flat, 0.999), (peaked, 0.5)):
+        want, want_logprob = sample_tokens(scores, u, 1.0, top_p)
+        for k in (vocab, 2 * vocab):
+            got, logprob, exact = sample_tokens_from_candidates(scores, u, 1.0, top_p, k)
+            assert bool(exact.all()) and torch.equal(got, want)
+            torch.testing.assert_close(logprob, want_logprob, rtol=0, atol=1e-6)  # |log p| <= log 8: a few ulps
+    assert sample_tokens(flat, u, 1.0, 0.999)[0].flatten().tolist() == [int(x * vocab) for x in u.flatten().tolist()]
+    assert not bool(sample_tokens_from_candidates(peaked, u, 1.0, 0.5, vocab - 1)[2].any())  # ties at the k-th value
+
+
 @pytest.mark.parametrize("vocab, block", [(4096, 128), (1000, 128), (300, 512)])
 def test_sampling_by_blocks_is_the_inverse_cdf(vocab, block):
     """sample_tokens_by_blocks' token is the inverse CDF of softmax(scores / T) in id

@@ -85,7 +85,7 @@ def sample_tokens_from_candidates(
     hold every token of a value above the ``k``-th largest, so their descending order is
     a prefix of the vocabulary's up to the ties at that ``k``-th value; when the first
     removed candidate's value is above it, the kept prefix is the vocabulary's nucleus
-    and the row is ``exact``. The kept tokens' ``p`` (unnormalised: the CDF is scaled,
+    and the row is ``exact`` (every row is when ``k >= V``). The kept tokens' ``p`` (unnormalised: the CDF is scaled,
     as the definition's ``u x cdf[-1]`` is) cumulated in id order give the same inverse
     CDF as the vocabulary's, whose removed tokens add exact zeros. The same arithmetic in
     exact numbers; in float32 the mass before the nucleus boundary is summed over ``k``
@@ -128,7 +128,8 @@ def sample_tokens_from_candidates(
     p = torch.exp(values - top - log_total)  # [B, k]
     above = torch.cat([torch.zeros_like(p[:, :1]), p[:, :-1].cumsum(dim=-1)], dim=-1)  # mass before each
     keep = above < top_p  # [B, k], a prefix (the first is always kept)
-    exact = (~keep & (values > values[:, -1:])).any(dim=-1)  # [B]
+    # k = V: the candidates are the vocabulary, whatever the nucleus
+    exact = (~keep & (values > values[:, -1:])).any(dim=-1) | (ids.shape[-1] == scores.shape[-1])  # [B]
     ids, in_id_order = ids.sort(dim=-1)
     cdf = torch.where(keep, p, 0.0).gather(1, in_id_order).cumsum_(dim=-1)  # [B, k], in id order
     u = uniforms.to(cdf.dtype) * cdf[:, -1:]  # [B, 1]
