@@ -258,6 +258,29 @@ def load_limit_s(run: Path, device: str) -> float:
     return statistics.median(per_checkpoint)
 
 
+def path_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--dir``, ``--run`` or ``--keep`` (one sentence naming the
+    fix), or None: the run is made in ``--dir``, ``--run``'s checkpoints are hard-linked
+    there (one filesystem), and ``--keep`` is made if missing."""
+    if not args.dir.is_dir():
+        return f"--dir {args.dir} is not a directory; create it or give another"
+    if not os.access(args.dir, os.W_OK | os.X_OK):
+        return f"--dir {args.dir} is not writable; give a directory this user can write in"
+    if args.run is not None:
+        missing = [name for name in ("mlperf.log", "config.yaml", "checkpoints") if not (args.run / name).exists()]
+        if missing:
+            return (f"--run {args.run} is not a trained run directory (no {', '.join(missing)}); give the output "
+                    "of `mlperf-grpo train`, or leave --run out to train one")
+        if os.stat(args.run).st_dev != os.stat(args.dir).st_dev:
+            return (f"--run {args.run} and --dir {args.dir} are on different filesystems (the checkpoints are "
+                    "hard-linked); give a --dir on the run's filesystem")
+    if args.keep is not None:
+        existing = next(p for p in (args.keep, *args.keep.absolute().parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            return f"--keep {args.keep}: {existing} is not a writable directory; give a path this user can write to"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -287,6 +310,8 @@ def main() -> None:
     if bad:
         parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1 (--top-p-candidates >= 0), "
                        "--params and --eval-timeout-s > 0\n")
+    if (problem := path_problem(args)) is not None:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: --device cuda but no CUDA device is available\n")
     cuda = args.device == "cuda"

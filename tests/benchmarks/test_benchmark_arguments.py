@@ -32,6 +32,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("generation.py", ["--params", "inf"], "--params inf"),
     ("generation.py", ["--params", "-5"], "--params -5"),
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
+    ("evaluate.py", ["--dir", "missing"], "--dir missing is not a directory"),  # tracebacks, these three
+    ("evaluate.py", ["--run", "."], "--run . is not a trained run directory (no mlperf.log, config.yaml, checkpoints)"),
+    ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: /proc/version is not a writable"),
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
     ("grpo_step.py", ["--micro-batch-size", "7", "--no-trl"], "must divide the global batch"),  # a ConfigError one
     ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),
