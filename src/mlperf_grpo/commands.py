@@ -196,7 +196,8 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
 
     retain = environment.retain_checkpoints(request.retain_checkpoints)
     config = load_config(request.config)
-    check_worker_groups(config, request.torchrun_world or None)  # under torchrun: workers of T ranks
+    check_worker_groups(config, request.torchrun_world or None,  # under torchrun: workers of T ranks
+                        f"evaluate --checkpoints {request.checkpoints} ...")
     steps = build_source(request.checkpoints, request.format or "auto", config).published_steps()
     try:
         check_training_log(request.mllog, config.global_batch_size, max(steps, default=None))

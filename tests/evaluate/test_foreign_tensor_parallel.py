@@ -17,6 +17,7 @@ import torch
 import yaml
 
 import foreign_layouts
+from faults_eval_helpers import error_lines
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint.foreign_share import read_foreign_share
 from mlperf_grpo.checkpoint.reader import ReadBuffers
@@ -89,6 +90,17 @@ def test_a_nemo_rl_series_at_t2_under_torchrun_gives_the_one_process_t1_results(
         header = json.loads(result.read_text().splitlines()[0])
         assert header["refit_check"].startswith("fingerprint of the tensors read, combined over the 2 ranks' slices")
         assert header["engine"]["tensor_parallel_size"] == 2
+
+
+def test_a_t2_evaluation_of_a_series_without_torchrun_is_refused_naming_its_own_command(trained, tmp_path, capsys):
+    series, log = _series(trained, tmp_path, "dcp")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(_evaluate_args(series, log, trained / "t2.yaml")) == 2
+    assert error_lines(capsys.readouterr().err) == (
+        "mlperf-grpo: error: inference.tensor_parallel_size 2 splits each evaluation worker's hf engine over 2 ranks: "
+        f"run evaluate --checkpoints {series} ... under torchrun with a multiple of 2 ranks (e.g. torchrun "
+        "--nproc-per-node 2 ...), or set inference.tensor_parallel_size 1")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("weights", ["dcp", "sharded", "safetensors"])

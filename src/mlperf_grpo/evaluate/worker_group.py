@@ -41,11 +41,13 @@ def group_size(config: RunConfig) -> int:
     return config.inference.tensor_parallel_size if config.inference.engine == "hf" else 1
 
 
-def check_worker_groups(config: RunConfig, world_size: int | None) -> None:
+def check_worker_groups(config: RunConfig, world_size: int | None, command: str = "evaluate RUN_DIR") -> None:
     """Refuse a tensor-parallel ``hf`` evaluation that cannot form its groups, before
     anything is written: T > 1 needs torchrun (``world_size``: its WORLD_SIZE; None
     without torchrun) with a multiple of T ranks, and T must divide the model's heads
-    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel`).
+    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel`). ``command``: the
+    evaluation the refusal tells to run under torchrun (``evaluate --checkpoints DIR ...``
+    for a series outside a run directory).
 
     Raises:
         EvaluationError: not under torchrun.
@@ -60,7 +62,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None) -> None:
         return
     if not world_size:
         raise EvaluationError(
-            f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run evaluate RUN_DIR "
+            f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run {command} "
             f"under torchrun with a multiple of {t} ranks (e.g. torchrun --nproc-per-node {t} ...), or set "
             "inference.tensor_parallel_size 1")
     memory_plan.check_tensor_parallel(memory_plan.load_model_config(check_model_path(config.model.path)), world_size, t,
