@@ -126,7 +126,7 @@ def parts(model, decoder: SlotDecoder, rows: int, key_length: int, device: str) 
         return run
 
     def forward() -> torch.Tensor:
-        with decode._decode_attention(model):
+        with decode._attention(model, decode.SLOT_ATTENTION):
             return decoder._decode_logits(rows, key_length)
 
     def sample(fn: Callable, *args) -> Callable[[], object]:

@@ -49,6 +49,9 @@ one JSON line:
   ``0``, the full-vocabulary sort, is the other arm): its median
   ``generation_s``, ``over_serial`` (that over the serial run's, whose config has the
   default), ``logs_identical`` (against the serial run's log) and its ``by_checkpoint``;
+- with ``--prefill-graphs``, ``prefill_graphs``: the same for a copy whose config sets
+  ``inference.prefill_graphs: true`` (each bucket of admissions a captured CUDA graph;
+  the serial run's prefills are eager);
 - ``logs_identical`` (the two logs apart from ``time_ms``), ``setup_s`` (model build and
   training, not measured), and the ratios the goals are judged by (``refit_over_load``,
   ``non_generation_over_load``).
@@ -144,17 +147,17 @@ def timed_evaluation(run: Path, workers: int, timeout_s: float) -> tuple[float, 
     return start_unix_s, wall_s
 
 
-def with_candidates(trained: Path, dst: Path, k: int, timeout_s: float, serial: Path) -> dict:
-    """A serial evaluation of a copy of ``trained`` with ``inference.top_p_candidates: k``
-    in its config; its median ``generation_s`` against the ``serial`` run's."""
+def with_inference(trained: Path, dst: Path, settings: dict, timeout_s: float, serial: Path) -> dict:
+    """A serial evaluation of a copy of ``trained`` whose config's ``inference`` section
+    also sets ``settings``; its median ``generation_s`` against the ``serial`` run's."""
     run = copy_run(trained, dst)
     config = yaml.safe_load((run / "config.yaml").read_text())
-    config.setdefault("inference", {})["top_p_candidates"] = k
+    config.setdefault("inference", {}).update(settings)
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     timed_evaluation(run, 1, timeout_s)
     generation_s = statistics.median(t["generation_s"] for t in timings(run))
     serial_s = statistics.median(t["generation_s"] for t in timings(serial))
-    return {"k": k, "generation_s": generation_s, "over_serial": round(generation_s / serial_s, 4),
+    return {"generation_s": generation_s, "over_serial": round(generation_s / serial_s, 4),
             "logs_identical": normalized_log(run) == normalized_log(serial), "by_checkpoint": by_checkpoint(run)}
 
 
@@ -300,6 +303,8 @@ def main() -> None:
     parser.add_argument("--eval-timeout-s", type=float, default=300, help="give up on an evaluation process after this")
     parser.add_argument("--top-p-candidates", type=int,
                         help="also evaluate serially with inference.top_p_candidates K (0: the full-vocabulary sampler)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="also evaluate serially with inference.prefill_graphs: true (captured prefills)")
     args = parse_args_one_line(parser)
     at_least_one = {"--checkpoints": args.checkpoints, "--workers": args.workers, "--tasks": args.tasks,
                     "--batch-size": args.batch_size, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens}
@@ -343,8 +348,10 @@ def main() -> None:
         serial_worker = per_worker(serial, serial_start)[0]
         parallel_per_rank = per_worker(parallel, parallel_start)
         launch_unix_s = next(iter(startups(parallel).values()))["launch_unix_s"]
-        candidates = None if args.top_p_candidates is None else with_candidates(
-            trained, root / "candidates", args.top_p_candidates, args.eval_timeout_s, serial)
+        candidates = None if args.top_p_candidates is None else {"k": args.top_p_candidates, **with_inference(
+            trained, root / "candidates", {"top_p_candidates": args.top_p_candidates}, args.eval_timeout_s, serial)}
+        prefill_graphs = None if not args.prefill_graphs else with_inference(
+            trained, root / "prefill_graphs", {"prefill_graphs": True}, args.eval_timeout_s, serial)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = {
@@ -376,6 +383,7 @@ def main() -> None:
         "parallel_per_rank": parallel_per_rank,
         "setup_s": setup_s,
         **({"candidates": candidates} if candidates is not None else {}),
+        **({"prefill_graphs": prefill_graphs} if prefill_graphs is not None else {}),
     }
     out["refit_over_load"] = out["refit_s"] / load_s
     out["non_generation_over_load"] = out["non_generation_s"] / load_s

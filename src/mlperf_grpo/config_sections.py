@@ -281,6 +281,11 @@ class InferenceConfig(Strict):
     row's K largest logits instead of sorting the vocabulary, a block of decode steps run
     again exactly where a nucleus is wider (``inference/sampling.py``: the same tokens);
     0: the full-vocabulary sampler. Ignored on the CPU, with ``generate`` and by vLLM."""
+    prefill_graphs: bool = False
+    """``hf`` on CUDA: pad each admission of waiting prompts to a bucket (rows: a power of
+    two; width: a multiple of 16) and capture each bucket's prefill as a CUDA graph
+    (``inference/decode.py``: the same tokens). Off by default until measured on a GPU.
+    Ignored on the CPU, with ``generate`` and by vLLM."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Fraction of the GPU's memory vLLM may take (weights + KV cache); the rest is left
     to the policy when both share one GPU. Unused on CPU (see ``VLLM_CPU_KVCACHE_SPACE``)."""

@@ -8,11 +8,11 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers import DynamicCache, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
+from mlperf_grpo.inference.decode import SlotDecoder, _Call, supports_slot_decoding
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.sampling import (
     block_masses, sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates)
@@ -74,6 +74,49 @@ def test_steps_between_looks_keep_each_completion():
             assert tokens == want_tokens
             torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
         assert _makespan(lengths, 3) <= decoder.decode_steps <= _makespan(lengths, 3) + (every - 1) * len(prompts)
+
+
+def test_bucketed_prefills_keep_each_completion():
+    """prefill_graphs (run eagerly on the CPU): each admission padded to a power of two
+    of rows (the padding rows written to the cache's spare row) and a multiple of 16
+    columns gives the reference's completions; the rows' keys start at their pads."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _prompts(14, seed=3)
+    expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
+    for slots in (3, 8):
+        decoder = SlotDecoder(model, slots, pad_token_id=0, cuda_graphs=False, key_block=4, prefill_graphs=True)
+        out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
+            assert tokens == want_tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=1e-5, atol=1e-5)
+        # prompts of at most 9 tokens: one width of 16 columns; 16 + 12 tokens, in blocks of 4
+        assert decoder.cache.length == 28 and decoder.cache.keys[0].shape[0] == slots + 1
+    assert decoder.graph_captures == 0  # no CUDA graphs on the CPU
+
+
+def test_a_prefill_writes_the_prompts_keys_into_their_slots():
+    """The cache rows a prefill fills hold the keys and values a DynamicCache prefill of
+    the same prompt (alone, unpadded) gives, at columns [pad, width); other rows keep
+    theirs (zeros)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = [[5, 6, 7], [9, 3, 4, 11, 12]], [1, 2]
+    for bucketed in (False, True):
+        decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4, prefill_graphs=bucketed)
+        call = _Call(PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, (EOS,))
+        decoder._prefill([2, 0], prompts, seeds, call, 4, 32)
+        width = 16 if bucketed else 5
+        for slot, prompt in zip([2, 0], prompts):
+            alone = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(input_ids=torch.tensor([prompt]), use_cache=True, **{decoder._cache_arg: alone})
+            for layer, (keys, values) in enumerate((lay.keys, lay.values) for lay in alone.layers):
+                own = decoder.cache.keys[layer][slot, :, width - len(prompt):width], \
+                      decoder.cache.values[layer][slot, :, width - len(prompt):width]
+                # float32 attention over the same columns, other kernels' order: about 1e-6 apart
+                torch.testing.assert_close(own[0], keys[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(own[1], values[0], rtol=1e-5, atol=1e-5)
+        assert not decoder.cache.keys[0][[1, 3]].any()
+        assert decoder.state.column_cpu[:4] == [width, 0, width, 0] and decoder.state.count_cpu[:4] == [1, 0, 1, 0]
 
 
 def _nucleus_sizes(scores: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -351,3 +394,29 @@ def test_cuda_graph_replays_run_a_block_again_as_the_eager_steps():
                                             PARAMS.max_new_tokens, [EOS])
             assert decoder.rerun_steps > 0
     assert runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_prefills_give_the_eager_bucketed_prefills():
+    """prefill_graphs with CUDA graphs: each bucket's prefill is captured once (the first
+    call) and replayed (the second captures nothing), bit for bit the eager bucketed
+    prefill's completions, and the reference's tokens."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
+    prompts, seeds = _prompts(40, seed=11)
+    runs, captures = {}, {}
+    for graphs in (False, True):
+        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=True, key_block=8, check_every=4,
+                              fused_kernels=False, prefill_graphs=True)
+        decoder.cuda_graphs = True
+        if not graphs:  # the same buckets, prefills run eagerly
+            decoder._capture_prefill = lambda call, inputs: decoder._prefill_body(call, inputs)
+        for call in range(2):
+            runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
+                                            PARAMS.max_new_tokens, [EOS])
+            captures[graphs, call] = len(decoder._prefill_graphs)
+        assert decoder.prefill_graphs  # not turned off
+    assert runs[True] == runs[False]
+    assert captures[True, 0] > 0 and captures[True, 1] == captures[True, 0] and captures[False, 1] == 0
+    cpu_model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    for (tokens, _), prompt, seed in zip(runs[True], prompts, seeds):
+        assert tokens == reference_sample(cpu_model, prompt, seed, PARAMS)[0]

@@ -58,21 +58,23 @@ def test_factory_builds_the_hf_engine():
 
 @pytest.mark.parametrize("refit_only", [False, True])
 def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
-    """``inference.top_p_candidates`` reaches the slot decoder on CUDA; the CPU keeps the
-    full-vocabulary sampler whatever it says (its sort has no stable tie order)."""
+    """``inference.top_p_candidates`` and ``prefill_graphs`` reach the slot decoder on
+    CUDA; the CPU keeps the full-vocabulary sampler whatever it says (its sort has no
+    stable tie order), and has no graphs to capture."""
     made = {}
     real_init = HFEngine._init
 
-    def spy(self, model, tokenizer, batch_size, model_path, decode, top_p_candidates=0):
-        made["top_p_candidates"] = top_p_candidates
-        real_init(self, model, tokenizer, batch_size, model_path, "slots", top_p_candidates)
+    def spy(self, model, tokenizer, batch_size, model_path, decode, top_p_candidates=0, prefill_graphs=False):
+        made.update(top_p_candidates=top_p_candidates, prefill_graphs=prefill_graphs)
+        real_init(self, model, tokenizer, batch_size, model_path, "slots", top_p_candidates, prefill_graphs)
 
     monkeypatch.setattr(HFEngine, "_init", spy)
-    config = parse_config({"inference": {"top_p_candidates": 32}})
-    assert parse_config({}).inference.top_p_candidates == 64
+    config = parse_config({"inference": {"top_p_candidates": 32, "prefill_graphs": True}})
+    assert parse_config({}).inference.top_p_candidates == 64 and parse_config({}).inference.prefill_graphs is False
     engine = build_engine(config, batch_size=4, refit_only=refit_only)
-    assert made == {"top_p_candidates": 32}
+    assert made == {"top_p_candidates": 32, "prefill_graphs": True}
     assert engine.describe()["engine"].startswith("slot decoder") and engine.describe()["top_p_candidates"] == 0
+    assert engine._decoder.prefill_graphs and engine.describe()["prefill_graphs"] is False
     with pytest.raises(ConfigError, match=r"inference\.top_p_candidates"):
         parse_config({"inference": {"top_p_candidates": -1}})
 

@@ -186,7 +186,8 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
     build = HFEngine.for_refit if refit_only else HFEngine
     return build(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
                  tensor_parallel_size=config.inference.tensor_parallel_size,
-                 top_p_candidates=config.inference.top_p_candidates)
+                 top_p_candidates=config.inference.top_p_candidates,
+                 prefill_graphs=config.inference.prefill_graphs)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_config: object | None) -> list[int]:

@@ -5,7 +5,7 @@ each decode step captured as a CUDA graph.
 keys and values in a static ``[slots, kv_heads, length, head_dim]`` cache per layer
 (:class:`SlotCache`) and has its own write column, position and token count, so a slot
 whose row has finished (EOS or the token limit) takes the next waiting prompt at once
-(its prefill runs eagerly, the prompts admitted together left-padded to their longest).
+(its prefill: the prompts admitted together, left-padded to their longest).
 A decode step feeds every slot its last token at its own position and attends to the
 columns ``[start, column]`` of its own cache row: a completion depends on its prompt,
 its seed and the weights, not on its slot or its neighbours (up to float rounding of
@@ -23,7 +23,11 @@ runs; a row that ends between two looks keeps its count and its tokens. Attentio
 :func:`slot_attention` (two batched products over the cache view). With CUDA graphs
 the step runs with :mod:`~mlperf_grpo.inference.fused_decode`'s fused kernels
 (RMSNorm, rotary embedding, SiLU-times-up, the attention's masked softmax, the
-sampler's block masses). Prefill stays eager and computes the last position's logits only.
+sampler's block masses). A prefill (the prompts admitted together, left-padded to their
+longest) writes its keys and values straight into the slots' cache rows
+(:class:`~mlperf_grpo.inference.slot_state.PrefillWriter`) and computes the last
+position's logits only; it runs eagerly, or with ``prefill_graphs`` padded to a bucket
+of rows and width and, on CUDA, captured as a graph per bucket too.
 
 Sampling is :func:`~mlperf_grpo.inference.sampling.sample_tokens`, the same as
 ``RowSeededSampler``'s: row ``i``'s ``t``-th token is the inverse CDF of
@@ -47,8 +51,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -56,7 +62,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates
-from mlperf_grpo.inference.slot_state import SlotCache, SlotState
+from mlperf_grpo.inference.slot_state import PrefillWriter, SlotCache, SlotState
 
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
@@ -117,10 +123,11 @@ AttentionInterface.register(SLOT_ATTENTION, slot_attention)
 
 
 @contextlib.contextmanager
-def _decode_attention(model: PreTrainedModel):
-    """The model runs :func:`slot_attention` inside."""
+def _attention(model: PreTrainedModel, implementation: str):
+    """The model runs the attention ``implementation`` (a name of ``transformers``'
+    ``AttentionInterface``) inside."""
     before = model.config._attn_implementation
-    model.config._attn_implementation = SLOT_ATTENTION
+    model.config._attn_implementation = implementation
     try:
         yield
     finally:
@@ -173,6 +180,13 @@ class SlotDecoder:
             :func:`sample_tokens`.
         fused_kernels: run the decode step with :mod:`~mlperf_grpo.inference.fused_decode`'s
             fused elementwise kernels (``torch.compile``; default: with ``cuda_graphs``).
+        prefill_graphs: pad each admission to a bucket (rows: a power of two, the padding
+            rows writing to the cache's spare row; width: a multiple of
+            :data:`PREFILL_WIDTH_BLOCK`) and, with ``cuda_graphs``, capture each bucket's
+            prefill as a CUDA graph (one launch instead of an eager forward's thousands;
+            a capture that fails, or whose replay differs from the eager run it follows,
+            turns them off with one warning line). On the CPU the bucketed prefill runs
+            eagerly. Default off.
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -182,7 +196,7 @@ class SlotDecoder:
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int, cuda_graphs: bool,
                  key_block: int = 64, check_every: int | None = None, top_p_candidates: int = 0,
-                 fused_kernels: bool | None = None) -> None:
+                 fused_kernels: bool | None = None, prefill_graphs: bool = False) -> None:
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         self.model = model
@@ -198,6 +212,9 @@ class SlotDecoder:
         self.cache: SlotCache | None = None
         self.state: SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs = prefill_graphs
+        self._prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, _PrefillInputs]] = {}
+        self._kv_layout: tuple[list[tuple[int, int]], torch.dtype] | None = None  # per layer (kv_heads, head_dim); dtype
         self._eos: dict[tuple[int, ...], torch.Tensor] = {}  # device copies a graph reads
         self._pool = None
         forward_args = inspect.signature(model.forward).parameters
@@ -206,7 +223,7 @@ class SlotDecoder:
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
         self.rerun_steps = 0  # of the last call: steps run again with sample_tokens (a nucleus beyond the candidates)
-        self.graph_captures = 0  # of the last call: decode steps captured as new CUDA graphs
+        self.graph_captures = 0  # of the last call: decode steps and prefills captured as new CUDA graphs
         self.prefills = 0  # of the last call: admissions (each one eager forward over the prompts admitted together)
         self.prefill_ms = 0.0  # of the last call: their time on the device (CUDA events; the CPU: wall time)
         self._prefill_times: list = []  # this call's (start, end) events, or wall seconds on the CPU
@@ -242,7 +259,7 @@ class SlotDecoder:
             return []
         call = _Call(temperature, top_p, max_new_tokens, tuple(sorted(set(eos_token_ids))) or (-1,))
         slots = min(self.slots, len(prompts))
-        length = _round_up(max(len(p) for p in prompts) + max_new_tokens, self.key_block)
+        length = _round_up(self._prefill_width(max(len(p) for p in prompts)) + max_new_tokens, self.key_block)
         waiting = deque(range(len(prompts)))
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
@@ -313,35 +330,108 @@ class SlotDecoder:
 
     def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: _Call, slots: int,
                      length: int) -> None:
-        """Run the prompts (left-padded to their longest) eagerly, copy their keys and
-        values into the ``free`` slots' cache rows, and sample each one's first token."""
-        device = self.model.device
-        width = max(len(p) for p in prompts)
+        """Start the ``free`` slots' rows: their prompts left-padded to their longest (or,
+        with ``prefill_graphs``, to a bucket of rows and width), their keys and values
+        written into their cache rows, and each one's first token sampled
+        (:meth:`_prefill_body`)."""
+        shapes, dtype = self._layout()
+        self._ensure(shapes, slots, length, call.max_new_tokens, dtype)
+        n, width = len(prompts), self._prefill_width(max(len(p) for p in prompts))
+        rows = _bucket(n, slots) if self.prefill_graphs else n
         pads = [width - len(p) for p in prompts]
-        input_ids = torch.tensor([[self.pad_token_id] * pad + p for pad, p in zip(pads, prompts)], device=device)
-        attention_mask = torch.tensor([[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], device=device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # [n, W], as generate numbers a left-padded row
-        prefill_cache = DynamicCache(config=self.model.config)
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, **{self._cache_arg: prefill_cache}, **self._last_logits
-                                ).logits[:, -1]  # [n, V]
-        layers = [(layer.keys, layer.values) for layer in prefill_cache.layers]
-        self._ensure([(k.shape[1], k.shape[3]) for k, _ in layers], slots, length, call.max_new_tokens,
-                     layers[0][0].dtype)
-        index = torch.tensor(free, device=device)
-        for (keys, values), own_keys, own_values in zip(layers, self.cache.keys, self.cache.values):
-            own_keys[index, :, :width] = keys
-            own_values[index, :, :width] = values
-        del prefill_cache, layers
-        self.state.start(index, seeds, pads, [len(p) for p in prompts], width, self.cache, call.max_new_tokens)
-        uniforms = self.state.uniforms[index, :1]
-        if self._uses_candidates(call, exact=False):
-            chosen, logprob, exact = sample_tokens_from_candidates(logits, uniforms, call.temperature, call.top_p,
-                                                                   self._candidates)
-        if not self._uses_candidates(call, exact=False) or not bool(exact.all()):
-            chosen, logprob = sample_tokens(logits, uniforms, call.temperature, call.top_p)
-        self.state.record_first(index, chosen[:, 0], logprob[:, 0], self._eos_tensor(call), call.max_new_tokens)
+        self.state.start(free[:n], seeds, pads, [len(p) for p in prompts], width, self.cache, call.max_new_tokens)
+        # padding rows: one pad token each (a row that attends to something), written to the spare row
+        ids = [[self.pad_token_id] * pad + p for pad, p in zip(pads, prompts)] + [[self.pad_token_id] * width] * (rows - n)
+        pads += [width - 1] * (rows - n)
+        positions = [[0] * pad + list(range(width - pad)) for pad in pads]  # as generate numbers a left-padded row
+        host = [ids, positions, pads, free[:n] + [self.cache.spare_row] * (rows - n)]
+        if not (self.prefill_graphs and self.cuda_graphs):
+            self._prefill_body(call, _PrefillInputs(*(torch.tensor(h, device=self.model.device) for h in host)))
+            return
+        key = (rows, width, call)
+        if key not in self._prefill_graphs:
+            inputs = _PrefillInputs(*(torch.tensor(h, device=self.model.device) for h in host))
+            graph = self._capture_prefill(call, inputs)
+            if graph is None:  # turned off (warned); the eager run filled the rows
+                return
+            self._prefill_graphs[key] = (graph, inputs)
+            self.graph_captures += 1
+            return
+        graph, inputs = self._prefill_graphs[key]
+        for buffer, values in zip(inputs, host):
+            buffer.copy_(torch.tensor(values), non_blocking=False)
+        graph.replay()
+
+    def _prefill_width(self, width: int) -> int:
+        """The columns a prefill of prompts of at most ``width`` tokens fills."""
+        return _round_up(width, PREFILL_WIDTH_BLOCK) if self.prefill_graphs else width
+
+    def _layout(self) -> tuple[list[tuple[int, int]], torch.dtype]:
+        """Per layer ``(kv_heads, head_dim)`` of the model's cache, and its dtype (read
+        once from a one-token forward into a ``DynamicCache``)."""
+        if self._kv_layout is None:
+            probe = DynamicCache(config=self.model.config)
+            self.model(input_ids=torch.tensor([[self.pad_token_id]], device=self.model.device), use_cache=True,
+                       **{self._cache_arg: probe}, **self._last_logits)
+            self._kv_layout = ([(layer.keys.shape[1], layer.keys.shape[3]) for layer in probe.layers],
+                               probe.layers[0].keys.dtype)
+        return self._kv_layout
+
+    def _prefill_body(self, call: _Call, inputs: _PrefillInputs) -> None:
+        """Forward ``inputs``' ``[R, W]`` prompts through :class:`PrefillWriter` into
+        their cache rows and record each row's first token; device tensors only (no
+        host sync), so it can be captured.
+
+        Row ``r`` attends, at position ``q``, to its columns ``[pad_r, q]``; a padding
+        position (``q < pad_r``) to itself only, so every key and value stays finite
+        (the rows' own positions never see them). The first token is
+        :func:`sample_tokens`' (exact, no host sync), with the row's first uniform."""
+        ids, positions, pads, rows = inputs
+        width = ids.shape[1]
+        arange = self.state.arange[:width]
+        causal = arange[None, :] <= arange[:, None]  # [W(q), W(k)]
+        visible = (causal[None] & (arange[None, None, :] >= pads[:, None, None])) | torch.eye(
+            width, dtype=torch.bool, device=ids.device)[None]  # [R, W, W]
+        with _attention(self.model, "sdpa"), sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            logits = self.model(input_ids=ids, attention_mask=visible[:, None], position_ids=positions, use_cache=True,
+                                **{self._cache_arg: PrefillWriter(self.cache, rows)}, **self._last_logits
+                                ).logits[:, -1]  # [R, V]
+        chosen, logprob = sample_tokens(logits, self.state.uniforms[rows, :1], call.temperature, call.top_p)
+        self.state.record_first(rows, chosen[:, 0], logprob[:, 0], self._eos_tensor(call), call.max_new_tokens)
+
+    def _capture_prefill(self, call: _Call, inputs: _PrefillInputs) -> torch.cuda.CUDAGraph | None:
+        """Run :meth:`_prefill_body` eagerly (twice: kernels pick their algorithms and
+        allocate outside the capture), capture it and replay it; the replay must give the
+        eager run's first tokens, log-probabilities and last layer's keys bit for bit (the
+        same kernels), else (or when the capture fails) prefill graphs are turned off with
+        one warning and None is returned. The body is idempotent (it only assigns), so the
+        rows end as one prefill leaves them."""
+        rows = inputs.rows
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._prefill_body(call, inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        eager = [self.state.tokens[rows, 0], self.state.logprobs[rows, 0], self.cache.keys[-1][rows]]
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._prefill_body(call, inputs)
+            graph.replay()
+            real = inputs.rows != self.cache.spare_row  # the spare row's writes race among its repeats
+            replayed = [self.state.tokens[rows, 0], self.state.logprobs[rows, 0], self.cache.keys[-1][rows]]
+            if all(torch.equal(a[real], b[real]) for a, b in zip(eager, replayed)):
+                return graph
+            problem = "its replay differs from the eager prefill"
+        except RuntimeError as err:
+            problem = f"the capture failed ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        warnings.warn(f"prefill graphs turned off: {problem}; prefills run eagerly", stacklevel=2)
+        self.prefill_graphs = False
+        self._prefill_body(call, inputs)  # the rows as the eager prefill leaves them
+        return None
 
     def _ensure(self, shapes: list[tuple[int, int]], slots: int, length: int, max_new_tokens: int,
                 dtype: torch.dtype) -> None:
@@ -351,6 +441,7 @@ class SlotDecoder:
                 and self.state.fits(slots, max_new_tokens, length)):
             return
         self._graphs.clear()
+        self._prefill_graphs.clear()
         self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
         self.cache = self.state = None
         if self.model.device.type == "cuda":
@@ -438,7 +529,7 @@ class SlotDecoder:
     def _step_body(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
         """Forward the first ``rows`` slots' last tokens, sample, record, advance; device
         tensors only (no host sync), so it can be captured."""
-        with _decode_attention(self.model), fused_decode.fused() if self.fused_kernels else contextlib.nullcontext():
+        with _attention(self.model, SLOT_ATTENTION), fused_decode.fused() if self.fused_kernels else contextlib.nullcontext():
             self._step_ops(call, rows, key_length, exact)
 
     def _step_ops(self, call: _Call, rows: int, key_length: int, exact: bool) -> None:
@@ -467,6 +558,20 @@ class SlotDecoder:
         counts.add_((~done).long())
         done |= (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)
 
+
+class _PrefillInputs(NamedTuple):
+    """A prefill's device inputs (a captured one's static buffers): ``ids`` and
+    ``positions`` ``[R, W]`` int64, ``pads`` ``[R]`` (each row's first prompt column)
+    and ``rows`` ``[R]`` (its cache row)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    pads: torch.Tensor
+    rows: torch.Tensor
+
+
+PREFILL_WIDTH_BLOCK = 16
+"""With ``prefill_graphs``, prefill widths are multiples of this many columns."""
 
 MAX_CANDIDATES = 4096
 """The most logits per row :class:`SlotDecoder`'s doubling takes before it sorts the vocabulary."""

@@ -81,6 +81,9 @@ class HFEngine:
             row's K largest logits, running a block of steps again exactly where a
             nucleus is wider (``SlotDecoder``'s option of that name); 0 (the default), or
             on the CPU (whose sort has no stable tie order), the full-vocabulary sampler.
+        prefill_graphs: the slot decoder pads each admission to a bucket and, on CUDA,
+            captures each bucket's prefill as a CUDA graph (``SlotDecoder``'s option of
+            that name; default off).
     Raises:
         ModelLoadError: the model cannot be loaded.
         ValueError: T > 1 without a process group whose world size T divides (a
@@ -90,25 +93,27 @@ class HFEngine:
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
     for ids and log-probabilities, and full-vocabulary logits of one step at a time.
-    With slot decoding the static KV cache (``2 x layers x batch_size x kv_heads x
+    With slot decoding the static KV cache (``2 x layers x (batch_size + 1) x kv_heads x
     columns x head_dim`` elements, columns = longest prompt + ``max_new_tokens`` rounded
-    up to 256) and the captured graphs stay allocated between calls until :meth:`close`.
+    up to 64, plus one) and the captured graphs stay allocated between calls until :meth:`close`.
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                 decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0) -> None:
+                 decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0,
+                 prefill_graphs: bool = False) -> None:
         if tensor_parallel_size == 1:
             self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode,
-                       top_p_candidates)
+                       top_p_candidates, prefill_graphs)
             return
         mesh = tensor_parallel_mesh(tensor_parallel_size, device)
         self._init(build_tensor_parallel_model(model_path, dtype, device, mesh), load_tokenizer(model_path),
-                   batch_size, model_path, decode, top_p_candidates)
+                   batch_size, model_path, decode, top_p_candidates, prefill_graphs)
         self.load_checkpoint(check_model_path(model_path))
 
     @classmethod
     def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                  decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0) -> HFEngine:
+                  decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0,
+                  prefill_graphs: bool = False) -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
         nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`, or at T > 1
@@ -121,7 +126,7 @@ class HFEngine:
             model = build_model_for_refit(model_path, dtype, device)
         else:
             model = build_tensor_parallel_model(model_path, dtype, device, tensor_parallel_mesh(tensor_parallel_size, device))
-        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, top_p_candidates)
+        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, top_p_candidates, prefill_graphs)
         return engine
 
     @classmethod
@@ -145,7 +150,7 @@ class HFEngine:
 
     def _init(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str,
-        decode: str, top_p_candidates: int = 0,
+        decode: str, top_p_candidates: int = 0, prefill_graphs: bool = False,
     ) -> None:
         self.model = model
         mesh = mesh_of(model)
@@ -163,9 +168,9 @@ class HFEngine:
         pad = _single_id(source.pad_token_id)
         self.pad_token_id: int = pad if pad is not None else (
             self.eos_token_ids[0] if tokenizer is not None and self.eos_token_ids else 0)
-        self._decoder = self._slot_decoder(decode, top_p_candidates)
+        self._decoder = self._slot_decoder(decode, top_p_candidates, prefill_graphs)
 
-    def _slot_decoder(self, decode: str, top_p_candidates: int) -> SlotDecoder | None:
+    def _slot_decoder(self, decode: str, top_p_candidates: int, prefill_graphs: bool = False) -> SlotDecoder | None:
         """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``.
 
         Raises:
@@ -181,7 +186,7 @@ class HFEngine:
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
             return None
         return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda,
-                           top_p_candidates=top_p_candidates if on_cuda else 0)
+                           top_p_candidates=top_p_candidates if on_cuda else 0, prefill_graphs=prefill_graphs)
 
     def load_weights(self, weights: Weights) -> None:
         """Refit in place: each given tensor is copied into the engine's own (any source
@@ -288,6 +293,7 @@ class HFEngine:
             "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
             "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
             "top_p_candidates": 0 if self._decoder is None else self._decoder.top_p_candidates,
+            "prefill_graphs": self._decoder is not None and self._decoder.prefill_graphs and self._decoder.cuda_graphs,
             "fused_kernels": [] if self._decoder is None else self._decoder.fused_kernels,
             "model": self.model_path,
             "dtype": str(self.model.dtype).removeprefix("torch."),
@@ -302,8 +308,9 @@ class HFEngine:
     def generation_stats(self) -> dict[str, int | float]:
         """The slot decoder's counts of the last call (``decode_steps``: forward passes
         after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
-        top-p candidates; ``graph_captures``: decode steps captured as new CUDA graphs;
-        ``prefills``: admissions of waiting prompts, each an eager forward; ``prefill_ms``:
+        top-p candidates; ``graph_captures``: decode steps and prefills captured as new
+        CUDA graphs; ``prefills``: admissions of waiting prompts, each a forward (eager, or
+        a graph's replay with ``prefill_graphs``); ``prefill_ms``:
         their device time, ms); ``{}`` with ``generate``."""
         d = self._decoder
         return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,

@@ -15,18 +15,20 @@ class SlotCache:
     (attention reads the columns its mask covers: :func:`~mlperf_grpo.inference.decode.slot_attention`).
     Handed to the model as its cache: attention layers call :meth:`update`.
 
-    Memory: ``2 x layers x slots x kv_heads x (length + 1) x head_dim`` elements of the
-    model's dtype, allocated once: one column more than any key length (the column the
-    steps after a row ended at its limit write to).
+    Memory: ``2 x layers x (slots + 1) x kv_heads x (length + 1) x head_dim`` elements
+    of the model's dtype, allocated once: one column more than any key length (the column
+    the steps after a row ended at its limit write to) and one spare row (row ``slots``,
+    :attr:`spare_row`: a bucketed prefill's padding rows write there).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         """``shapes``: per layer ``(kv_heads, head_dim)``."""
-        self.keys = [torch.zeros(slots, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros(slots, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.keys = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.values = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
         self.slots, self.length = slots, length
-        self.write_columns = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
+        self.spare_row = slots
+        self.write_columns = torch.zeros(slots + 1, dtype=torch.long, device=device)  # [slots + 1]
 
     def fits(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype) -> bool:
         """Whether this cache can serve a call of ``slots`` rows and ``length`` columns."""
@@ -51,55 +53,77 @@ class SlotCache:
             tensor[:n] = tensor[:n].index_select(0, order)
 
 
+class PrefillWriter:
+    """The cache a prefill hands the model: each attention layer's ``[R, kv_heads, W,
+    head_dim]`` keys and values of the prompts admitted together are written to the
+    cache rows ``rows`` (``[R]`` int64 on the cache's device; repeats of
+    :attr:`SlotCache.spare_row` for padding rows), columns ``[0, W)``, and attention reads
+    them as given (a prompt attends to itself only). Device ops only: a prefill through
+    it can be captured as a CUDA graph."""
+
+    def __init__(self, cache: SlotCache, rows: torch.Tensor) -> None:
+        self.cache, self.rows = cache, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        width = key_states.shape[2]
+        self.cache.keys[layer_idx][self.rows, :, :width] = key_states
+        self.cache.values[layer_idx][self.rows, :, :width] = value_states
+        return key_states, value_states
+
+
 class SlotState:
-    """Per-slot device tensors (``[slots]`` or ``[slots, max_new_tokens]``) and their
-    host mirrors for bookkeeping; ``inexact`` (``[1]`` bool) is set by a decode step in
+    """Per-slot device tensors (``[slots + 1]`` or ``[slots + 1, max_new_tokens]``: row
+    ``slots`` is the spare row of :class:`SlotCache`) and their host mirrors for
+    bookkeeping; ``inexact`` (``[1]`` bool) is set by a decode step in
     which some row's top-p nucleus was not among its sampling candidates
     (:func:`~mlperf_grpo.inference.sampling.sample_tokens_from_candidates`)."""
 
     def __init__(self, slots: int, max_new_tokens: int, length: int, device: torch.device) -> None:
         self.slots, self.max_new_tokens, self.length = slots, max_new_tokens, length
         self.device = device
+        rows = slots + 1  # the spare row too
         self.arange = torch.arange(length + 1, device=device)  # [length + 1], as the cache's columns
-        self.starts = torch.zeros(slots, dtype=torch.long, device=device)  # first visible column
-        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # position id of the next input
-        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # the last sampled token
-        self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # tokens sampled so far
-        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=device)  # first visible column
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # position id of the next input
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)  # the last sampled token
+        self.counts = torch.zeros(rows, dtype=torch.long, device=device)  # tokens sampled so far
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.inexact = torch.zeros(1, dtype=torch.bool, device=device)
-        self.uniforms = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
+        self.uniforms = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
         # one spare column: the steps after a row ended at its limit write there
-        self.tokens = torch.zeros(slots, max_new_tokens + 1, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(slots, max_new_tokens + 1, dtype=torch.float32, device=device)
-        self.count_cpu = [0] * slots
-        self.column_cpu = [0] * slots
+        self.tokens = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, max_new_tokens + 1, dtype=torch.float32, device=device)
+        self.count_cpu = [0] * rows
+        self.column_cpu = [0] * rows
 
     def fits(self, slots: int, max_new_tokens: int, length: int) -> bool:
         """Whether this state can serve a call of this many slots, tokens and columns."""
         return self.slots >= slots and self.max_new_tokens >= max_new_tokens and self.length >= length
 
-    def start(self, index: torch.Tensor, seeds: list[int], pads: list[int], lengths: list[int], width: int,
+    def start(self, slots: list[int], seeds: list[int], pads: list[int], lengths: list[int], width: int,
               cache: SlotCache, max_new_tokens: int) -> None:
-        """Slots ``index`` begin rows whose prompts fill columns ``[pad, width)``; each
-        row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream)."""
+        """Slots ``slots`` begin rows whose prompts fill columns ``[pad, width)``; each
+        row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream);
+        the host mirrors count the prefill's token (:meth:`record_first` records it)."""
+        index = torch.tensor(slots, device=self.device)
         draws = [[rng.random() for _ in range(max_new_tokens)] for rng in map(random.Random, seeds)]
         self.uniforms[index, :max_new_tokens] = torch.tensor(draws, dtype=torch.float32).to(self.device)
         self.starts[index] = torch.tensor(pads, device=self.device)
         self.positions[index] = torch.tensor(lengths, device=self.device)
         cache.write_columns[index] = width
-        for slot in index.tolist():
+        for slot in slots:
             self.column_cpu[slot] = width
+            self.count_cpu[slot] = 1
 
     def record_first(self, index: torch.Tensor, chosen: torch.Tensor, logprob: torch.Tensor, eos: torch.Tensor,
                      max_new_tokens: int) -> None:
-        """The prefill's sampled token (``[n]``) is each new row's token 0."""
+        """The prefill's sampled token (``[n]``) is each new row's token 0 (device ops
+        only: ``index`` may repeat the spare row)."""
         self.tokens[index, 0] = chosen
         self.logprobs[index, 0] = logprob
         self.last[index] = chosen
         self.counts[index] = 1
         self.done[index] = (chosen[:, None] == eos[None, :]).any(-1) | (max_new_tokens <= 1)
-        for slot in index.tolist():
-            self.count_cpu[slot] = 1
 
     def advance_cpu(self, rows: int) -> None:
         """Host mirrors after a decode step of the first ``rows`` slots (a row that has

@@ -28,6 +28,7 @@ def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
     """
     engine = HFEngine.for_refit(config.model.path, config.model.dtype, device=config.model.device,
                                 tensor_parallel_size=config.inference.tensor_parallel_size,
-                                top_p_candidates=config.inference.top_p_candidates)
+                                top_p_candidates=config.inference.top_p_candidates,
+                                prefill_graphs=config.inference.prefill_graphs)
     engine.load_weights(policy_weights(policy))
     return engine
