@@ -407,7 +407,6 @@ def test_captured_prefills_give_the_eager_bucketed_prefills():
     for graphs in (False, True):
         decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=True, key_block=8, check_every=4,
                               fused_kernels=False, prefill_graphs=True)
-        decoder.cuda_graphs = True
         if not graphs:  # the same buckets, prefills run eagerly
             decoder._capture_prefill = lambda call, inputs: decoder._prefill_body(call, inputs)
         for call in range(2):
