@@ -183,6 +183,20 @@ def test_candidates_that_are_the_whole_vocabulary_are_always_exact():
     assert not bool(sample_tokens_from_candidates(peaked, u, 1.0, 0.5, vocab - 1)[2].any())  # ties at the k-th value
 
 
+def test_a_uniform_rounded_to_one_takes_the_last_id_of_positive_probability():
+    """float32(random()) is 1.0 for draws above 1 - 2**-25: each sampler then takes the
+    last id that can be sampled (here 5, after it only ids of zero probability), never
+    one past it. At top-p 0.5 the nucleus is {1, 5} (p about 0.49 each): 5 again."""
+    scores = torch.full((1, 300), -torch.inf)
+    scores[0, 1], scores[0, 5], scores[0, 2] = 2.0, 2.0, -2.0
+    one = torch.ones(1, 1)
+    assert int(sample_tokens(scores, one, 1.0, 1.0)[0]) == 5
+    assert int(sample_tokens_by_blocks(scores, one, 1.0, block=128)[0]) == 5
+    assert int(sample_tokens(scores, one, 1.0, 0.5)[0]) == 5
+    chosen, _, exact = sample_tokens_from_candidates(scores, one, 1.0, 0.5, 8)
+    assert bool(exact.all()) and int(chosen) == 5
+
+
 @pytest.mark.parametrize("vocab, block", [(4096, 128), (1000, 128), (300, 512)])
 def test_sampling_by_blocks_is_the_inverse_cdf(vocab, block):
     """sample_tokens_by_blocks' token is the inverse CDF of softmax(scores / T) in id

@@ -27,7 +27,8 @@ def sample_tokens(
 
     Args:
         scores: ``[B, V]`` logits of the next token (any float dtype; computed in float32).
-        uniforms: ``[B, 1]`` float32 in [0, 1), one per row.
+        uniforms: ``[B, 1]`` float32 in [0, 1], one per row (Python's ``random()`` in
+            float32 can round to 1.0: the last id of positive probability).
         temperature, top_p: as in :class:`~mlperf_grpo.inference.base.SamplingParams`
             (top-p as ``transformers``' ``TopPLogitsWarper``; off at 1.0).
     Returns:
@@ -105,7 +106,7 @@ def sample_tokens_from_candidates(
 
     Args:
         scores: ``[B, V]`` logits (any float dtype; computed in float32).
-        uniforms: ``[B, 1]`` float32 in [0, 1).
+        uniforms: ``[B, 1]`` float32 in [0, 1] (1.0: the last id of positive probability).
         temperature: > 0; top_p: in (0, 1).
         candidates: k, the logits per row considered (clamped to V).
         masses: :func:`block_masses` (the default) or a function of the same arithmetic.
@@ -159,7 +160,7 @@ def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temper
 
     Args:
         scores: ``[B, V]`` logits (any float dtype; computed in float32).
-        uniforms: ``[B, 1]`` float32 in [0, 1).
+        uniforms: ``[B, 1]`` float32 in [0, 1] (1.0: the last id of positive probability).
         temperature: > 0.
         masses: :func:`block_masses` or a function of the same arithmetic (a fused twin).
         block: ids per block.
