@@ -263,12 +263,16 @@ def load_limit_s(run: Path, device: str) -> float:
 
 def path_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--dir``, ``--run`` or ``--keep`` (one sentence naming the
-    fix), or None: the run is made in ``--dir``, ``--run``'s checkpoints are hard-linked
-    there (one filesystem), and ``--keep`` is made if missing."""
+    fix), or None: the run is made in ``--dir`` (a folder made and removed there proves
+    it writable, also for root, whom ``os.access`` never refuses), ``--run``'s
+    checkpoints are hard-linked there (one filesystem), and ``--keep`` is made now (its
+    files are copied after the evaluations)."""
     if not args.dir.is_dir():
         return f"--dir {args.dir} is not a directory; create it or give another"
-    if not os.access(args.dir, os.W_OK | os.X_OK):
-        return f"--dir {args.dir} is not writable; give a directory this user can write in"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".evaluate-bench-probe-", dir=args.dir))
+    except OSError as err:
+        return f"--dir {args.dir}: cannot make a folder there ({err.strerror or err}); give a writable directory"
     if args.run is not None:
         missing = [name for name in ("mlperf.log", "config.yaml", "checkpoints") if not (args.run / name).exists()]
         if missing:
@@ -278,9 +282,11 @@ def path_problem(args: argparse.Namespace) -> str | None:
             return (f"--run {args.run} and --dir {args.dir} are on different filesystems (the checkpoints are "
                     "hard-linked); give a --dir on the run's filesystem")
     if args.keep is not None:
-        existing = next(p for p in (args.keep, *args.keep.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            return f"--keep {args.keep}: {existing} is not a writable directory; give a path this user can write to"
+        try:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".evaluate-bench-probe-", dir=args.keep))
+        except OSError as err:
+            return f"--keep {args.keep}: cannot write there ({err.strerror or err}); give a path this user can write to"
     return None
 
 

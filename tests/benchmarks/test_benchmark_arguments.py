@@ -34,7 +34,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
     ("evaluate.py", ["--dir", "missing"], "--dir missing is not a directory"),  # tracebacks, these three
     ("evaluate.py", ["--run", "."], "--run . is not a trained run directory (no mlperf.log, config.yaml, checkpoints)"),
-    ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: /proc/version is not a writable"),
+    ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: cannot write there"),
+    ("evaluate.py", ["--dir", "/proc"], "--dir /proc: cannot make a folder there"),  # os.access says yes to root
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
     ("grpo_step.py", ["--micro-batch-size", "7", "--no-trl"], "must divide the global batch"),  # a ConfigError one
     ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),

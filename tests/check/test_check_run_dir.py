@@ -58,6 +58,33 @@ def test_results_of_an_evaluation_of_the_checkpoints_folder_are_found_there():
     assert "0.72 of step 23 is not 0.6972111553784861" in f.problem and "checkpoints/eval/step_23.jsonl" in f.problem
 
 
+def test_results_split_between_both_folders_are_all_checked():
+    # an evaluation of RUN stopped after some steps, resumed with --checkpoints RUN/checkpoints:
+    # the steps it committed first stay in RUN/eval/, the others go to RUN/checkpoints/eval/
+    run = real_run()
+    moved = run / "checkpoints" / "eval"
+    moved.mkdir(parents=True)
+    shutil.copy(run / "eval" / "step_23.jsonl", run / "eval" / "step_99.jsonl")  # a step RUN/eval/ keeps
+    (run / "eval" / "step_23.jsonl").rename(moved / "step_23.jsonl")
+    assert check_log(run / "mlperf.log").clean
+    events = events_of(run / "mlperf.log")
+    events[find(events, "eval_accuracy", 23)]["value"] = 0.72
+    [f] = [f for f in rewritten(run, events).findings if f.rule == "eval-results"]
+    assert "0.72 of step 23 is not 0.6972111553784861" in f.problem and "checkpoints/eval/step_23.jsonl" in f.problem
+
+
+def test_a_step_with_other_results_in_the_other_folder_is_a_finding():
+    run = real_run()
+    (run / "checkpoints" / "eval").mkdir(parents=True)
+    lines = (run / "eval" / "step_23.jsonl").read_text().splitlines()
+    task = json.loads(lines[1])
+    lines[1] = json.dumps({**task, "rewards": [0.0] * len(task["rewards"]) if any(task["rewards"]) else [1.0]})
+    (run / "checkpoints" / "eval" / "step_23.jsonl").write_text("\n".join(lines) + "\n")
+    report = check_log(run / "mlperf.log")
+    [f] = [f for f in report.findings if f.rule == "eval-results"]
+    assert "cannot be recomputed" in f.problem and "holds other results for the same step" in f.problem
+
+
 def test_an_edited_accuracy_is_a_finding():
     run = real_run()
     events = events_of(run / "mlperf.log")

@@ -5,7 +5,7 @@ validation task with its ``rewards``) gives each checkpoint's accuracy again:
 pass@k over the stored rewards (:func:`mlperf_grpo.rules.pass_at_k`), which is how the
 evaluator computed the value it logged. ``check`` compares the log with it. An
 evaluation of ``--checkpoints <run>/checkpoints`` (the series outside its run directory)
-writes them to ``<run>/checkpoints/eval/`` instead (:func:`results_dir`).
+writes them to ``<run>/checkpoints/eval/`` instead (:func:`results_dirs`: both are read).
 """
 
 from __future__ import annotations
@@ -62,28 +62,35 @@ def read_result(path: Path) -> StoredResult:
     return StoredResult(path, len(rewards), rules.pass_at_k(rewards))
 
 
-def results_dir(run_dir: Path | None) -> Path | None:
-    """Where a run directory's evaluation results are: ``<run_dir>/eval/`` when it holds a
-    ``step_N.jsonl``, else ``<run_dir>/checkpoints/eval/`` when that does (the results of
-    ``evaluate --checkpoints <run_dir>/checkpoints``), else ``<run_dir>/eval/`` when it is
-    a folder; None without a run directory or any of these."""
+def results_dirs(run_dir: Path | None) -> list[Path]:
+    """The folders of a run directory that hold evaluation results: ``<run_dir>/eval/``
+    and ``<run_dir>/checkpoints/eval/`` (where ``evaluate --checkpoints
+    <run_dir>/checkpoints`` writes, also when it resumes an evaluation of the run), those
+    that exist; empty without a run directory."""
     if run_dir is None:
-        return None
-    candidates = [Path(run_dir) / "eval", Path(run_dir) / "checkpoints" / "eval"]
-    for folder in candidates:
-        if any(_RESULTS.fullmatch(p.name) for p in folder.glob("step_*.jsonl")):
-            return folder
-    return candidates[0] if candidates[0].is_dir() else None
+        return []
+    return [folder for folder in (Path(run_dir) / "eval", Path(run_dir) / "checkpoints" / "eval") if folder.is_dir()]
+
+
+def result_files(run_dir: Path | None) -> dict[int, list[Path]]:
+    """step -> its ``step_N.jsonl`` files in :func:`results_dirs` (one, or one per folder)."""
+    found: dict[int, list[Path]] = {}
+    for folder in results_dirs(run_dir):
+        for path in sorted(folder.glob("step_*.jsonl")):
+            if (m := _RESULTS.fullmatch(path.name)) is not None:
+                found.setdefault(int(m.group(1)), []).append(path)
+    return found
 
 
 def stored_results(run_dir: Path | None) -> dict[int, StoredResult]:
-    """step -> :class:`StoredResult` of every ``step_N.jsonl`` in :func:`results_dir`
-    (empty without one)."""
-    eval_dir = results_dir(run_dir)
-    if eval_dir is None:
-        return {}
+    """step -> :class:`StoredResult` of its ``step_N.jsonl`` in :func:`results_dirs`
+    (empty without one). A step with a file in both folders whose accuracies or task
+    counts differ gets a ``problem`` naming both."""
     found = {}
-    for path in sorted(eval_dir.glob("step_*.jsonl")):
-        if (m := _RESULTS.fullmatch(path.name)) is not None:
-            found[int(m.group(1))] = read_result(path)
+    for step, paths in result_files(run_dir).items():
+        results = [read_result(path) for path in paths]
+        first = results[0]
+        other = next((r for r in results[1:] if (r.accuracy, r.tasks) != (first.accuracy, first.tasks)), None)
+        found[step] = first if other is None else StoredResult(
+            first.path, first.tasks, None, f"{other.path} holds other results for the same step")
     return found

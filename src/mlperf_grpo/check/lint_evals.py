@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from mlperf_grpo import rules
-from mlperf_grpo.check.evidence import results_dir, stored_results
+from mlperf_grpo.check.evidence import result_files, results_dirs, stored_results
 from mlperf_grpo.check.findings import Finding
 from mlperf_grpo.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
 from mlperf_grpo.check.shape import DEFERRED, INLINE, evaluation_mode, trained_samples
@@ -318,17 +318,18 @@ def eval_samples(inp: LintInput) -> list[Finding]:
     """``eval_samples`` differs from the number of validation tasks evaluated.
 
     The number evaluated is read from ``<run>/eval/step_N.jsonl`` (a header line, then
-    one line per task; :func:`~mlperf_grpo.check.evidence.results_dir`) when the run
+    one line per task; :func:`~mlperf_grpo.check.evidence.results_dirs`) when the run
     directory is known.
     """
     logged = inp.log.find("eval_samples")
-    eval_dir = results_dir(inp.run_dir)
-    if not logged or eval_dir is None:
-        if inp.run_dir is not None:
-            inp.notes.append("eval_samples not compared with the tasks evaluated: no eval/ results in the run directory")
+    files = [path for paths in result_files(inp.run_dir).values() for path in paths]
+    if not logged or not files:
+        if inp.run_dir is not None and not files:
+            inp.notes.append("eval_samples not compared with the tasks evaluated: no step_N.jsonl in "
+                             f"{inp.run_dir / 'eval'} or {inp.run_dir / 'checkpoints' / 'eval'}")
         return []
     out = []
-    for path in sorted(eval_dir.glob("step_*.jsonl")):
+    for path in files:
         try:
             lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
@@ -371,7 +372,7 @@ def eval_results(inp: LintInput) -> list[Finding]:
                                   f"eval_accuracy {e.value!r} of step {sc // gbs} is not {stored.accuracy!r}, pass@k of the "
                                   f"{stored.tasks} tasks' rewards in {stored.path}", impact))
     if unmatched:
-        looked = results_dir(inp.run_dir) or inp.run_dir / "eval"
+        looked = " or ".join(map(str, results_dirs(inp.run_dir) or [inp.run_dir / "eval"]))
         inp.notes.append(f"eval_accuracy not recomputed for step(s) {', '.join(map(str, unmatched))}: no "
                          f"step_N.jsonl for them in {looked}")
     return out
