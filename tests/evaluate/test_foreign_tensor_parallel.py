@@ -157,7 +157,9 @@ def test_a_rank_killed_during_a_t2_evaluation_ends_the_job_within_a_minute_and_a
             proc.kill()
             proc.wait()
     err = (tmp_path / "killed.err").read_text()
-    assert code == 128 + signal.SIGKILL and took < 60, err[-3000:]  # the first failed rank's code (python -m mlperf_grpo.torchrun)
+    # the first failed rank's code (python -m mlperf_grpo.torchrun): rank 1's SIGKILL, or rank 0's exit 1 after
+    # its one line when both fail in the same second (torchrun's failure timestamps are whole seconds)
+    assert code in (128 + signal.SIGKILL, 1) and took < 60, err[-3000:]
     ours = [line for line in err.splitlines() if line.startswith("mlperf-grpo:")]
     assert ours == [f"mlperf-grpo: error: {lost_peer_line(1, f'its process {rank1} on this host has ended')}"], err[-3000:]
     assert "mlperf_grpo/" not in err  # no traceback of ours
