@@ -269,10 +269,8 @@ def path_problem(args: argparse.Namespace) -> str | None:
     files are copied after the evaluations)."""
     if not args.dir.is_dir():
         return f"--dir {args.dir} is not a directory; create it or give another"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".evaluate-bench-probe-", dir=args.dir))
-    except OSError as err:
-        return f"--dir {args.dir}: cannot make a folder there ({err.strerror or err}); give a writable directory"
+    if (why := unwritable(args.dir)) is not None:
+        return f"--dir {args.dir}: cannot make a folder there ({why}); give a writable directory"
     if args.run is not None:
         missing = [name for name in ("mlperf.log", "config.yaml", "checkpoints") if not (args.run / name).exists()]
         if missing:
@@ -281,12 +279,20 @@ def path_problem(args: argparse.Namespace) -> str | None:
         if os.stat(args.run).st_dev != os.stat(args.dir).st_dev:
             return (f"--run {args.run} and --dir {args.dir} are on different filesystems (the checkpoints are "
                     "hard-linked); give a --dir on the run's filesystem")
-    if args.keep is not None:
-        try:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            os.rmdir(tempfile.mkdtemp(prefix=".evaluate-bench-probe-", dir=args.keep))
-        except OSError as err:
-            return f"--keep {args.keep}: cannot write there ({err.strerror or err}); give a path this user can write to"
+    if args.keep is not None and (why := unwritable(args.keep, make=True)) is not None:
+        return f"--keep {args.keep}: cannot write there ({why}); give a path this user can write to"
+    return None
+
+
+def unwritable(folder: Path, make: bool = False) -> str | None:
+    """Why no folder can be made in ``folder`` (the OS's reason), or None: one is made
+    and removed (with ``make``, ``folder`` is made first, with its parents)."""
+    try:
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".evaluate-bench-probe-", dir=folder))
+    except OSError as err:
+        return str(err.strerror or err)
     return None
 
 

@@ -345,12 +345,12 @@ class SlotDecoder:
         pads += [width - 1] * (rows - n)
         positions = [[0] * pad + list(range(width - pad)) for pad in pads]  # as generate numbers a left-padded row
         host = [ids, positions, pads, free[:n] + [self.cache.spare_row] * (rows - n)]
-        if not (self.prefill_graphs and self.cuda_graphs):
-            self._prefill_body(call, _PrefillInputs(*(torch.tensor(h, device=self.model.device) for h in host)))
-            return
         key = (rows, width, call)
-        if key not in self._prefill_graphs:
+        if not (self.prefill_graphs and self.cuda_graphs) or key not in self._prefill_graphs:
             inputs = _PrefillInputs(*(torch.tensor(h, device=self.model.device) for h in host))
+            if not (self.prefill_graphs and self.cuda_graphs):
+                self._prefill_body(call, inputs)
+                return
             graph = self._capture_prefill(call, inputs)
             if graph is None:  # turned off (warned); the eager run filled the rows
                 return

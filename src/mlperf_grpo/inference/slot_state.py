@@ -65,6 +65,8 @@ class PrefillWriter:
         self.cache, self.rows = cache, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``[R, kv_heads, W, head_dim]`` keys and values to the rows' columns
+        ``[0, W)`` of layer ``layer_idx``; return them as given (what attention reads)."""
         width = key_states.shape[2]
         self.cache.keys[layer_idx][self.rows, :, :width] = key_states
         self.cache.values[layer_idx][self.rows, :, :width] = value_states
