@@ -124,8 +124,8 @@ def worker(config_file: Path, out_dir: Path, result_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from mlperf_grpo.config_load import load_config
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.load import load_config
+    from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.train import ranks
     from mlperf_grpo.train.trainer import train
 
@@ -149,7 +149,7 @@ def tp_worker(config_file: Path, result_file: Path) -> None:
     import torch.distributed as dist
 
     from mlperf_grpo.checkpoint import AsyncCheckpointer, RankGroup, engine_checkpoint_weights
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.inference.base import SamplingParams
     from mlperf_grpo.inference.tensor_parallel import local_tensor
     from mlperf_grpo.tasks import arithmetic

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from mlperf_grpo.config_sections import InferenceConfig
+from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.inference.vllm import VLLMEngine
 from mlperf_grpo.model import load_model

@@ -245,7 +245,7 @@ def _note_unfinished_run(progress: Progress) -> None:
     of ``checkpoints/`` can be taken before that (a list that is not the final one)."""
     if progress.phase != "train" or _torchrun_rank() != "0":
         return
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.rundir import RunDir
 
     run = RunDir(progress.run_dir)
     steps = run.published_steps()

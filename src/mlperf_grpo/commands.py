@@ -43,7 +43,7 @@ def new_run_dir() -> Path:
     Raises:
         RunDirError: ``runs/`` cannot be made or written.
     """
-    from mlperf_grpo.rundir import reserve_new_run_dir
+    from mlperf_grpo.config.rundir import reserve_new_run_dir
 
     return reserve_new_run_dir(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S"))
 
@@ -54,10 +54,10 @@ def _start_training(request: TrainRequest, progress: Progress):
     :class:`~mlperf_grpo.train.inputs.TrainingInputs`, handed to the trainer: checked once).
     Nothing is written; a missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS`` (made
     by rank 0, its name on every rank)."""
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.plan import format_differences
     from mlperf_grpo.errors import RunDirError
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.train import collectives, ranks
     from mlperf_grpo.train.inputs import check_training_inputs
 
@@ -91,7 +91,7 @@ def _removed_if_unwritten(progress: Progress):
         yield
     except BaseException:
         if progress.made_output:
-            from mlperf_grpo.rundir import RunDir
+            from mlperf_grpo.config.rundir import RunDir
 
             RunDir(progress.run_dir).remove_if_unwritten()
         raise
@@ -104,7 +104,7 @@ def train(request: TrainRequest, progress: Progress):
 
     Raises: the errors of ``train.trainer.train`` and ``train.inline_eval.train_with_inline_eval``.
     """
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.rundir import RunDir
 
     config, inputs = _start_training(request, progress)
     with _removed_if_unwritten(progress):
@@ -127,7 +127,7 @@ def evaluate_trained(request: TrainRequest, progress: Progress):
     ``EvalOutcome`` (rank 0).
     """
     from mlperf_grpo.evaluate.offline import evaluate_run
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.train import ranks
 
     here = ranks.layout()
@@ -190,7 +190,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     evaluate the series through the offline evaluator."""
     from mlperf_grpo import environment
     from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
     from mlperf_grpo.evaluate.worker_group import check_worker_groups
 
@@ -220,7 +220,7 @@ def plan(request: PlanRequest) -> str:
 
     if request.memory:
         return _plan_memory(request)
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.plan import build_plan, format_differences, format_plan
 
     config = load_config(request.config) if request.config else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.tasks import Task
 
 TASKS_KEY = "validation tasks (sha256 of ids, prompts, answers)"

@@ -13,13 +13,13 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, GenerationConfig
 
-from mlperf_grpo.config_sections import BUILTIN_MODEL
+from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.errors import ModelLoadError
 
 ASSETS = Path(__file__).parent / "assets"
 """The shipped model directories (``builtin:NAME``)."""
 BUILTIN_MODEL_DIR = ASSETS / "arithmetic-tiny"
-"""The built-in default model (:data:`mlperf_grpo.config_sections.BUILTIN_MODEL`)."""
+"""The built-in default model (:data:`mlperf_grpo.config.sections.BUILTIN_MODEL`)."""
 BUILTIN_PREFIX = "builtin:"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -38,7 +38,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
 from mlperf_grpo.mllog import read_log, time_to_train_ms
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 
 USAGE = "training"
 FILL_IN = "FILL IN"

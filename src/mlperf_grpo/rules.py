@@ -248,7 +248,7 @@ def closed_violations(config) -> list[Violation]:
     """Every value of a run config that departs from the closed-division rules.
 
     Args:
-        config: a :class:`mlperf_grpo.config.RunConfig` (read only; any division).
+        config: a :class:`mlperf_grpo.config.run.RunConfig` (read only; any division).
     Returns:
         One :class:`Violation` per departing value, in config order; empty when the
         config conforms. Derived values (first eval step, learning rate, gradient clip)

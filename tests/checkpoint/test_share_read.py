@@ -16,7 +16,7 @@ from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.checkpoint.share_read import HASH_KEYS, SHARE_KEY, hashing_ranks, read_share, reserve_share
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-from mlperf_grpo.config_sections import BUILTIN_MODEL
+from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, verify_refit
 from mlperf_grpo.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
 from mlperf_grpo.inference.hf import HFEngine

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model import load_model

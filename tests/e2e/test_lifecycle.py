@@ -236,8 +236,8 @@ def test_sigterm_during_runs_evaluation_stops_cleanly_and_evaluate_resumes(tmp_p
 
 
 def test_the_choice_to_retain_checkpoints_is_recorded_in_run_json(tmp_path):
-    from mlperf_grpo.config import RunConfig
-    from mlperf_grpo.rundir import RunDir, RunDirError
+    from mlperf_grpo.config.run import RunConfig
+    from mlperf_grpo.config.rundir import RunDir, RunDirError
 
     kept, default = RunDir(tmp_path / "kept"), RunDir(tmp_path / "default")
     kept.create(RunConfig(), retain_checkpoints=True)
@@ -387,7 +387,7 @@ def test_a_lock_that_cannot_be_opened_is_a_run_dir_error(tmp_path):
     """``RunLock`` on a directory whose ``.lock`` cannot be opened raises RunDirError
     (exit 2 at the CLI) naming the lock file, not a bare OSError (exit 1)."""
     from mlperf_grpo.errors import RunDirError
-    from mlperf_grpo.rundir import RunLock
+    from mlperf_grpo.config.rundir import RunLock
 
     (tmp_path / ".lock").mkdir()
     with pytest.raises(RunDirError, match=r"cannot write the run's lock file .*\.lock: Is a directory"):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlperf_grpo import outcome
-from mlperf_grpo.config_load import load_config
+from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,
@@ -25,7 +25,7 @@ from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, read_log
 from mlperf_grpo.outcome import Evaluation
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.scoring import VerifierError
 
 CONFIG = load_config(None)

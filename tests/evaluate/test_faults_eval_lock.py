@@ -12,7 +12,7 @@ from faults_eval_helpers import error_lines, spawn_evaluate, wait_for, lock_held
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.mllog import PREFIX, read_log
-from mlperf_grpo.rundir import RunLock
+from mlperf_grpo.config.rundir import RunLock
 
 pytestmark = pytest.mark.slow
 

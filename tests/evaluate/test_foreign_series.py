@@ -23,7 +23,7 @@ from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.cli import main
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.rundir import RunLock
+from mlperf_grpo.config.rundir import RunLock
 
 pytestmark = pytest.mark.slow
 
@@ -299,7 +299,7 @@ def test_the_recorded_settings_are_the_identity_and_only_it(trained):
     written before the record existed is evaluated with a note."""
     import dataclasses
 
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.evaluate.series import EvaluationError, check_evaluation_settings
     from mlperf_grpo.tasks import load_validation_set
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.fingerprint import canary_mismatch
 from mlperf_grpo.inference import base

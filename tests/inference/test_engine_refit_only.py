@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlperf_grpo.config_sections import BUILTIN_MODEL
+from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.fingerprint import CANARY_TOLERANCE, canary_mismatch
 from mlperf_grpo.inference.base import SamplingParams

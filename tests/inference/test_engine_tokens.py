@@ -11,7 +11,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer, GenerationConfig
 
-from mlperf_grpo.config_load import load_config
+from mlperf_grpo.config.load import load_config
 from mlperf_grpo.inference.base import Completion, SamplingParams, eos_token_ids
 from mlperf_grpo.model import encode_prompts
 from mlperf_grpo.inference.hf import HFEngine

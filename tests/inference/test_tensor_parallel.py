@@ -189,7 +189,7 @@ def _training_model_dir(tmp_path: Path) -> Path:
 
 
 def _train_rank(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
-    from mlperf_grpo.config import RunConfig
+    from mlperf_grpo.config.run import RunConfig
     from mlperf_grpo.inference.tensor_parallel import rank_share
     from mlperf_grpo.tasks import arithmetic
     from mlperf_grpo.train import ranks

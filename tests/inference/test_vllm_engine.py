@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from mlperf_grpo.checkpoint import TrainingInfo, discover_checkpoints, read_weights, write_checkpoint  # noqa: E402
-from mlperf_grpo.config_sections import InferenceConfig  # noqa: E402
+from mlperf_grpo.config.sections import InferenceConfig  # noqa: E402
 from mlperf_grpo.evaluate.series import RefitError, verify_refit  # noqa: E402
 from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config_load import load_config
+from mlperf_grpo.config.load import load_config
 from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.hf_datasets import read_dataset_rows

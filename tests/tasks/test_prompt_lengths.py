@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths
 from mlperf_grpo.tasks.base import Task
@@ -114,7 +114,7 @@ def test_a_chat_prompt_is_measured_as_its_rendered_template(tmp_path, capsys):
 def test_evaluate_checks_the_validation_prompts_before_anything(tmp_path):
     """``evaluate`` refuses the same way before taking the run's lock or reading its log."""
     from mlperf_grpo.evaluate.offline import evaluate_series
-    from mlperf_grpo.rundir import RunDir
+    from mlperf_grpo.config.rundir import RunDir
 
     config = parse_config({"grpo": {"max_sequence_length": 12}})
     with pytest.raises(PromptTooLongError, match=r"validation task '.*': its prompt is \d+ tokens"):

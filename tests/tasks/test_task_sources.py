@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config_load import load_config
+from mlperf_grpo.config.load import load_config
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_suite, validation_tasks

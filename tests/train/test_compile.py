@@ -5,8 +5,8 @@ import shutil
 import pytest
 from safetensors import safe_open
 
-from mlperf_grpo.config_load import parse_config
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train import trainer
 
 

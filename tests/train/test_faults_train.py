@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
-from mlperf_grpo.config_load import load_config
+from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
 from mlperf_grpo.model_files import BUILTIN_MODEL_DIR

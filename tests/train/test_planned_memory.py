@@ -4,7 +4,7 @@ tensor-parallel size that does not divide (train/inputs.py check_planned_memory)
 
 import pytest
 
-from mlperf_grpo.config_load import parse_config
+from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.memory_plan import MemoryPlanError
 from mlperf_grpo.train import inputs
 

@@ -99,7 +99,7 @@ def test_reference_loss_on_policy_equals_the_plain_policy_gradient():
     # ratio, IS correction, prev pass + log-prob error filter) takes the same step as the
     # open default's loss, whose ratio to the rollout log-probs is 1 unclipped.
     from mlperf_grpo import rules
-    from mlperf_grpo.config_sections import GRPOConfig
+    from mlperf_grpo.config.sections import GRPOConfig
 
     batch = _batch()
     g = GRPOConfig(**rules.REFERENCE_ALGORITHM)
@@ -142,7 +142,7 @@ def test_logprob_error_filter_in_the_loss_pass_equals_training_without_the_dropp
     # filter drops leaves the loss and the token count. Expected, independently: the same
     # loss without the filter on a batch whose mask already leaves that sequence out.
     from mlperf_grpo import rules
-    from mlperf_grpo.config_sections import GRPOConfig
+    from mlperf_grpo.config.sections import GRPOConfig
 
     batch = _batch()
     row = int(batch.completion_mask.sum(dim=1).argmax())
@@ -214,7 +214,7 @@ def test_one_closed_step_matches_the_recipe_by_hand():
     import statistics
 
     from mlperf_grpo import rules
-    from mlperf_grpo.config_sections import GRPOConfig
+    from mlperf_grpo.config.sections import GRPOConfig
     from mlperf_grpo.inference.base import Completion
     from mlperf_grpo.train.grpo import token_logprobs
     from mlperf_grpo.train.optimize import training_batch

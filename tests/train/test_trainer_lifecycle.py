@@ -11,8 +11,8 @@ import yaml
 
 from mlperf_grpo import tasks
 from mlperf_grpo.cli import main
-from mlperf_grpo.config_load import parse_config
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.inputs import check_training_inputs
 from mlperf_grpo.train.optimize import OptimizeSettings

@@ -22,14 +22,14 @@ from tqdm import tqdm
 
 from mlperf_grpo import outcome
 from mlperf_grpo.checkpoint import Checkpoint
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem, SeriesSource
 from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.evaluate.launch import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog
 from mlperf_grpo.outcome import Evaluation, SeriesEnd
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError
 

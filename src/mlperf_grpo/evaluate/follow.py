@@ -33,7 +33,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import environment
 from mlperf_grpo.checkpoint import Checkpoint
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.commit import plan_evaluation
 from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_run, evaluate_series
 from mlperf_grpo.evaluate.serial import evaluate_serially
@@ -41,7 +41,7 @@ from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
 from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
-from mlperf_grpo.rundir import RunDir, RunDirError, RunLock, RunLockedError
+from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock, RunLockedError
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 
 POLL_S = 1.0

@@ -21,14 +21,14 @@ from mlperf_grpo.checkpoint import CheckpointCorruptError, CheckpointError, publ
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint import foreign_share
 from mlperf_grpo.checkpoint.foreign_layouts import ForeignCheckpoint
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trained_step
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
 from mlperf_grpo.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
 from mlperf_grpo.model_files import check_model_path
-from mlperf_grpo.rundir import RunDir, RunDirError
+from mlperf_grpo.config.rundir import RunDir, RunDirError
 from mlperf_grpo.tasks import ValidationSet
 
 SOURCE_FILE = "source.json"

@@ -35,7 +35,7 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import environment, outcome, rules
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
@@ -52,7 +52,7 @@ from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.merge import MergeError, merge_logs
 from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
-from mlperf_grpo.rundir import RunDir, RunLock
+from mlperf_grpo.config.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.lengths import check_prompt_lengths

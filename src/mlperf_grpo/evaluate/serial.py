@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Callable
 
 from mlperf_grpo.checkpoint import Checkpoint
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter
 from mlperf_grpo.evaluate.series import SeriesSource
 from mlperf_grpo.evaluate.worker import evaluate_claimed
 from mlperf_grpo.evaluate.launch import local_queue
 from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet
 
 

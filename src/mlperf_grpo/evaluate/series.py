@@ -35,7 +35,7 @@ from mlperf_grpo.checkpoint import (
 )
 from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import EvaluationError
 from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
 from mlperf_grpo.fingerprint import (

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from mlperf_grpo.checkpoint import Checkpoint
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.commit import WORKER_ERRORS, EvalPlan, StepOrderCommitter, unlogged_results, write_results
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
@@ -32,7 +32,7 @@ from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, g
 from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.mllog import now_ms
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score
 
@@ -323,7 +323,7 @@ def rank_series(run: RunDir, series: dict | None) -> tuple[RunConfig, SeriesSour
     """
     if series is None:
         return run.load()[0], RunSeries(run.checkpoints)
-    from mlperf_grpo.config_load import load_config
+    from mlperf_grpo.config.load import load_config
     from mlperf_grpo.evaluate.foreign_series import source_from_spec
 
     return load_config(Path(series["config_file"])), source_from_spec(series)

@@ -29,7 +29,7 @@ import torch
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.checkpoint.share_read import agree_on_read
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
 from mlperf_grpo.evaluate.group_watch import GroupWatch
 from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for, rank_store

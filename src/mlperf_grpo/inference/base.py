@@ -13,7 +13,7 @@ from typing import Protocol, Union
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import ConfigError
 
 

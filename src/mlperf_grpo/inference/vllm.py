@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from mlperf_grpo.config_sections import InferenceConfig
+from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import (

@@ -12,7 +12,7 @@ SUITES = {"arithmetic": arithmetic}
 
 
 def load_suite(config) -> TaskSuite:
-    """The task suite of a run config (:class:`mlperf_grpo.config.RunConfig`).
+    """The task suite of a run config (:class:`mlperf_grpo.config.run.RunConfig`).
 
     ``arithmetic``: the built-in module. ``jsonl``: :class:`~mlperf_grpo.tasks.jsonl.JsonlSuite`
     over the configured files, prompts from ``messages`` through the model tokenizer's chat
@@ -96,7 +96,7 @@ class ValidationSet:
 
 
 def load_validation_set(config) -> ValidationSet:
-    """The :class:`ValidationSet` of a run config (:class:`mlperf_grpo.config.RunConfig`).
+    """The :class:`ValidationSet` of a run config (:class:`mlperf_grpo.config.run.RunConfig`).
 
     Raises:
         TaskError: as :func:`load_suite` and :func:`validation_tasks`.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.train.fsdp import policy_weights
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from mlperf_grpo import memory_plan, tasks
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.model_check import check_model
 from mlperf_grpo.model_files import check_device, check_model_path
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
 

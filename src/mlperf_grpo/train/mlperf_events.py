@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.mllog import MLLogWriter
 
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo.config import RunConfig
-from mlperf_grpo.config_sections import GRPOConfig
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.sections import GRPOConfig
 from mlperf_grpo.inference.base import Completion
 from mlperf_grpo.model_files import DTYPES
 from mlperf_grpo.train import collectives

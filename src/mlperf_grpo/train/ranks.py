@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import ConfigError
 
 

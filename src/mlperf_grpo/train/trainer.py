@@ -43,7 +43,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
 from mlperf_grpo.checkpoint import CheckpointTiming
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.inference.tensor_parallel import rank_share
@@ -51,7 +51,7 @@ from mlperf_grpo.mllog import now_ms
 from mlperf_grpo.model import load_model
 from mlperf_grpo.model_compile import compile_decoder_layers, compile_policy_layers
 from mlperf_grpo.model_files import DTYPES
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.train import collectives, ranks
 from mlperf_grpo.train.async_rollout import RolloutProducer

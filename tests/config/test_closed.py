@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config import RunConfig
-from mlperf_grpo.config_load import ClosedDivisionError, parse_config
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.load import ClosedDivisionError, parse_config
 from mlperf_grpo.errors import ConfigError
 
 def _with(section, key, value):
@@ -187,7 +187,7 @@ def test_inconsistent_loss_options_are_one_line_errors(grpo, msg):
     (False, False, None, False),  # open default: generation log-probs stand in for prev
 ])
 def test_prev_logprob_pass_runs_when_the_reference_runs_it(force, is_correction, threshold, expected):
-    from mlperf_grpo.config_sections import GRPOConfig
+    from mlperf_grpo.config.sections import GRPOConfig
 
     g = GRPOConfig(force_on_policy_ratio=force, use_importance_sampling_correction=is_correction,
                    seq_logprob_error_threshold=threshold)

@@ -1,5 +1,5 @@
 """A run config read: YAML in (YAML 1.2 floats, task paths relative to the file), a
-mapping validated into a :class:`~mlperf_grpo.config.RunConfig` with one-line errors
+mapping validated into a :class:`~mlperf_grpo.config.run.RunConfig` with one-line errors
 that name the field and how to fix it, and YAML out."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from mlperf_grpo import rules
-from mlperf_grpo.config import RunConfig
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import ConfigError
 
 

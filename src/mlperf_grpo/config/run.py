@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import model_validator
 
 from mlperf_grpo import rules
-from mlperf_grpo.config_sections import (
+from mlperf_grpo.config.sections import (
     CheckpointConfig, DistributedConfig, GRPOConfig, InferenceConfig, ModelConfig, OptimizerConfig, Strict,
     SubmissionConfig, TaskConfig, ValidationConfig,
 )
@@ -62,7 +62,7 @@ class RunConfig(Strict):
     def _closed_learning_rate_is_derived(cls, data: object) -> object:
         """In a closed config an omitted ``optimizer.learning_rate`` means derived (null).
 
-        (The open default is :data:`~mlperf_grpo.config_sections.DEFAULT_LEARNING_RATE`.) An explicit value stays, so
+        (The open default is :data:`~mlperf_grpo.config.sections.DEFAULT_LEARNING_RATE`.) An explicit value stays, so
         :func:`rules.closed_violations` can refuse it.
         """
         if not isinstance(data, dict) or data.get("division") != "closed":

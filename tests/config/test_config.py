@@ -2,8 +2,8 @@
 
 import pytest
 
-from mlperf_grpo.config import RunConfig
-from mlperf_grpo.config_load import load_config, parse_config
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.load import load_config, parse_config
 from mlperf_grpo.errors import ConfigError
 
 
@@ -139,7 +139,7 @@ def test_the_docs_show_every_config_key_with_its_default():
     import yaml
     from pydantic import BaseModel
 
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     readme = "\n".join(page.read_text() for page in sorted(docs.glob("*.md")))  # every page of the docs
     block = (docs / "running.md").read_text().split("## Config", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
     shown = yaml.safe_load(block)

@@ -1,0 +1,1 @@
+"""The run's configuration: its sections, the whole run, YAML in and out, the run directory."""
