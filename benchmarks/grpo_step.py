@@ -73,7 +73,7 @@ from mlperf_grpo.cli_parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError, ModelLoadError
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR, check_model_path
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR, check_model_path
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train import trainer as trainer_module
 
@@ -211,7 +211,7 @@ def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Pat
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mlperf_grpo.model import load_tokenizer
+    from mlperf_grpo.model.load import load_tokenizer
     from mlperf_grpo.tasks.base import Task
     from mlperf_grpo.tasks.scoring import score
 

@@ -26,8 +26,8 @@ from mlperf_grpo.checkpoint import (
     write_checkpoint,
 )
 from mlperf_grpo.checkpoint import writer as writer_module
-from mlperf_grpo.model import load_model
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.load import load_model
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 
 def _info(step):
@@ -224,7 +224,7 @@ def _words_reference(t: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("shape, dtype", [((37, 29), torch.bfloat16), ((1001,), torch.float32), ((3,), torch.bfloat16), ((1,), torch.float32)])
 def test_tensor_checksums_v1_match_an_independent_computation(shape, dtype):
-    from mlperf_grpo.fingerprint import tensor_checksums_v1
+    from mlperf_grpo.model.fingerprint import tensor_checksums_v1
 
     torch.manual_seed(0)
     t = (torch.randn(shape) * 1e3).to(dtype)
@@ -234,7 +234,7 @@ def test_tensor_checksums_v1_match_an_independent_computation(shape, dtype):
 
 
 def test_fingerprint_catches_swapped_words_a_transpose_and_a_changed_value():
-    from mlperf_grpo.fingerprint import tensor_checksums, weights_fingerprint
+    from mlperf_grpo.model.fingerprint import tensor_checksums, weights_fingerprint
 
     w = torch.randn(64, 64).to(torch.bfloat16)
     swapped = w.clone().view(-1, 4)  # 4 bfloat16 = one 64-bit word per row
@@ -252,7 +252,7 @@ def test_fingerprint_catches_swapped_words_a_transpose_and_a_changed_value():
 
 def test_writer_records_the_fingerprint_that_a_verified_read_reproduces(tmp_path):
     from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
-    from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, weights_fingerprint
+    from mlperf_grpo.model.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, weights_fingerprint
 
     policy = load_model("builtin:arithmetic-tiny", "float32")
     state = policy.state_dict()

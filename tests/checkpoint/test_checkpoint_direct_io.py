@@ -18,9 +18,9 @@ from mlperf_grpo.checkpoint import direct_io, staging
 from mlperf_grpo.checkpoint import writer as writer_module
 from mlperf_grpo.checkpoint.staging import staged_checksums
 from mlperf_grpo.checkpoint.writer import combined_fingerprint
-from mlperf_grpo.fingerprint import weights_fingerprint
-from mlperf_grpo.model import load_model
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.fingerprint import weights_fingerprint
+from mlperf_grpo.model.load import load_model
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 
 def _info(step, dtype="float32"):

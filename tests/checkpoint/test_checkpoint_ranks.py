@@ -27,9 +27,9 @@ from mlperf_grpo.checkpoint.shard_plan import plan_shards, tensor_bytes
 from mlperf_grpo.checkpoint.staging import unique_tensors
 
 # what the spawned ranks import stays light (torch, the checkpoint package): not
-# mlperf_grpo.model* or transformers, seconds per process on a busy machine
+# mlperf_grpo.model.load* or transformers, seconds per process on a busy machine
 MODEL_DIR = Path(mlperf_grpo.__file__).parent / "assets" / "arithmetic-tiny"
-"""The built-in model ``builtin:arithmetic-tiny`` (``mlperf_grpo.model_files.BUILTIN_MODEL_DIR``)."""
+"""The built-in model ``builtin:arithmetic-tiny`` (``mlperf_grpo.model.files.BUILTIN_MODEL_DIR``)."""
 SHARD_BYTES = 40_000
 """Several files per rank of the tiny model (266 KB of bfloat16 weights)."""
 
@@ -70,8 +70,8 @@ def test_each_tensor_has_one_owner_in_whole_files_and_no_rank_more_than_its_shar
 
 
 def test_the_tests_model_is_the_builtin_one():
-    from mlperf_grpo.model import load_model
-    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model.load import load_model
+    from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
     assert MODEL_DIR == BUILTIN_MODEL_DIR
     state = load_model("builtin:arithmetic-tiny", "bfloat16").state_dict()

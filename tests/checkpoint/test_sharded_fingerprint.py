@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
-from mlperf_grpo import fingerprint
-from mlperf_grpo.fingerprint import (
+from mlperf_grpo.model import fingerprint
+from mlperf_grpo.model.fingerprint import (
     FINGERPRINT_V1,
     FINGERPRINT_V2,
     tensor_checksums,
@@ -130,7 +130,7 @@ def _sharded_rank(rank: int, world: int, port: int, tensors: dict, results) -> N
 
     from mlperf_grpo.checkpoint import CheckpointCorruptError
     from mlperf_grpo.checkpoint.share_read import agree_on_read
-    from mlperf_grpo.fingerprint import sharded_fingerprint
+    from mlperf_grpo.model.fingerprint import sharded_fingerprint
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -18,9 +18,9 @@ from mlperf_grpo.checkpoint.share_read import HASH_KEYS, SHARE_KEY, hashing_rank
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
 from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, verify_refit
-from mlperf_grpo.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
+from mlperf_grpo.model.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from mlperf_grpo.cli import main
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model import load_model
+from mlperf_grpo.model.load import load_model
 from mlperf_grpo.train import collectives, engine_setup, fsdp, ranks
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
@@ -264,7 +264,7 @@ def test_the_sharded_build_equals_the_one_process_load(tmp_path):
     equal too, and each rank's engine holds ``load_model(..., "bfloat16")``'s weights."""
     from transformers import AutoTokenizer
 
-    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
     model_dir = tmp_path / "bf16"
     load_model(MODEL, "bfloat16").save_pretrained(model_dir, max_shard_size="100KB")
@@ -371,7 +371,7 @@ def test_the_sharded_build_refuses_missing_or_misshapen_expert_parts(tmp_path, d
 
 def test_a_buffer_the_initializer_does_not_recompute_is_refused():
     from mlperf_grpo.errors import ModelLoadError
-    from mlperf_grpo.model_skeleton import materialize, model_skeleton
+    from mlperf_grpo.model.skeleton import materialize, model_skeleton
 
     model = model_skeleton(MODEL, "float32")
     model.model.layers[0].register_buffer("scale", torch.ones(3, device="meta"), persistent=False)

@@ -21,7 +21,7 @@ import yaml
 from mlperf_grpo import __version__
 from mlperf_grpo.cli import build_parser, main
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 TINY_OPEN = {"grpo": {"num_prompts_per_step": 4, "max_steps": 2, "first_eval_step": 1}, "validation": {"num_tasks": 20}}

@@ -187,7 +187,7 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     from mlperf_grpo.evaluate import follow, series
     from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.inference.base import build_engine
-    from mlperf_grpo.model_files import check_model_path
+    from mlperf_grpo.model.files import check_model_path
     from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.tasks import load_validation_set
 

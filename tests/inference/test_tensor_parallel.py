@@ -17,7 +17,7 @@ from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.tensor_parallel import mesh_of, parallelize
-from mlperf_grpo.model_files import resolve_model_path
+from mlperf_grpo.model.files import resolve_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def _moe_check(mesh) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from mlperf_grpo.model_skeleton import materialize
+    from mlperf_grpo.model.skeleton import materialize
 
     config = Qwen3_5MoeTextConfig(
         vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -176,7 +176,7 @@ off by more relative to a smaller total)."""
 
 def _training_model_dir(tmp_path: Path) -> Path:
     """The built-in model with its vocabulary padded from 15 to 16 (T = 2 divides it)."""
-    from mlperf_grpo.model import load_model
+    from mlperf_grpo.model.load import load_model
 
     directory = tmp_path / "model16"
     model = load_model("builtin:arithmetic-tiny", "float32")

@@ -10,7 +10,7 @@ import yaml
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import parse_config
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths
 from mlperf_grpo.tasks.base import Task
 

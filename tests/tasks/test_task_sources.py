@@ -11,7 +11,7 @@ import yaml
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.tasks.verify import final_answer

@@ -61,7 +61,7 @@ def _qwen3_5_moe_dir(tmp_path):
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
     config = Qwen3_5MoeTextConfig(
         vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -79,7 +79,7 @@ def _qwen3_5_moe_dir(tmp_path):
 
 
 def test_compile_auto_leaves_moe_and_linear_attention_models_eager(tmp_path):
-    from mlperf_grpo.model_compile import compile_policy_layers
+    from mlperf_grpo.model.compile import compile_policy_layers
 
     directory = str(_qwen3_5_moe_dir(tmp_path))
     compiled, note = compile_policy_layers("auto", True, directory)

@@ -21,7 +21,7 @@ from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.series import check_series
 from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
@@ -43,7 +43,7 @@ WRITER = textwrap.dedent(
     import sys, time, torch
     from pathlib import Path
     from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo
-    from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
     root = Path(sys.argv[1])
     state = {"w": torch.randn(4_000_000)}  # 16 MB: a write takes long enough to be hit
     writer = AsyncCheckpointer(root, BUILTIN_MODEL_DIR, max_in_flight=2)

@@ -7,7 +7,7 @@ import torch
 
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.model import load_model
+from mlperf_grpo.model.load import load_model
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.train.grpo import PGLossOptions, group_advantages
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step

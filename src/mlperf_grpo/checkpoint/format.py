@@ -91,7 +91,7 @@ class TrainingInfo:
     "bytes": size}}, "tensors": hex, "fingerprint": {"algorithm": name, "digest": hex}}``;
     ``tensors`` is :func:`tensor_specs_digest` of every stored tensor's name, dtype and
     shape (checked against the shard headers); ``fingerprint`` is
-    :func:`mlperf_grpo.fingerprint.weights_fingerprint` of the stored tensors (what an
+    :func:`mlperf_grpo.model.fingerprint.weights_fingerprint` of the stored tensors (what an
     engine must hold after a refit; absent in checkpoints written before it existed).
     ``files``: non-weight file name -> ``{"hash": hex, "bytes": size}`` (same algorithm),
     as the model directory held them when training started.

@@ -6,8 +6,8 @@ bytes. :func:`fill_slot` copies the weights into it (on CUDA: ``non_blocking``
 device-to-host copies into page-locked memory on their own stream, overlapping what the
 caller's ``info`` computes on the compute stream, then one sync; on the CPU a memcpy).
 :func:`staged_checksums` computes every staged tensor's
-:data:`~mlperf_grpo.fingerprint.FINGERPRINT_V2` checksums from that host copy, in
-parallel threads (:func:`~mlperf_grpo.fingerprint.host_checksums`), off the clock.
+:data:`~mlperf_grpo.model.fingerprint.FINGERPRINT_V2` checksums from that host copy, in
+parallel threads (:func:`~mlperf_grpo.model.fingerprint.host_checksums`), off the clock.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES, aligned_empty
 from mlperf_grpo.checkpoint.format import safetensors_header
 from mlperf_grpo.checkpoint.shard_plan import ShardPlan, tensor_bytes
-from mlperf_grpo.fingerprint import element_bits, host_checksums
+from mlperf_grpo.model.fingerprint import element_bits, host_checksums
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """What :meth:`~mlperf_grpo.checkpoint.writer.AsyncCheckpointer.save` takes: a state dict
@@ -174,7 +174,7 @@ def fill_slot(slot: StagingSlot, pairs: Iterable[tuple[str, torch.Tensor]], pers
 
 
 def staged_checksums(slot: StagingSlot, pool: Executor) -> dict[str, list[int]]:
-    """name -> :func:`~mlperf_grpo.fingerprint.tensor_checksums` ``[sum, weighted sum]``
+    """name -> :func:`~mlperf_grpo.model.fingerprint.tensor_checksums` ``[sum, weighted sum]``
     (int64 values as Python ints) of each tensor of a filled slot, computed on the host
     from the staged copy by ``pool``'s threads (runs of at most
     :data:`CHECKSUM_RANGE_ELEMENTS` elements, summed modulo 2**64 per tensor: the v2

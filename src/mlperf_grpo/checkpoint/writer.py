@@ -78,7 +78,7 @@ from mlperf_grpo.checkpoint.format import (
 from mlperf_grpo.checkpoint.rank_group import Heartbeat, RankGroup, RankReportError
 from mlperf_grpo.checkpoint.shard_plan import ShardPlan, layout_of, plan_shards, spec_of
 from mlperf_grpo.checkpoint.staging import StagingSlot, Weights, as_planned, fill_slot, staged_checksums, unique_tensors
-from mlperf_grpo.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest
+from mlperf_grpo.model.fingerprint import DEVICE_FINGERPRINT_ALGORITHM, fingerprint_digest
 from mlperf_grpo.step_dirs import step_dir_name, tmp_step_dir_name
 
 __all__ = ["AsyncCheckpointer", "CheckpointTiming", "Weights", "unique_tensors", "write_checkpoint"]
@@ -118,8 +118,8 @@ def files_record(files: dict[str, bytes]) -> dict[str, dict]:
 def combined_fingerprint(plan: ShardPlan, checksums: dict[str, list[int]]) -> dict:
     """``training_info.json``'s ``weights.fingerprint``, ``{"algorithm":
     DEVICE_FINGERPRINT_ALGORITHM, "digest": hex}``, from every rank's per-tensor checksums:
-    :func:`~mlperf_grpo.fingerprint.fingerprint_digest` over all the plan's tensors, so
-    it equals :func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the whole
+    :func:`~mlperf_grpo.model.fingerprint.fingerprint_digest` over all the plan's tensors, so
+    it equals :func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the whole
     checkpoint on one rank, which is what the evaluator computes from the engine's tensors.
 
     Raises:

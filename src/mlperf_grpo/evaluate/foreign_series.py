@@ -24,10 +24,10 @@ from mlperf_grpo.checkpoint.foreign_layouts import ForeignCheckpoint
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trained_step
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
-from mlperf_grpo.fingerprint import sharded_fingerprint, weights_fingerprint
+from mlperf_grpo.model.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog, read_log
-from mlperf_grpo.model_files import check_model_path
+from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.config.rundir import RunDir, RunDirError
 from mlperf_grpo.tasks import ValidationSet
 
@@ -166,7 +166,7 @@ class ForeignSeries:
         """The engine's tensors equal those read (no canary: the layout records none). A
         tensor-parallel engine (``tp_size > 1``; ``weights`` its slices): the v2
         fingerprint of the engine's slices and that of the slices read, each combined over
-        ``engine.tp_group`` (:func:`~mlperf_grpo.fingerprint.sharded_fingerprint`, two
+        ``engine.tp_group`` (:func:`~mlperf_grpo.model.fingerprint.sharded_fingerprint`, two
         collectives: every rank of the group calls this), so each is the fingerprint of
         the full tensors.
 

@@ -38,7 +38,7 @@ from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import EvaluationError
 from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
-from mlperf_grpo.fingerprint import (
+from mlperf_grpo.model.fingerprint import (
     DEVICE_FINGERPRINT_ALGORITHM,
     FINGERPRINT_ALGORITHMS,
     FINGERPRINT_V1,
@@ -49,7 +49,7 @@ from mlperf_grpo.fingerprint import (
 )
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.mllog import ParsedLog
-from mlperf_grpo.model_files import check_model_path
+from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.tasks import Task, ValidationSet
 
 
@@ -347,7 +347,7 @@ def engine_fingerprint(engine: InferenceEngine, checkpoint: Checkpoint, names: l
     when this engine cannot compute that algorithm (unknown, or v1 on an engine that
     hands out no weights). A tensor-parallel engine (``tp_size > 1``): its local slices'
     v2 partials summed over ``engine.tp_group``
-    (:func:`~mlperf_grpo.fingerprint.sharded_fingerprint`; full shapes from the
+    (:func:`~mlperf_grpo.model.fingerprint.sharded_fingerprint`; full shapes from the
     checkpoint's headers), a collective.
 
     Raises:

@@ -55,7 +55,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
     """
     from mlperf_grpo import memory_plan
     from mlperf_grpo.evaluate.series import EvaluationError
-    from mlperf_grpo.model import check_model_path
+    from mlperf_grpo.model.load import check_model_path
 
     t = group_size(config)
     if t == 1:

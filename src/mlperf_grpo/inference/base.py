@@ -116,7 +116,7 @@ class InferenceEngine(Protocol):
         """
 
     def weights_fingerprint(self, names: list[str]) -> str:
-        """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
+        """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors
         with these names (policy names), in the engine's dtype."""
 
     def canary_logits(self) -> list[float]:

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from mlperf_grpo.fingerprint import canary_logits, weights_fingerprint
+from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.inference.base import Completion, SamplingParams, Weights, completion_length, eos_token_ids, weight_pairs
 from mlperf_grpo.inference.sampling import RowSeededSampler
 from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
@@ -47,7 +47,7 @@ from mlperf_grpo.inference.tensor_parallel import (
     mesh_of,
     tensor_parallel_mesh,
 )
-from mlperf_grpo.model import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
+from mlperf_grpo.model.load import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
 
 
 GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -116,7 +116,7 @@ class HFEngine:
                   prefill_graphs: bool = False) -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
-        nor initialised: :func:`~mlperf_grpo.model.build_model_for_refit`, or at T > 1
+        nor initialised: :func:`~mlperf_grpo.model.load.build_model_for_refit`, or at T > 1
         :func:`~mlperf_grpo.inference.tensor_parallel.build_tensor_parallel_model` over
         this process's group). For evaluators and the trainer, which refit before every
         use; generating before the first refit gives meaningless text. Args and errors
@@ -318,7 +318,7 @@ class HFEngine:
                                      "prefill_ms": round(d.prefill_ms, 2)}
 
     def weights_fingerprint(self, names: list[str]) -> str:
-        """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the engine's tensors
+        """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors
         with these names, in the engine's dtype (tensor parallel: this rank's slices)."""
         own = self.weights()
         return weights_fingerprint({n: own[n] for n in names})

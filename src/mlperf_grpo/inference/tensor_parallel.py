@@ -25,7 +25,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model_skeleton import materialize, model_skeleton
+from mlperf_grpo.model.skeleton import materialize, model_skeleton
 
 
 def tensor_parallel_mesh(tensor_parallel_size: int, device: str):
@@ -88,7 +88,7 @@ def parallelize(model: PreTrainedModel, mesh) -> PreTrainedModel:
 def build_tensor_parallel_model(path: str, dtype: str, device: str, mesh) -> PreTrainedModel:
     """The causal LM at ``path`` split over ``mesh`` (:func:`parallelize`), storage for
     this rank's slices only on ``device`` in ``dtype``, weights unset (a refit fills
-    them: :func:`~mlperf_grpo.model_skeleton.materialize`), in eval mode.
+    them: :func:`~mlperf_grpo.model.skeleton.materialize`), in eval mode.
 
     Raises:
         ModelLoadError: no model directory, a config that does not build, or a model

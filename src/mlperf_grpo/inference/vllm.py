@@ -55,15 +55,15 @@ from transformers import AutoConfig
 
 from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.fingerprint import CANARY_LOGITS, canary_input_ids
+from mlperf_grpo.model.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import (
     Completion, SamplingParams, Weights, eos_token_ids, weight_pairs,
 )
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model import encode_prompts, load_tokenizer
-from mlperf_grpo.model_files import DTYPES, check_device, check_model_path, load_generation_config
-from mlperf_grpo.model_skeleton import check_weights
+from mlperf_grpo.model.load import encode_prompts, load_tokenizer
+from mlperf_grpo.model.files import DTYPES, check_device, check_model_path, load_generation_config
+from mlperf_grpo.model.skeleton import check_weights
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's ``logprobs_mode`` for this engine (see the module docstring)."""
@@ -132,7 +132,7 @@ class VLLMEngine:
         seed: vLLM's engine seed (every request also carries its own).
     Raises:
         ModelLoadError: no model directory, weight files that are unreadable or do not fit
-            ``config.json`` (:func:`~mlperf_grpo.model_skeleton.check_weights`), or ``cuda``
+            ``config.json`` (:func:`~mlperf_grpo.model.skeleton.check_weights`), or ``cuda``
             without a CUDA device.
     """
 
@@ -249,7 +249,7 @@ class VLLMEngine:
         return completions
 
     def weights_fingerprint(self, names: list[str]) -> str:
-        """:func:`~mlperf_grpo.fingerprint.weights_fingerprint` of the tensors (these
+        """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the tensors (these
         Hugging Face names, in the engine's dtype) the last refit handed to the model's
         ``load_weights``, as every worker computed it.
 

@@ -16,7 +16,7 @@ When the engine runs the model with wider attention heads
 
 Because those kernel formats drop the plain ``weight`` tensors, the loaded values cannot
 be read back from the model on every backend; the worker instead fingerprints the exact
-tensors it passed to ``load_weights`` (:func:`mlperf_grpo.fingerprint.weights_fingerprint`),
+tensors it passed to ``load_weights`` (:func:`mlperf_grpo.model.fingerprint.weights_fingerprint`),
 and the canary, run through vLLM's own forward pass, proves the kernels use them.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mlperf_grpo.fingerprint import weights_fingerprint
+from mlperf_grpo.model.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.head_padding import HeadPadding
 
 WORKER_EXTENSION = "mlperf_grpo.inference.vllm_worker.WeightSyncExtension"

@@ -36,7 +36,7 @@ def load_suite(config) -> TaskSuite:
 
 def _chat_template(model_path: str):
     """``messages -> prompt`` with the model tokenizer's chat template, or None without one."""
-    from mlperf_grpo.model import load_tokenizer
+    from mlperf_grpo.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     if not getattr(tokenizer, "chat_template", None):

@@ -12,8 +12,8 @@ engine, by ``inference.max_model_len`` when set.
 from __future__ import annotations
 
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.model import encode_prompts, load_tokenizer
-from mlperf_grpo.model_files import context_length
+from mlperf_grpo.model.load import encode_prompts, load_tokenizer
+from mlperf_grpo.model.files import context_length
 from mlperf_grpo.tasks.base import Task, TaskError
 
 
@@ -26,7 +26,7 @@ def sequence_limits(config: RunConfig) -> dict[str, int]:
 
     Returns:
         limit's description -> tokens: the model's context when ``config.json`` gives one
-        (:func:`~mlperf_grpo.model_files.context_length`), ``grpo.max_sequence_length``, and
+        (:func:`~mlperf_grpo.model.files.context_length`), ``grpo.max_sequence_length``, and
         ``inference.max_model_len`` with ``inference.engine: vllm`` when it is set.
     Raises:
         ModelLoadError: the model's ``config.json`` does not load.

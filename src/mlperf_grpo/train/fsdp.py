@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model_compile import compile_decoder_layers, decoder_layers
-from mlperf_grpo.model_files import check_model_path
-from mlperf_grpo.model_skeleton import check_weights, materialize, model_skeleton, tied_groups
-from mlperf_grpo.weight_names import ExpertParts, UnsupportedConversionError, saved_sources
+from mlperf_grpo.model.compile import compile_decoder_layers, decoder_layers
+from mlperf_grpo.model.files import check_model_path
+from mlperf_grpo.model.skeleton import check_weights, materialize, model_skeleton, tied_groups
+from mlperf_grpo.model.weight_names import ExpertParts, UnsupportedConversionError, saved_sources
 
 
 def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
@@ -40,7 +40,7 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     gradient. ``activation_checkpointing`` recomputes each decoder layer's activations in
     the backward pass (``torch.utils.checkpoint``, non-reentrant, wrapped inside each
     layer's FSDP unit as torchtitan does). ``compile_layers``: each layer is compiled
-    (:func:`~mlperf_grpo.model_compile.compile_decoder_layers`) after the wrapping and before
+    (:func:`~mlperf_grpo.model.compile.compile_decoder_layers`) after the wrapping and before
     ``fully_shard``, torchtitan's order. ``reshard_every_micro_batch=False``: the
     weights are not freed after a forward (``reshard_after_forward=False``) and the
     training loop calls :func:`sync_after_micro_batch` before each micro-batch (see
@@ -97,18 +97,18 @@ def load_sharded_policy(
     """The policy at ``path``, fp32, FSDP2-sharded over the process group's ranks as it is
     built: every rank must call this.
 
-    1. the architecture on the meta device (:func:`~mlperf_grpo.model_skeleton.model_skeleton`);
+    1. the architecture on the meta device (:func:`~mlperf_grpo.model.skeleton.model_skeleton`);
     2. :func:`shard_policy` (``fully_shard`` per decoder layer and at the root; each layer
        compiled first with ``compile_layers``; ``reshard_every_micro_batch`` as there);
     3. storage for this rank's shards only, on ``device``; RoPE's ``inv_freq`` and other
        non-persistent buffers recomputed from the config
-       (:func:`~mlperf_grpo.model_skeleton.materialize`);
+       (:func:`~mlperf_grpo.model.skeleton.materialize`);
     4. ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader``: each rank
        reads only its rows of each tensor (safetensors slices, memory-mapped) and casts
        them into its fp32 shard. A name tied to a loaded one (``lm_head.weight`` to the
        embeddings, which ``save_pretrained`` writes once) follows it. Tensors saved under
        other names are read as ``from_pretrained`` reads them
-       (:mod:`~mlperf_grpo.weight_names`): a renamed one into its parameter, MoE experts
+       (:mod:`~mlperf_grpo.model.weight_names`): a renamed one into its parameter, MoE experts
        saved one tensor each (Qwen3-MoE, Qwen3.5-MoE) straight into this rank's experts
        of the merged parameter.
 

@@ -16,9 +16,9 @@ import torch
 from mlperf_grpo import memory_plan, tasks
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.base import check_engine_available
-from mlperf_grpo.linear_attention import check_linear_attention_kernels
-from mlperf_grpo.model_check import check_model
-from mlperf_grpo.model_files import check_device, check_model_path
+from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.model.check import check_model
+from mlperf_grpo.model.files import check_device, check_model_path
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
@@ -53,7 +53,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
             (PromptTooLongError: a prompt plus ``grpo.max_new_tokens`` exceeds the model's
             context or ``grpo.max_sequence_length``).
         ModelLoadError: the model directory, its weights' headers or its tokenizer are
-            unusable (see :func:`mlperf_grpo.model_check.check_model`), or no CUDA device.
+            unusable (see :func:`mlperf_grpo.model.check.check_model`), or no CUDA device.
         MemoryPlanError: T does not divide, or the layout's planned bytes exceed the
             device (:func:`check_planned_memory`).
         RunDirError: the output already holds a run.

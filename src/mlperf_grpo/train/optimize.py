@@ -17,7 +17,7 @@ import torch
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.sections import GRPOConfig
 from mlperf_grpo.inference.base import Completion
-from mlperf_grpo.model_files import DTYPES
+from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grpo import (

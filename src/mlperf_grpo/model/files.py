@@ -16,7 +16,7 @@ from transformers import AutoConfig, GenerationConfig
 from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.errors import ModelLoadError
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 """The shipped model directories (``builtin:NAME``)."""
 BUILTIN_MODEL_DIR = ASSETS / "arithmetic-tiny"
 """The built-in default model (:data:`mlperf_grpo.config.sections.BUILTIN_MODEL`)."""

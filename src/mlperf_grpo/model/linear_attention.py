@@ -11,7 +11,7 @@ import importlib.metadata
 from packaging.version import Version
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model_files import linear_attention_layers
+from mlperf_grpo.model.files import linear_attention_layers
 
 BAD_TRITON = (Version("3.4.0"), Version("3.7.1"))
 """Triton releases ``[low, high)`` whose gated delta-net backward is wrong on Hopper."""

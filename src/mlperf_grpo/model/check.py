@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model import load_tokenizer
-from mlperf_grpo.model_files import check_model_path
-from mlperf_grpo.model_skeleton import check_weights
+from mlperf_grpo.model.load import load_tokenizer
+from mlperf_grpo.model.files import check_model_path
+from mlperf_grpo.model.skeleton import check_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 """A Hugging Face tokenizer needs one of these (``tokenizer_config.json`` alone is not one)."""

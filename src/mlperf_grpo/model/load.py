@@ -10,11 +10,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model_files import (
+from mlperf_grpo.model.files import (
     DTYPES, HF_LOAD_ERRORS, check_device, check_model_path, error_reason, hf_config, open_weights,
     saved_generation_config,
 )
-from mlperf_grpo.model_skeleton import check_weight_shapes, materialize, model_skeleton
+from mlperf_grpo.model.skeleton import check_weight_shapes, materialize, model_skeleton
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -57,8 +57,8 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> li
 def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """The causal LM at ``path`` in ``dtype`` ("float32" or "bfloat16") on ``device``
     ("cpu" or "cuda"), in eval mode, as ``AutoModelForCausalLM.from_pretrained`` loads
-    it. Each weight file is opened once (:func:`~mlperf_grpo.model_files.open_weights`): its header is checked
-    against ``config.json`` (as :func:`~mlperf_grpo.model_skeleton.check_weights`), then ``from_pretrained`` reads
+    it. Each weight file is opened once (:func:`~mlperf_grpo.model.files.open_weights`): its header is checked
+    against ``config.json`` (as :func:`~mlperf_grpo.model.skeleton.check_weights`), then ``from_pretrained`` reads
     the tensors through the same open files (``state_dict=``), so no header is read twice.
 
     Raises:
@@ -88,8 +88,8 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
 def build_model_for_refit(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """The causal LM at ``path`` built on ``device`` in ``dtype`` ("float32" or
     "bfloat16") with its weights neither read from the weight files nor initialised
-    (:func:`~mlperf_grpo.model_skeleton.model_skeleton`, then
-    :func:`~mlperf_grpo.model_skeleton.materialize`: non-persistent buffers such as
+    (:func:`~mlperf_grpo.model.skeleton.model_skeleton`, then
+    :func:`~mlperf_grpo.model.skeleton.materialize`: non-persistent buffers such as
     RoPE's ``inv_freq``, tied weights and ``generation_config.json`` as
     ``from_pretrained`` gives them), in eval mode. For an engine whose first use is a
     refit that overwrites every parameter (the evaluators': ``HFEngine.load_weights``

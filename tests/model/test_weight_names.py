@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from mlperf_grpo.weight_names import ExpertParts, loaded_shapes, saved_sources
+from mlperf_grpo.model.weight_names import ExpertParts, loaded_shapes, saved_sources
 
 pytest.importorskip("transformers.conversion_mapping", reason="transformers 4 loads the files' names as they are")
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.inference.vllm import VLLMEngine
-from mlperf_grpo.model import load_model
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.load import load_model
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.train import fsdp
 
 WEIGHTS = "model.safetensors"
@@ -151,7 +151,7 @@ def test_load_model_reads_each_weight_file_once_and_equals_from_pretrained(tmp_p
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from mlperf_grpo import model_files
+    from mlperf_grpo.model import files as model_files
 
     directory = BUILTIN_MODEL_DIR
     if sharded:
@@ -217,7 +217,7 @@ def test_a_model_saved_under_transformers_names_loads(tmp_path, model_type, size
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from mlperf_grpo.model_check import check_model
+    from mlperf_grpo.model.check import check_model
 
     directory = _saved_model(tmp_path, model_type, **sizes)
     with safe_open(str(directory / WEIGHTS), "pt") as f:
@@ -238,7 +238,7 @@ def test_a_tokenizer_that_transformers_extends_is_named_in_the_refusal(tmp_path)
     """transformers loads a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer`` whatever
     ``tokenizer_class`` says, and that class adds ``<|endoftext|>`` (id 15 here, past the
     15 embedding rows): the refusal names the token and the class, not only an id."""
-    from mlperf_grpo.model_check import check_model
+    from mlperf_grpo.model.check import check_model
 
     model = _saved_model(tmp_path, "qwen2", hidden_size=64, intermediate_size=128, num_key_value_heads=2,
                          tie_word_embeddings=False)
@@ -270,8 +270,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type
     import yaml
 
     from mlperf_grpo.cli import main
-    from mlperf_grpo.model_check import check_model
-    from mlperf_grpo.model_skeleton import model_skeleton
+    from mlperf_grpo.model.check import check_model
+    from mlperf_grpo.model.skeleton import model_skeleton
 
     directory = _saved_model(tmp_path, model_type, head, **sizes)
     for load in (lambda: check_model(str(directory), "1+2="), lambda: load_model(str(directory), "float32"),
@@ -289,7 +289,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type
 
 def test_an_encoder_family_as_a_decoder_is_a_causal_lm(tmp_path):
     """BERT with ``is_decoder: true`` (BertLMHeadModel with causal attention) is accepted."""
-    from mlperf_grpo.model_check import check_model
+    from mlperf_grpo.model.check import check_model
 
     directory = _saved_model(tmp_path, "bert", is_decoder=True, **BERT_SIZES)
     check_model(str(directory), "1+2=")

@@ -13,10 +13,10 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model_files import (
+from mlperf_grpo.model.files import (
     DTYPES, HF_LOAD_ERRORS, check_model_path, error_reason, hf_config, saved_generation_config, weight_shapes,
 )
-from mlperf_grpo.weight_names import loaded_shapes
+from mlperf_grpo.model.weight_names import loaded_shapes
 
 
 def _skeleton(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -105,7 +105,7 @@ def check_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], list[set
     """Check that the weight files of a model directory hold every parameter its
     ``config.json`` needs, each with its shape (a tied name may stand for its group),
     reading only ``config.json`` and the safetensors headers. A saved name counts as the
-    parameter ``from_pretrained`` loads it into (:func:`~mlperf_grpo.weight_names.loaded_shapes`).
+    parameter ``from_pretrained`` loads it into (:func:`~mlperf_grpo.model.weight_names.loaded_shapes`).
 
     Returns:
         ``(shapes_in_files, tied_groups, embedding_name, embedding_rows)``: tensor name ->

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mlperf_grpo.model_files import check_model_path, hf_config, linear_attention_layers
+from mlperf_grpo.model.files import check_model_path, hf_config, linear_attention_layers
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
