@@ -246,7 +246,7 @@ def launch(nproc: int, config_file: Path, out_dir: Path) -> dict:
     (out_dir / "torchrun.err").write_text(proc.stderr)  # kept with --keep (e.g. TORCH_LOGS output)
     if proc.returncode != 0 or not result.is_file():
         sys.exit(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    from mlperf_grpo.mllog import read_log
+    from mlperf_grpo.logs.mllog import read_log
 
     log = read_log(out_dir / "mlperf.log")
     stats = [e.value for e in log.events if e.key == "tracked_stats"]

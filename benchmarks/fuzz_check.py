@@ -18,7 +18,7 @@ seed with 1-6 mutations drawn from these kinds:
 - ``value``: an ``eval_accuracy`` set to null, a string, NaN, 1.5 or a list;
 - ``bytes``: random bytes in the middle of a line.
 
-The contract (README, "Log tools"): :func:`mlperf_grpo.check.check_log` returns a report
+The contract (README, "Log tools"): :func:`mlperf_grpo.logs.check.check_log` returns a report
 (exit 0/1) or raises ``UnreadableLog`` (exit 2); nothing else is raised; the report renders
 as text and JSON; and it answers within the official checkers' time limit plus the lint's
 own time. Prints one JSON line: inputs, contract violations by class (with the first input
@@ -58,9 +58,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 
-from mlperf_grpo.check import MAX_LINE_CHARS, UnreadableLog, check_log  # noqa: E402
-from mlperf_grpo.check.official import preload_checkers  # noqa: E402
-from mlperf_grpo.check.render import format_reports, to_json  # noqa: E402
+from mlperf_grpo.logs.check import MAX_LINE_CHARS, UnreadableLog, check_log  # noqa: E402
+from mlperf_grpo.logs.check.official import preload_checkers  # noqa: E402
+from mlperf_grpo.logs.check.render import format_reports, to_json  # noqa: E402
 from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
 
 TOKENS = ["", "x", "null", '"', "}", "{", "[", "]", ",", "9e999", "-1", "NaN", "\\u0000", "ü", "\x00", "\\", "true"]

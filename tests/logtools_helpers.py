@@ -151,7 +151,7 @@ def figure_texts(tl):
     being closed) and every text drawn in it (title, axis titles, labels, annotations; not hidden ones)."""
     import matplotlib
 
-    from mlperf_grpo.report_png import render_png
+    from mlperf_grpo.logs.report.png import render_png
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -28,6 +28,6 @@ def test_every_cited_test_file_exists():
 
 
 def test_the_check_sees_a_missing_file(tmp_path):
-    assert CITED.findall("see `tests/check/test_gone.py` and tests/evaluate/test_faults_eval_*.py.") == [
-        "tests/check/test_gone.py", "tests/evaluate/test_faults_eval_*.py"]
-    assert not list(ROOT.glob("tests/check/test_gone.py")) and list(ROOT.glob("tests/evaluate/test_faults_eval_*.py"))
+    assert CITED.findall("see `tests/logs/test_gone.py` and tests/evaluate/test_faults_eval_*.py.") == [
+        "tests/logs/test_gone.py", "tests/evaluate/test_faults_eval_*.py"]
+    assert not list(ROOT.glob("tests/logs/test_gone.py")) and list(ROOT.glob("tests/evaluate/test_faults_eval_*.py"))

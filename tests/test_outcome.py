@@ -11,7 +11,7 @@ from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_results
 from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem
 from mlperf_grpo.evaluate.launch import local_queue
-from mlperf_grpo.mllog import MLLogWriter, read_log
+from mlperf_grpo.logs.mllog import MLLogWriter, read_log
 from mlperf_grpo.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.config.rundir import RunDir
 

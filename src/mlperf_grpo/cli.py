@@ -93,8 +93,8 @@ def cmd_check(args: argparse.Namespace, progress: Progress) -> int:
     """
     import json
 
-    from mlperf_grpo.check import UnreadableLog, check_log
-    from mlperf_grpo.check.render import format_reports, to_json
+    from mlperf_grpo.logs.check import UnreadableLog, check_log
+    from mlperf_grpo.logs.check.render import format_reports, to_json
 
     request = CheckRequest.from_args(args)
     if (problem := request.problem()) is not None:
@@ -121,7 +121,7 @@ def cmd_check(args: argparse.Namespace, progress: Progress) -> int:
 
 def cmd_merge(args: argparse.Namespace, progress: Progress) -> int:
     """Append an evaluator's log to the training log, atomically and idempotently."""
-    from mlperf_grpo.merge import MergeError, OutputWriteError, merge_logs
+    from mlperf_grpo.logs.merge import MergeError, OutputWriteError, merge_logs
 
     try:
         result = merge_logs(args.train, args.eval, args.output)
@@ -141,9 +141,9 @@ def cmd_merge(args: argparse.Namespace, progress: Progress) -> int:
 
 def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     """Timeline report of one log as PNG or HTML."""
-    from mlperf_grpo.check import UnreadableLog
-    from mlperf_grpo.merge import OutputWriteError
-    from mlperf_grpo.report import ReportError, write_report
+    from mlperf_grpo.logs.check import UnreadableLog
+    from mlperf_grpo.logs.merge import OutputWriteError
+    from mlperf_grpo.logs.report.write import ReportError, write_report
 
     try:
         print(f"report: {write_report(args.log, args.output)}")
@@ -161,7 +161,7 @@ def cmd_plan(args: argparse.Namespace, progress: Progress) -> int:
 
 def cmd_package(args: argparse.Namespace, progress: Progress) -> int:
     """Submission layout for >= 3 runs, then package_checker, rcp_checker, summarizer."""
-    from mlperf_grpo.package import PackageError, build_package, format_result
+    from mlperf_grpo.logs.package import PackageError, build_package, format_result
 
     try:
         result = build_package(args.run_dirs, args.system, args.output)

@@ -142,7 +142,7 @@ def _add_check(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
     p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
-    from mlperf_grpo.check.official import OFFICIAL_TIME_LIMIT_S
+    from mlperf_grpo.logs.check.official import OFFICIAL_TIME_LIMIT_S
 
     p.add_argument("--time-limit-s", type=float, default=OFFICIAL_TIME_LIMIT_S, metavar="S",
                    help=f"limit for the official checkers on one log; past it the verdict is TIMEOUT (default {OFFICIAL_TIME_LIMIT_S:g})")

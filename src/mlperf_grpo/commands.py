@@ -189,7 +189,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     """Another trainer's series: validate its training log (check's messages), then
     evaluate the series through the offline evaluator."""
     from mlperf_grpo import environment
-    from mlperf_grpo.check.training_log import TrainingLogError, check_training_log
+    from mlperf_grpo.logs.check.training_log import TrainingLogError, check_training_log
     from mlperf_grpo.config.load import load_config
     from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
     from mlperf_grpo.evaluate.worker_group import check_worker_groups

@@ -16,7 +16,7 @@ Who calls what (DESIGN.md, "The rule, in one paragraph")::
         log_aborted_run_stop      aborted at the last trained step
 
 Times are Unix ms; ``samples_count = step * global batch size``. Every function only
-queues lines on an :class:`~mlperf_grpo.mllog.MLLogWriter` unless named ``commit_*``
+queues lines on an :class:`~mlperf_grpo.logs.mllog.MLLogWriter` unless named ``commit_*``
 (those commit, so the lines of one decision reach the log in one write). Torch-free.
 """
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.mllog import MLLogWriter
+from mlperf_grpo.logs.mllog import MLLogWriter
 
 if TYPE_CHECKING:
     from mlperf_grpo.checkpoint import Checkpoint

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.load import load_model
 from mlperf_grpo.train import collectives, engine_setup, fsdp, ranks
 from mlperf_grpo.train.grpo import PGLossOptions

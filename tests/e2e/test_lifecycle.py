@@ -20,7 +20,7 @@ import yaml
 
 from mlperf_grpo import __version__
 from mlperf_grpo.cli import build_parser, main
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

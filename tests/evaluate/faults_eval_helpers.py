@@ -11,7 +11,7 @@ import sys
 import time
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import PREFIX, read_log
+from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop", "run_stop")
 

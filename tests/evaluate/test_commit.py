@@ -23,7 +23,7 @@ from mlperf_grpo.evaluate.launch import local_queue
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem
 from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.mllog import MLLogWriter, read_log
+from mlperf_grpo.logs.mllog import MLLogWriter, read_log
 from mlperf_grpo.outcome import Evaluation
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.scoring import VerifierError

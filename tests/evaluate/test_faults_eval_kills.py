@@ -16,7 +16,7 @@ from faults_eval_helpers import (
 )
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

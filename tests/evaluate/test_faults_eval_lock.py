@@ -11,7 +11,7 @@ import pytest
 from faults_eval_helpers import error_lines, spawn_evaluate, wait_for, lock_held_by
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import PREFIX, read_log
+from mlperf_grpo.logs.mllog import PREFIX, read_log
 from mlperf_grpo.config.rundir import RunLock
 
 pytestmark = pytest.mark.slow

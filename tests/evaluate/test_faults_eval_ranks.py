@@ -20,9 +20,9 @@ from faults_eval_helpers import (
     flip_byte, evaluate_with,
 )
 
-from mlperf_grpo.check import check_log
+from mlperf_grpo.logs.check import check_log
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

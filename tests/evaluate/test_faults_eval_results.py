@@ -20,7 +20,7 @@ from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.evaluate.series import RefitError, verify_refit
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.tasks import SUITES, arithmetic
 from mlperf_grpo.tasks.scoring import VerifierError
 

@@ -20,7 +20,7 @@ from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate import series
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

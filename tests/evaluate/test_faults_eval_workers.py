@@ -17,7 +17,7 @@ from faults_eval_helpers import (
     copy_run, normalized, eval_steps, wait_for, count_evals, read_results, evaluate_with,
 )
 
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

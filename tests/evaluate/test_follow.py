@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import PREFIX, read_log
+from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 pytestmark = pytest.mark.slow
 

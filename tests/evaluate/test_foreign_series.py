@@ -22,7 +22,7 @@ from mlperf_grpo.checkpoint import CheckpointError, discover_checkpoints, read_w
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.cli import main
 from mlperf_grpo.evaluate.offline import evaluate_run
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.config.rundir import RunLock
 
 pytestmark = pytest.mark.slow

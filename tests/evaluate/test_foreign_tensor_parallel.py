@@ -24,7 +24,7 @@ from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.cli import main
 from mlperf_grpo.evaluate import group_watch
 from mlperf_grpo.evaluate.group_watch import lost_peer_line
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from test_distributed import ENV
 from test_tensor_parallel import _training_model_dir
 

@@ -10,7 +10,7 @@ import yaml
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_suite, validation_tasks
 from mlperf_grpo.tasks.scoring import score

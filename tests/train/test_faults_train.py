@@ -20,7 +20,7 @@ import xxhash
 from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.series import check_series
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.graceful_stop import GracefulStop, Terminated

@@ -27,7 +27,7 @@ from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProbl
 from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.evaluate.launch import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.mllog import MLLogWriter, ParsedLog
+from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog
 from mlperf_grpo.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet

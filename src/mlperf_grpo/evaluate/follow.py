@@ -40,7 +40,7 @@ from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
-from mlperf_grpo.mllog import ParsedLog, now_ms, parse_log_text
+from mlperf_grpo.logs.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock, RunLockedError
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 

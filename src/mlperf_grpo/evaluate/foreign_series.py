@@ -26,7 +26,7 @@ from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_series, last_trai
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
 from mlperf_grpo.model.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.mllog import ParsedLog, read_log
+from mlperf_grpo.logs.mllog import ParsedLog, read_log
 from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.config.rundir import RunDir, RunDirError
 from mlperf_grpo.tasks import ValidationSet

@@ -50,8 +50,8 @@ from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_
 from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
 from mlperf_grpo.inference.base import check_engine_available
-from mlperf_grpo.merge import MergeError, merge_logs
-from mlperf_grpo.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
+from mlperf_grpo.logs.merge import MergeError, merge_logs
+from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.config.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import ValidationSet, load_validation_set

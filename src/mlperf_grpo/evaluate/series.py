@@ -48,7 +48,7 @@ from mlperf_grpo.model.fingerprint import (
     weights_fingerprint,
 )
 from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.mllog import ParsedLog
+from mlperf_grpo.logs.mllog import ParsedLog
 from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.tasks import Task, ValidationSet
 

@@ -31,7 +31,7 @@ from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group, watch_group
 from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
-from mlperf_grpo.mllog import now_ms
+from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score

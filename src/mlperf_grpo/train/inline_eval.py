@@ -24,7 +24,7 @@ from mlperf_grpo.evaluate.offline import EvalOutcome, read_outcome, write_summar
 from mlperf_grpo.evaluate.series import EvaluationError
 from mlperf_grpo.evaluate.validator import validate
 from mlperf_grpo.inference.base import SamplingParams, build_engine
-from mlperf_grpo.mllog import MLLogWriter, now_ms, read_log
+from mlperf_grpo.logs.mllog import MLLogWriter, now_ms, read_log
 from mlperf_grpo.outcome import Evaluation
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet

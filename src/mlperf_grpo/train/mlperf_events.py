@@ -6,7 +6,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.mllog import MLLogWriter
+from mlperf_grpo.logs.mllog import MLLogWriter
 
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
 
@@ -94,7 +94,7 @@ def truncated_importance_sampling(config: RunConfig) -> dict[str, object]:
 
 def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats: dict[str, object]) -> None:
     """One ``tracked_stats`` event for a finished training step, committed (not yet fsynced:
-    see :class:`~mlperf_grpo.mllog.MLLogWriter`; the trainer syncs before publishing).
+    see :class:`~mlperf_grpo.logs.mllog.MLLogWriter`; the trainer syncs before publishing).
 
     ``stats`` uses the reference's names (``reduced_train_loss``, ``reward``,
     ``grad_norm``, ``global_valid_toks``, ``global_valid_seqs``, ``train_step_time``,

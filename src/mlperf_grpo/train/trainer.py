@@ -47,7 +47,7 @@ from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.eval_settings import evaluation_settings
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.inference.tensor_parallel import rank_share
-from mlperf_grpo.mllog import now_ms
+from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.model.load import load_model
 from mlperf_grpo.model.compile import compile_decoder_layers, compile_policy_layers
 from mlperf_grpo.model.files import DTYPES

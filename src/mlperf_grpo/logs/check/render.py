@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from mlperf_grpo.check import CheckReport
+from mlperf_grpo.logs.check import CheckReport
 
 
 def _fmt_minutes(minutes: float | None) -> str:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from mlperf_grpo import rules
-from mlperf_grpo.check import official
-from mlperf_grpo.check.lint import first_passing_eval
-from mlperf_grpo.mllog import ParsedLog, time_to_train_ms
+from mlperf_grpo.logs.check import official
+from mlperf_grpo.logs.check.lint import first_passing_eval
+from mlperf_grpo.logs.mllog import ParsedLog, time_to_train_ms
 
 
 @dataclass

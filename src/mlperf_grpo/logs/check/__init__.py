@@ -1,11 +1,11 @@
 """``mlperf-grpo check``: the official checkers plus the offline-evaluation lint.
 
-:func:`check_log` reads one log, runs the lint rules of :mod:`mlperf_grpo.check.lint`,
+:func:`check_log` reads one log, runs the lint rules of :mod:`mlperf_grpo.logs.check.lint`,
 the official compliance checker (training 6.1.0), RCP checker and summarizer (in a child
-process with a time limit, :func:`mlperf_grpo.check.official.run_official`), and the
-score computations of :mod:`mlperf_grpo.check.score`, and returns a :class:`CheckReport`.
+process with a time limit, :func:`mlperf_grpo.logs.check.official.run_official`), and the
+score computations of :mod:`mlperf_grpo.logs.check.score`, and returns a :class:`CheckReport`.
 Every input gets a verdict in bounded time: the lint never raises, lines over
-:data:`~mlperf_grpo.check.lint.MAX_LINE_CHARS` are a finding and keep the official
+:data:`~mlperf_grpo.logs.check.lint.MAX_LINE_CHARS` are a finding and keep the official
 checkers from running (verdict ``SKIPPED``), and a checker run over the limit is killed
 (verdict ``TIMEOUT``).
 """
@@ -16,13 +16,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.lint import MAX_LINE_CHARS, LintInput, lint
-from mlperf_grpo.check.official import OFFICIAL_TIME_LIMIT_S, ComplianceResult, not_run, run_official
-from mlperf_grpo.check.shape import EvalMode, evaluation_mode
-from mlperf_grpo.check.score import Score, compute_score
-from mlperf_grpo.log_values import UnreadableLog, find_run_dir, load_log_text
-from mlperf_grpo.mllog import ParsedLog, parse_log_text
+from mlperf_grpo.logs.check.findings import Finding
+from mlperf_grpo.logs.check.lint import MAX_LINE_CHARS, LintInput, lint
+from mlperf_grpo.logs.check.official import OFFICIAL_TIME_LIMIT_S, ComplianceResult, not_run, run_official
+from mlperf_grpo.logs.check.shape import EvalMode, evaluation_mode
+from mlperf_grpo.logs.check.score import Score, compute_score
+from mlperf_grpo.logs.values import UnreadableLog, find_run_dir, load_log_text
+from mlperf_grpo.logs.mllog import ParsedLog, parse_log_text
 
 __all__ = ["CheckReport", "Finding", "UnreadableLog", "check_log", "find_run_dir", "load_log_text"]
 
@@ -38,7 +38,7 @@ class CheckReport:
     score: Score
     notes: list[str] = field(default_factory=list)
     mode: EvalMode | None = None
-    """Inline or deferred evaluation, and the evidence (:func:`~mlperf_grpo.check.shape.evaluation_mode`)."""
+    """Inline or deferred evaluation, and the evidence (:func:`~mlperf_grpo.logs.check.shape.evaluation_mode`)."""
 
     @property
     def clean(self) -> bool:

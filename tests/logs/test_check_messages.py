@@ -7,10 +7,10 @@ import json
 
 from logtools_helpers import find, real_run, synth, to_text
 
-from mlperf_grpo.check import check_log, lint_text
-from mlperf_grpo.check.render import format_report
-from mlperf_grpo.check.shape import evaluation_mode
-from mlperf_grpo.mllog import parse_log_text
+from mlperf_grpo.logs.check import check_log, lint_text
+from mlperf_grpo.logs.check.render import format_report
+from mlperf_grpo.logs.check.shape import evaluation_mode
+from mlperf_grpo.logs.mllog import parse_log_text
 
 PREFIX = ":::MLLOG "
 

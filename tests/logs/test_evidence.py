@@ -4,7 +4,7 @@ problem of a file that cannot give it. Torch-free (the log tools' tests without 
 
 import json
 
-from mlperf_grpo.check.evidence import StoredResult, read_result, stored_results
+from mlperf_grpo.logs.check.evidence import StoredResult, read_result, stored_results
 
 HEADER = {"step": 18, "sampling": {"temperature": 0.1, "top_p": 0.95, "max_new_tokens": 8}, "seed": 1, "engine": {}}
 

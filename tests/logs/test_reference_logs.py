@@ -6,11 +6,11 @@ report labels true to the run."""
 import pytest
 from logtools_helpers import figure_texts, find, reference_style, synth, to_text
 
-from mlperf_grpo.check import check_log, lint_text
-from mlperf_grpo.check.shape import evaluation_mode
+from mlperf_grpo.logs.check import check_log, lint_text
+from mlperf_grpo.logs.check.shape import evaluation_mode
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import parse_log_text
-from mlperf_grpo.report_timeline import build_timeline
+from mlperf_grpo.logs.mllog import parse_log_text
+from mlperf_grpo.logs.report.timeline import build_timeline
 
 SHAPES = {
     "inline-pass": dict(accs=(0.72,)),

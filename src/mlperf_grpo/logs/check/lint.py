@@ -1,7 +1,7 @@
 """Offline-evaluation lint: what the official checkers let through but scores wrongly.
 
 One function per rule; each takes a :class:`LintInput` and returns a list of
-:class:`~mlperf_grpo.check.findings.Finding`. :func:`lint` runs them all. No rule
+:class:`~mlperf_grpo.logs.check.findings.Finding`. :func:`lint` runs them all. No rule
 raises on any input: values of the wrong type are findings, not errors.
 
 Sources: DESIGN.md ("The rule, in one paragraph" and "How the official checkers read a
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.lint_evals import (
+from mlperf_grpo.logs.check.findings import Finding
+from mlperf_grpo.logs.check.lint_evals import (
     eval_at_target,
     eval_outside_run,
     eval_pairing,
@@ -27,9 +27,9 @@ from mlperf_grpo.check.lint_evals import (
     run_stop_step,
     run_stop_time,
 )
-from mlperf_grpo.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
-from mlperf_grpo.log_values import EVAL_KEYS, int_or_none, is_number, ms_text
-from mlperf_grpo.mllog import LogEvent, loads_line
+from mlperf_grpo.logs.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
+from mlperf_grpo.logs.values import EVAL_KEYS, int_or_none, is_number, ms_text
+from mlperf_grpo.logs.mllog import LogEvent, loads_line
 
 MAX_LINE_CHARS = 4096
 """Longest ``:::MLLOG`` line the official checkers are given. Their line normalisation is

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlperf_grpo.check import UnreadableLog, load_log_text
-from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.lint import (
+from mlperf_grpo.logs.check import UnreadableLog, load_log_text
+from mlperf_grpo.logs.check.findings import Finding
+from mlperf_grpo.logs.check.lint import (
     LintInput,
     duplicate_global_batch_size,
     invalid_lines,
@@ -20,9 +20,9 @@ from mlperf_grpo.check.lint import (
     multiple_run_stops,
     run_stop_order,
 )
-from mlperf_grpo.check.shape import trained_samples
-from mlperf_grpo.log_values import logged_global_batch_size
-from mlperf_grpo.mllog import parse_log_text
+from mlperf_grpo.logs.check.shape import trained_samples
+from mlperf_grpo.logs.values import logged_global_batch_size
+from mlperf_grpo.logs.mllog import parse_log_text
 
 RULES = (invalid_lines, metadata_types, run_stop_order, multiple_run_stops, duplicate_global_batch_size)
 """The lint rules whose findings make a training log unusable for evaluation."""

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import read_log
-from mlperf_grpo.package import olympic_score_min
+from mlperf_grpo.logs.mllog import read_log
+from mlperf_grpo.logs.package import olympic_score_min
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -98,7 +98,7 @@ def test_the_same_run_directory_twice_is_refused(tmp_path, capsys):
 
 
 def test_implementation_folder_holds_what_reproduces_the_run(tmp_path):
-    from mlperf_grpo.package import _copy_source, project_root
+    from mlperf_grpo.logs.package import _copy_source, project_root
 
     root = project_root()
     dest = tmp_path / "impl"

@@ -3,8 +3,8 @@
 import json
 import os
 
-from mlperf_grpo import mllog
-from mlperf_grpo.mllog import MLLogWriter, parse_log_text, read_log, time_to_train_ms
+from mlperf_grpo.logs import mllog
+from mlperf_grpo.logs.mllog import MLLogWriter, parse_log_text, read_log, time_to_train_ms
 
 
 def test_lines_reach_the_file_only_on_commit(tmp_path):

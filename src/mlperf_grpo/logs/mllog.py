@@ -91,7 +91,7 @@ class MLLogWriter:
                 pass
         except OSError as err:
             raise LogWriteError(f"cannot write MLPerf log {self.path}: {err.strerror}") from None
-        logger = logging.getLogger(f"mlperf_grpo.mllog.{next(_logger_ids)}")
+        logger = logging.getLogger(f"mlperf_grpo.logs.mllog.{next(_logger_ids)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
         self._lines = _Lines()

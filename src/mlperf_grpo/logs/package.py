@@ -37,7 +37,7 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.mllog import read_log, time_to_train_ms
+from mlperf_grpo.logs.mllog import read_log, time_to_train_ms
 from mlperf_grpo.config.rundir import RunDir
 
 USAGE = "training"
@@ -173,7 +173,7 @@ def project_root() -> Path:
         PackageError: the package is not running from its source tree (a wheel install),
             so the implementation cannot be copied; the message says how to fix it.
     """
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     missing = [name for name in IMPLEMENTATION_FILES if not (root / name).exists()]
     if missing:
         raise PackageError(f"the implementation cannot be packaged: {', '.join(missing)} not found in {root}; "

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mlperf_grpo.mllog import PREFIX, LogEvent, ParsedLog
+from mlperf_grpo.logs.mllog import PREFIX, LogEvent, ParsedLog
 
 EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop")
 """The keys of one evaluation's events, in the order they are written."""

@@ -10,7 +10,7 @@ import pytest
 from logtools_helpers import find, live_run, real_run, synth, to_text
 
 from mlperf_grpo import rules
-from mlperf_grpo.check import check_log, lint_text
+from mlperf_grpo.logs.check import check_log, lint_text
 
 PREFIX = ":::MLLOG "
 

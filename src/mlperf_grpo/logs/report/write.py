@@ -6,7 +6,7 @@ steps is one bar with a tick per ``tracked_stats`` step), checkpoint writes (def
 runs: from a step's ``block_stop`` to the next ``block_start``, for steps from the first
 eval step on), each evaluation (``eval_start``..``eval_stop``), ``run_stop`` and the
 time-to-train span. Labels follow the evaluation mode the log shows
-(:func:`mlperf_grpo.check.shape.evaluation_mode`): deferred runs are drawn with the
+(:func:`mlperf_grpo.logs.check.shape.evaluation_mode`): deferred runs are drawn with the
 backdated ``run_stop`` at the passing checkpoint's weight-update time, inline runs with
 ``run_stop`` at the end of the passing evaluation; an aborted run has no score and gets
 no time-to-train arrow. The lower panel plots ``eval_accuracy`` per step against the
@@ -19,10 +19,10 @@ import base64
 import html
 from pathlib import Path
 
-from mlperf_grpo.check import load_log_text
-from mlperf_grpo.mllog import parse_log_text
-from mlperf_grpo.report_png import render_png
-from mlperf_grpo.report_timeline import Timeline, build_timeline, fmt_duration, title_of
+from mlperf_grpo.logs.check import load_log_text
+from mlperf_grpo.logs.mllog import parse_log_text
+from mlperf_grpo.logs.report.png import render_png
+from mlperf_grpo.logs.report.timeline import Timeline, build_timeline, fmt_duration, title_of
 
 SUFFIXES = (".png", ".html", ".htm")
 
@@ -71,7 +71,7 @@ def write_report(log_path: Path, output: Path) -> Path:
         ReportError: ``output`` has another suffix, or the log has no step, evaluation or run_start to draw.
         OSError: ``output`` cannot be written.
     """
-    from mlperf_grpo.merge import write_atomic
+    from mlperf_grpo.logs.merge import write_atomic
 
     output = Path(output)
     if output.suffix.lower() not in SUFFIXES:

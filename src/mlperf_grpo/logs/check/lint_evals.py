@@ -1,8 +1,8 @@
 """Offline-evaluation lint rules of the evaluation series (after the pass, contiguity,
 values, pairing, samples, stored results) and of the ``run_stop``'s time and step: one
-function per rule, as in :mod:`mlperf_grpo.check.lint`, which runs them all.
+function per rule, as in :mod:`mlperf_grpo.logs.check.lint`, which runs them all.
 
-Sources: as :mod:`mlperf_grpo.check.lint`.
+Sources: as :mod:`mlperf_grpo.logs.check.lint`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import math
 from typing import Any
 
 from mlperf_grpo import rules
-from mlperf_grpo.check.evidence import result_files, results_dirs, stored_results
-from mlperf_grpo.check.findings import Finding
-from mlperf_grpo.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
-from mlperf_grpo.check.shape import DEFERRED, INLINE, evaluation_mode, trained_samples
-from mlperf_grpo.log_values import (
+from mlperf_grpo.logs.check.evidence import result_files, results_dirs, stored_results
+from mlperf_grpo.logs.check.findings import Finding
+from mlperf_grpo.logs.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
+from mlperf_grpo.logs.check.shape import DEFERRED, INLINE, evaluation_mode, trained_samples
+from mlperf_grpo.logs.values import (
     EVAL_KEYS,
     checkpoint_records,
     int_or_none,
@@ -24,7 +24,7 @@ from mlperf_grpo.log_values import (
     ms_text,
     samples_count_of,
 )
-from mlperf_grpo.mllog import LogEvent
+from mlperf_grpo.logs.mllog import LogEvent
 
 
 def evals_after_pass(inp: LintInput) -> list[Finding]:
@@ -318,7 +318,7 @@ def eval_samples(inp: LintInput) -> list[Finding]:
     """``eval_samples`` differs from the number of validation tasks evaluated.
 
     The number evaluated is read from ``<run>/eval/step_N.jsonl`` (a header line, then
-    one line per task; :func:`~mlperf_grpo.check.evidence.results_dirs`) when the run
+    one line per task; :func:`~mlperf_grpo.logs.check.evidence.results_dirs`) when the run
     directory is known.
     """
     logged = inp.log.find("eval_samples")

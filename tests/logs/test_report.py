@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from logtools_helpers import DATA, figure_texts, find, reference_style, synth, to_text
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import parse_log_text
-from mlperf_grpo.report_png import render_png
-from mlperf_grpo.report_timeline import build_timeline, title_of
+from mlperf_grpo.logs.mllog import parse_log_text
+from mlperf_grpo.logs.report.png import render_png
+from mlperf_grpo.logs.report.timeline import build_timeline, title_of
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,5 @@
 """The PNG of ``mlperf-grpo report`` (matplotlib, Agg backend): the upper panel puts a
-:class:`~mlperf_grpo.report_timeline.Timeline` on one wall-clock axis, the lower one
+:class:`~mlperf_grpo.logs.report.timeline.Timeline` on one wall-clock axis, the lower one
 plots ``eval_accuracy`` per step against the target (see ``report.py``)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import io
 import math
 from dataclasses import dataclass
 
-from mlperf_grpo.check.shape import DEFERRED, INLINE
-from mlperf_grpo.report_timeline import EvalSpan, Timeline, fmt_duration, title_of
+from mlperf_grpo.logs.check.shape import DEFERRED, INLINE
+from mlperf_grpo.logs.report.timeline import EvalSpan, Timeline, fmt_duration, title_of
 
 TRAIN_COLORS = ("#4C72B0", "#7EA6D8")
 CKPT_COLOR = "#DD8452"

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlperf_grpo import rules
-from mlperf_grpo.check.shape import INLINE, EvalMode, evaluation_mode
-from mlperf_grpo.log_values import is_int, is_number, logged_global_batch_size
-from mlperf_grpo.mllog import ParsedLog
+from mlperf_grpo.logs.check.shape import INLINE, EvalMode, evaluation_mode
+from mlperf_grpo.logs.values import is_int, is_number, logged_global_batch_size
+from mlperf_grpo.logs.mllog import ParsedLog
 
 
 @dataclass

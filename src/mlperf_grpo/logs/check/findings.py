@@ -23,7 +23,7 @@ class Finding:
     @classmethod
     def at(cls, rule: str, event, problem: str, impact: str) -> "Finding":
         """A finding of ``rule`` at a log event's line and key (``event``: a
-        :class:`~mlperf_grpo.mllog.LogEvent`, its ``line_no`` and ``key``)."""
+        :class:`~mlperf_grpo.logs.mllog.LogEvent`, its ``line_no`` and ``key``)."""
         return cls(rule, event.line_no, event.key, problem, impact)
 
     def to_dict(self) -> dict:

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logtools_helpers import DATA, GBS, find, live_run, real_run, synth, to_text
 
-from mlperf_grpo.check import UnreadableLog, check_log, lint_text
-from mlperf_grpo.check.lint import RULES, LintInput
+from mlperf_grpo.logs.check import UnreadableLog, check_log, lint_text
+from mlperf_grpo.logs.check.lint import RULES, LintInput
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import parse_log_text
+from mlperf_grpo.logs.mllog import parse_log_text
 
 
 EVAL = ("eval_start", "eval_accuracy", "eval_stop")
@@ -327,7 +327,7 @@ def test_check_never_crashes_on_mutated_real_logs(tmp_path, ops):
     except UnreadableLog:
         return
     report.to_dict()
-    from mlperf_grpo.check.render import format_reports, to_json
+    from mlperf_grpo.logs.check.render import format_reports, to_json
 
     format_reports([report])
     json.loads(to_json([report]))
@@ -339,9 +339,9 @@ import time  # noqa: E402
 
 import importlib  # noqa: E402
 
-import mlperf_grpo.check as check_pkg  # noqa: E402
+import mlperf_grpo.logs.check as check_pkg  # noqa: E402
 
-lint_mod = importlib.import_module("mlperf_grpo.check.lint")  # the package's 'lint' name is the function
+lint_mod = importlib.import_module("mlperf_grpo.logs.check.lint")  # the package's 'lint' name is the function
 
 
 def test_deeply_nested_json_is_a_finding_not_a_recursion_error(tmp_path, capsys):
@@ -414,7 +414,7 @@ def test_official_rule_files_are_parsed_before_the_fork_and_results_are_unchange
     with PyYAML's parser broken afterwards, the forked checkers still give the same results."""
     import yaml
 
-    from mlperf_grpo.check import official
+    from mlperf_grpo.logs.check import official
 
     log = DATA / "mlperf.log"
     official.preload_checkers()
@@ -437,7 +437,7 @@ def test_parsed_rule_files_equal_a_fresh_parse_and_each_load_is_a_copy():
     import yaml
     from mlperf_logging.compliance_checker import mlp_compliance
 
-    from mlperf_grpo.check import official
+    from mlperf_grpo.logs.check import official
 
     official.preload_checkers()
     common = Path(mlp_compliance.__file__).parent / "training_6.1.0" / "common.yaml"

@@ -1,0 +1,1 @@
+"""mlperf-grpo report: the timeline of a log as PNG or HTML."""
