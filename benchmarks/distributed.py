@@ -71,7 +71,7 @@ Prints ONE JSON line:
 - ``peak_memory_bytes_per_rank``: ``torch.cuda.max_memory_allocated`` of each rank (the
   process's peak RSS on CPU);
 - ``planned_bytes_per_rank_n`` (and ``planned_bytes_per_rank_1``): the memory planner's
-  figures for the same model and layout (``mlperf_grpo.memory_plan``, today's replica
+  figures for the same model and layout (``mlperf_grpo.plan.memory``, today's replica
   engine: ``device_bytes``, its parts, and rank 0's host ``staging_bytes``), beside the
   measured peak: the peak exceeds the planned device bytes by the activations, the KV
   cache and the allocator's slack, which the plan does not count;
@@ -201,7 +201,7 @@ def tensor_parallel_figures(args: argparse.Namespace, dtype: str, params: float,
     """
     from checkpoint import build_model_dir  # benchmarks/checkpoint.py
 
-    from mlperf_grpo import memory_plan
+    from mlperf_grpo.plan import memory as memory_plan
 
     t = args.tensor_parallel_size
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -262,7 +262,7 @@ def planned_bytes_per_rank(model_dir: Path, nproc: int, dtype: str, max_in_fligh
     """The memory planner's per-rank bytes of today's layout (replica engine) for the
     model in ``model_dir`` on ``nproc`` ranks: ``device_bytes`` and its parts, and
     ``staging_bytes`` (host memory, rank 0)."""
-    from mlperf_grpo import memory_plan
+    from mlperf_grpo.plan import memory as memory_plan
 
     rank = memory_plan.plan_memory(memory_plan.load_model_config(model_dir), nproc, 1, dtype, max_in_flight).replica
     parts = ("master_weights_bytes", "gradient_bytes", "adam_bytes", "engine_bytes", "staging_bytes")

@@ -55,7 +55,7 @@ def _start_training(request: TrainRequest, progress: Progress):
     Nothing is written; a missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS`` (made
     by rank 0, its name on every rank)."""
     from mlperf_grpo.config.load import load_config
-    from mlperf_grpo.plan import format_differences
+    from mlperf_grpo.plan.closed import format_differences
     from mlperf_grpo.errors import RunDirError
     from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.train import collectives, ranks
@@ -221,7 +221,7 @@ def plan(request: PlanRequest) -> str:
     if request.memory:
         return _plan_memory(request)
     from mlperf_grpo.config.load import load_config
-    from mlperf_grpo.plan import build_plan, format_differences, format_plan
+    from mlperf_grpo.plan.closed import build_plan, format_differences, format_plan
 
     config = load_config(request.config) if request.config else None
     gbs = _parse_gbs(request.global_batch_size) if config is None else config.global_batch_size
@@ -256,7 +256,7 @@ def _plan_memory(request: PlanRequest) -> str:
     """``plan --memory``: per-rank bytes of a model shape at N ranks and T (memory_plan.py)."""
     import json
 
-    from mlperf_grpo import memory_plan
+    from mlperf_grpo.plan import memory as memory_plan
 
     model = (memory_plan.MODEL_SHAPES[request.model_shape] if request.model_shape
              else memory_plan.load_model_config(request.model_config))

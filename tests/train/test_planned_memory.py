@@ -5,7 +5,7 @@ tensor-parallel size that does not divide (train/inputs.py check_planned_memory)
 import pytest
 
 from mlperf_grpo.config.load import parse_config
-from mlperf_grpo.memory_plan import MemoryPlanError
+from mlperf_grpo.plan.memory import MemoryPlanError
 from mlperf_grpo.train import inputs
 
 # the built-in model (assets/arithmetic-tiny): hidden 64, 2 layers, 4 heads of 16 (4 KV),

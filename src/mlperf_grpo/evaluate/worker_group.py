@@ -45,7 +45,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
     """Refuse a tensor-parallel ``hf`` evaluation that cannot form its groups, before
     anything is written: T > 1 needs torchrun (``world_size``: its WORLD_SIZE; None
     without torchrun) with a multiple of T ranks, and T must divide the model's heads
-    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel`). ``command``: the
+    (:func:`~mlperf_grpo.plan.memory.check_tensor_parallel`). ``command``: the
     evaluation the refusal tells to run under torchrun (``evaluate --checkpoints DIR ...``
     for a series outside a run directory).
 
@@ -53,7 +53,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
         EvaluationError: not under torchrun.
         MemoryPlanError: T does not divide the world size or the heads (both numbers, the fix).
     """
-    from mlperf_grpo import memory_plan
+    from mlperf_grpo.plan import memory as memory_plan
     from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.model.load import check_model_path
 

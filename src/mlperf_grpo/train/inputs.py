@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mlperf_grpo import memory_plan, tasks
+from mlperf_grpo import tasks
+
+from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.base import check_engine_available
 from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
@@ -80,8 +82,8 @@ def device_memory_bytes() -> int:
 def check_planned_memory(config: RunConfig) -> None:
     """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
     that does not divide the world size or the model's heads / vocabulary / experts
-    (:func:`~mlperf_grpo.memory_plan.check_tensor_parallel` with the engine's rules); on
-    CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.memory_plan`:
+    (:func:`~mlperf_grpo.plan.memory.check_tensor_parallel` with the engine's rules); on
+    CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.plan.memory`:
     FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not
     checked, nor a model type the planner does not count.
 

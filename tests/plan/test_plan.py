@@ -7,7 +7,7 @@ import pytest
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
-from mlperf_grpo.plan import build_plan, load_rcp_means, rcp_convergence
+from mlperf_grpo.plan.closed import build_plan, load_rcp_means, rcp_convergence
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

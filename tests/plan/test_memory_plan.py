@@ -1,4 +1,4 @@
-"""The memory planner (src/mlperf_grpo/memory_plan.py): its analytic parameter list equals
+"""The memory planner (src/mlperf_grpo/plan/memory.py): its analytic parameter list equals
 the one transformers builds (on the meta device: no memory), and its per-rank bytes are the
 layout's arithmetic."""
 
@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from mlperf_grpo import memory_plan
-from mlperf_grpo.memory_plan import MemoryPlanError, model_tensors, plan_memory
+from mlperf_grpo.plan import memory as memory_plan
+from mlperf_grpo.plan.memory import MemoryPlanError, model_tensors, plan_memory
 
 MOE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -162,7 +162,7 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
 def test_the_hf_engine_does_not_replicate_kv_heads():
     """vLLM replicates Qwen3.5-397B's 2 KV heads over T = 8; transformers' tensor
     parallelism (the hf engine) would cut them into quarters, so T must divide them."""
-    from mlperf_grpo.memory_plan import QWEN3_5_397B_A17B
+    from mlperf_grpo.plan.memory import QWEN3_5_397B_A17B
 
     plan_memory(QWEN3_5_397B_A17B, 64, 8)  # vLLM's rule
     with pytest.raises(MemoryPlanError) as err:
@@ -175,7 +175,7 @@ def test_the_hf_engine_does_not_replicate_kv_heads():
 
 
 def test_the_fit_check_takes_the_split_engine_at_t_above_1():
-    from mlperf_grpo.memory_plan import check_fits
+    from mlperf_grpo.plan.memory import check_fits
 
     config = planner_config(CONFIGS["llama-gqa-bias"])
     plan = plan_memory(config, 2, 2, "float32", engine="hf")
