@@ -49,5 +49,5 @@ def test_environment_and_errors_import_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, mlperf_grpo.environment, mlperf_grpo.errors, mlperf_grpo.outcome, mlperf_grpo.step_dirs; print('torch' in sys.modules)"
+    code = "import sys, mlperf_grpo.environment, mlperf_grpo.errors, mlperf_grpo.evaluate.outcome, mlperf_grpo.step_dirs; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""Direct tests of evaluate/commit.py beyond the committer's order (tests/test_outcome.py):
+"""Direct tests of evaluate/commit.py beyond the committer's order (tests/evaluate/test_outcome.py):
 what :func:`plan_evaluation` leaves to evaluate for a series and a log, the results file
 :func:`write_results` writes, the log's evaluations :func:`logged_evals` reads, and a
 worker's error raised again, as its own type, in step order."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlperf_grpo import outcome
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
@@ -24,7 +24,7 @@ from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProbl
 from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.logs.mllog import MLLogWriter, read_log
-from mlperf_grpo.outcome import Evaluation
+from mlperf_grpo.evaluate.outcome import Evaluation
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.scoring import VerifierError
 

@@ -5,7 +5,7 @@ write each checkpoint's results to ``eval/unlogged/step_N.jsonl`` and publish th
 their error) to a work queue; :class:`StepOrderCommitter` takes them in step order,
 moves each results file to ``eval/step_N.jsonl`` and commits its ``eval_start`` /
 ``eval_accuracy`` / ``eval_stop`` (and ``run_stop`` on the first pass, or aborted once
-every checkpoint failed) in one write, as :mod:`mlperf_grpo.outcome` decides and writes
+every checkpoint failed) in one write, as :mod:`mlperf_grpo.evaluate.outcome` decides and writes
 them. The log is therefore the same, apart from times, for any number of workers.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
-from mlperf_grpo import outcome
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem, SeriesSource
@@ -28,7 +28,7 @@ from mlperf_grpo.evaluate.validator import TaskResult
 from mlperf_grpo.evaluate.launch import RankFailedError, WorkQueue
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog
-from mlperf_grpo.outcome import Evaluation, SeriesEnd
+from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet
 from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError

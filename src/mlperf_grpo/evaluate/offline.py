@@ -34,9 +34,11 @@ from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import environment, outcome, rules
+from mlperf_grpo import environment, rules
+
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.eval_settings import LOGGED_KEYS, logged_differences
+from mlperf_grpo.evaluate.settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.commit import (
     WORKER_ERRORS,
     EvalPlan,

@@ -37,7 +37,7 @@ from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import EvaluationError
-from mlperf_grpo.eval_settings import evaluation_settings, settings_difference
+from mlperf_grpo.evaluate.settings import evaluation_settings, settings_difference
 from mlperf_grpo.model.fingerprint import (
     DEVICE_FINGERPRINT_ALGORITHM,
     FINGERPRINT_ALGORITHMS,
@@ -137,7 +137,7 @@ def check_series(
 
 def check_evaluation_settings(first: Checkpoint, config: RunConfig, validation_tasks: list[Task]) -> list[str]:
     """The config evaluates what training recorded: every setting of
-    :func:`~mlperf_grpo.eval_settings.evaluation_settings` (seed, validation settings,
+    :func:`~mlperf_grpo.evaluate.settings.evaluation_settings` (seed, validation settings,
     ``grpo.max_new_tokens``, the task and its validation tasks' content) equals
     ``first``'s ``training_info.json`` ``evaluation`` record. Loads the task suite.
 

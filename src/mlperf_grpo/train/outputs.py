@@ -33,7 +33,7 @@ from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.model.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.logs.mllog import DiscardingLogWriter, MLLogWriter, read_log
-from mlperf_grpo.outcome import log_aborted_run_stop
+from mlperf_grpo.evaluate.outcome import log_aborted_run_stop
 from mlperf_grpo.model.files import DTYPES, check_model_path
 from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock
 from mlperf_grpo.train import collectives, ranks

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from mlperf_grpo.checkpoint import CheckpointTiming
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.eval_settings import evaluation_settings
+from mlperf_grpo.evaluate.settings import evaluation_settings
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
 from mlperf_grpo.inference.tensor_parallel import rank_share
 from mlperf_grpo.logs.mllog import now_ms
