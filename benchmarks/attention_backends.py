@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import qwen3_config  # noqa: E402  (benchmarks/checkpoint.py)
 
-from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
+from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import hf  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
 from mlperf_grpo.inference.hf import HFEngine  # noqa: E402

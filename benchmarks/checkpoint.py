@@ -50,7 +50,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from mlperf_grpo.checkpoint.direct_io import aligned_empty, write_file_image
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR, DTYPES

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import DTYPES, add_model_arguments, bad_input, build_model, gemm_proxy, model_config  # noqa: E402
 
-from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
+from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import decode, fused_decode  # noqa: E402
 from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
 from mlperf_grpo.inference.sampling import (  # noqa: E402

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 
 BUDGET_S = 600.0
 BUDGET_BYTES = 4 * 1024**3

@@ -109,7 +109,7 @@ from pathlib import Path
 
 import yaml
 
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

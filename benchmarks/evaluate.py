@@ -78,7 +78,7 @@ from safetensors.torch import load, load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build_model_dir  # noqa: E402  (benchmarks/checkpoint.py)
 
-from mlperf_grpo.cli_parser import parse_args_one_line  # noqa: E402
+from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.config.load import parse_config  # noqa: E402
 from mlperf_grpo.model.files import DTYPES  # noqa: E402
 from mlperf_grpo.logs.mllog import PREFIX  # noqa: E402

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.decode import SlotDecoder
 from mlperf_grpo.inference.hf import HFEngine

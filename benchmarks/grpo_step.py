@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from mlperf_grpo import rules, tasks
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError, ModelLoadError
 from mlperf_grpo.logs.mllog import read_log

@@ -30,8 +30,8 @@ import torch
 import yaml
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from mlperf_grpo import cli
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli import app as cli
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 

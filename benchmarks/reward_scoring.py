@@ -19,7 +19,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.tasks import arithmetic, scoring
 
 SIZES = {"step": 256, "validation": 1004}

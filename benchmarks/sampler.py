@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from mlperf_grpo.cli_parser import parse_args_one_line
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_from_candidates
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -249,7 +249,7 @@ RANK_1_HANGS_IN_STEP_3 = textwrap.dedent(
     from pathlib import Path
     from mlperf_grpo.checkpoint import rank_group
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli import main
+    from mlperf_grpo.cli.app import main
     rank_group.STALL_S = 2.0  # rank 0 takes a silent rank for dead sooner than the default
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
@@ -268,7 +268,7 @@ def test_a_rank_killed_while_it_writes_publishes_nothing_half_written(tmp_path):
     from test_distributed import ENV, _rank_pid
     from test_faults_train import assert_published_checkpoints_intact
 
-    from mlperf_grpo.cli import main
+    from mlperf_grpo.cli.app import main
 
     (tmp_path / "small.yaml").write_text(SMALL)
     (tmp_path / "hang.py").write_text(RANK_1_HANGS_IN_STEP_3)

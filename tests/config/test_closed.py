@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.load import ClosedDivisionError, parse_config
 from mlperf_grpo.errors import ConfigError

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from mlperf_grpo import __version__
-from mlperf_grpo.cli import build_parser, main
+from mlperf_grpo.cli.app import build_parser, main
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
@@ -288,7 +288,7 @@ def test_default_outputs_reserved_in_the_same_second_are_distinct(tmp_path, monk
     each get their own new directory: the name, then -2, -3, ... (one atomic mkdir each)."""
     import threading
 
-    from mlperf_grpo import commands
+    from mlperf_grpo.cli import commands
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(commands.time, "strftime", lambda fmt: "20261202-004236")

@@ -15,7 +15,7 @@ from faults_eval_helpers import (
     count_evals, read_results,
 )
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import os
 import pytest
 from faults_eval_helpers import error_lines, spawn_evaluate, wait_for, lock_held_by
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import PREFIX, read_log
 from mlperf_grpo.config.rundir import RunLock
 

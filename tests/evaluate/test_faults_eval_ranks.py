@@ -21,7 +21,7 @@ from faults_eval_helpers import (
 )
 
 from mlperf_grpo.logs.check import check_log
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow

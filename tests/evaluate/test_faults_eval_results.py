@@ -16,7 +16,7 @@ from faults_eval_helpers import normalized, eval_steps, error_lines, read_result
 
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import read_weights
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.evaluate.series import RefitError, verify_refit

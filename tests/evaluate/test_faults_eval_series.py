@@ -17,7 +17,7 @@ from mlperf_grpo import rules
 from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.checkpoint import discover_checkpoints
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate import series
 from mlperf_grpo.logs.mllog import read_log

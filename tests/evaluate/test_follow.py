@@ -22,7 +22,7 @@ import time
 import pytest
 import yaml
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 pytestmark = pytest.mark.slow

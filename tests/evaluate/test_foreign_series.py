@@ -20,7 +20,7 @@ import yaml
 import foreign_layouts
 from mlperf_grpo.checkpoint import CheckpointError, discover_checkpoints, read_weights
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.config.rundir import RunLock
@@ -393,7 +393,7 @@ def evaluate_in_subprocess(series, log, config):
     """``evaluate`` in a child process, killed after :data:`EVALUATE_TIMEOUT_S` (a hang
     fails the test instead of hanging CI): ``(exit code, stderr)``."""
     args = ["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(config)]
-    code = "import sys; from mlperf_grpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from mlperf_grpo.cli.app import main; sys.exit(main(sys.argv[1:]))"
     try:
         proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=EVALUATE_TIMEOUT_S,
                               env={**os.environ, "RETAIN_GRPO_CHECKPOINTS": "1"})

@@ -21,7 +21,7 @@ from faults_eval_helpers import error_lines
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint.foreign_share import read_foreign_share
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.evaluate import group_watch
 from mlperf_grpo.evaluate.group_watch import lost_peer_line
 from mlperf_grpo.logs.mllog import read_log
@@ -174,7 +174,7 @@ SILENCE_S = 5
 """The heartbeat silence after which a peer is taken for gone, shortened from 30 s for the test."""
 FROZEN_CLI = [sys.executable, "-m", "mlperf_grpo.torchrun", "--standalone", "--nproc-per-node", "2", "--no-python",
               sys.executable, "-c", f"import sys; from mlperf_grpo.evaluate import group_watch; "
-              f"group_watch.PEER_SILENCE_S = {SILENCE_S}; from mlperf_grpo.cli import main; sys.exit(main(sys.argv[1:]))"]
+              f"group_watch.PEER_SILENCE_S = {SILENCE_S}; from mlperf_grpo.cli.app import main; sys.exit(main(sys.argv[1:]))"]
 
 
 def test_a_frozen_rank_is_taken_for_gone_after_its_heartbeat_silence(trained, tmp_path):

@@ -11,7 +11,7 @@ from logtools_helpers import DATA, GBS, find, live_run, real_run, synth, to_text
 
 from mlperf_grpo.logs.check import UnreadableLog, check_log, lint_text
 from mlperf_grpo.logs.check.lint import RULES, LintInput
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import parse_log_text
 
 

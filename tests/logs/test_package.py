@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.logs.package import olympic_score_min
 
@@ -103,7 +103,7 @@ def test_implementation_folder_holds_what_reproduces_the_run(tmp_path):
     root = project_root()
     dest = tmp_path / "impl"
     _copy_source(root, dest)
-    for name in ("pyproject.toml", "README.md", "configs/closed-gbs256.yaml", "src/mlperf_grpo/cli.py"):
+    for name in ("pyproject.toml", "README.md", "configs/closed-gbs256.yaml", "src/mlperf_grpo/cli/app.py"):
         assert (dest / name).is_file(), name
     assets = sorted(p.relative_to(root / "src") for p in (root / "src/mlperf_grpo/assets").rglob("*") if p.is_file())
     assert assets and all((dest / "src" / a).is_file() for a in assets)

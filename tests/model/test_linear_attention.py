@@ -3,7 +3,7 @@ wrong: Triton >= 3.4.0 and < 3.7.1 on a Hopper GPU (flash-linear-attention #640)
 
 import yaml
 
-from mlperf_grpo import cli
+from mlperf_grpo.cli import app as cli
 
 from mlperf_grpo.model import linear_attention
 from mlperf_grpo.model.linear_attention import fla_refusal

@@ -269,7 +269,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type
     LM, and train exits 2, nothing made."""
     import yaml
 
-    from mlperf_grpo.cli import main
+    from mlperf_grpo.cli.app import main
     from mlperf_grpo.model.check import check_model
     from mlperf_grpo.model.skeleton import model_skeleton
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths

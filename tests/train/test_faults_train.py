@@ -95,7 +95,7 @@ SLOW_WRITES = textwrap.dedent(
     """
     import sys, time
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli import main
+    from mlperf_grpo.cli.app import main
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
         time.sleep(2.0)
@@ -238,7 +238,7 @@ FAIL_AT_STEP_20 = textwrap.dedent(
     """
     import errno, sys
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli import main
+    from mlperf_grpo.cli.app import main
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
         if path.parent.name == "tmp_step_20":

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from mlperf_grpo import tasks
-from mlperf_grpo.cli import main
+from mlperf_grpo.cli.app import main
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train.grpo import PGLossOptions

@@ -1,7 +1,7 @@
 """``mlperf-grpo`` command line: one short function per subcommand.
 
-Each builds the command's request (:mod:`mlperf_grpo.command_requests`, which checks
-it), calls its one library entry (:mod:`mlperf_grpo.commands`, or the log tool's) and
+Each builds the command's request (:mod:`mlperf_grpo.cli.requests`, which checks
+it), calls its one library entry (:mod:`mlperf_grpo.cli.commands`, or the log tool's) and
 prints the result. Exit codes: 0 success, 3 aborted (no checkpoint passed), 2 bad input,
 1 anything else, 130 Ctrl-C, 143 SIGTERM. Errors are one line on stderr,
 ``mlperf-grpo: error: ...``, without a traceback.
@@ -14,10 +14,10 @@ import contextlib
 import os
 import sys
 
-from mlperf_grpo import commands
-from mlperf_grpo.cli_parser import build_parser
-from mlperf_grpo.command_requests import CheckRequest, EvaluateRequest, PlanRequest, TrainRequest, torchrun_world_size
-from mlperf_grpo.commands import Progress, say
+from mlperf_grpo.cli import commands
+from mlperf_grpo.cli.parser import build_parser
+from mlperf_grpo.cli.requests import CheckRequest, EvaluateRequest, PlanRequest, TrainRequest, torchrun_world_size
+from mlperf_grpo.cli.commands import Progress, say
 from mlperf_grpo.errors import (
     BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, BadInput,
     outcome_exit_code,

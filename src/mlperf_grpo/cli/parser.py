@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mlperf_grpo.command_requests import MODEL_SHAPE_NAMES
+from mlperf_grpo.cli.requests import MODEL_SHAPE_NAMES
 from mlperf_grpo.errors import BadInput
 
 RUNS_DIR = Path("runs")

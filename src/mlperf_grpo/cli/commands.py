@@ -1,5 +1,5 @@
 """The library entry of each ``mlperf-grpo`` subcommand: one function per request
-(:mod:`mlperf_grpo.command_requests`), which the CLI calls and whose result it prints.
+(:mod:`mlperf_grpo.cli.requests`), which the CLI calls and whose result it prints.
 Imports of the library are made inside each entry, so a log tool never loads torch.
 
 :class:`Progress` is what a running command has reached (its phase, the run directory
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlperf_grpo.command_requests import EvaluateRequest, PlanRequest, TrainRequest
+from mlperf_grpo.cli.requests import EvaluateRequest, PlanRequest, TrainRequest
 from mlperf_grpo.errors import BadInput, outcome_exit_code
 
 RUNS_DIR = Path("runs")

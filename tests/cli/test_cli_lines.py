@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from mlperf_grpo import cli
-from mlperf_grpo.commands import Progress
+from mlperf_grpo.cli import app as cli
+from mlperf_grpo.cli.commands import Progress
 
 
 class _Writes:
