@@ -52,9 +52,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from mlperf_grpo.checkpoint.direct_io import aligned_empty, write_file_image
 from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR, DTYPES
-from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train.trainer import train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

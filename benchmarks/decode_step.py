@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import DTYPES, add_model_arguments, bad_input, build_model, gemm_proxy, model_config  # noqa: E402
 
 from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
-from mlperf_grpo.inference import decode, fused_decode  # noqa: E402
-from mlperf_grpo.inference.decode import SlotDecoder  # noqa: E402
-from mlperf_grpo.inference.sampling import (  # noqa: E402
-    sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates)
+from mlperf_grpo.inference import fused_decode, slot_attention  # noqa: E402
+from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder  # noqa: E402
+from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates  # noqa: E402
+from mlperf_grpo.inference.slot_state import DecodeCall  # noqa: E402
 
 PROMPT_TOKENS = 32
 REPLAYS = 20
@@ -126,7 +126,7 @@ def parts(model, decoder: SlotDecoder, rows: int, key_length: int, device: str) 
         return run
 
     def forward() -> torch.Tensor:
-        with decode._attention(model, decode.SLOT_ATTENTION):
+        with slot_attention.attention_implementation(model, slot_attention.SLOT_ATTENTION):
             return decoder._decode_logits(rows, key_length)
 
     def sample(fn: Callable, *args) -> Callable[[], object]:
@@ -153,7 +153,7 @@ def profile_step(decoder: SlotDecoder, rows: int, device: str, top: int, steps: 
     (and kernels) by device time, ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    call = decode._Call(1.0, 1.0, decoder.state.uniforms.shape[1], (-1,))
+    call = DecodeCall(1.0, 1.0, decoder.state.uniforms.shape[1], (-1,))
     key_length = decoder.cache.length
     decoder._step_body(call, rows, key_length, exact=True)  # compiled kernels built before the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -205,7 +205,7 @@ def main() -> None:
 
     section("proxy", gemm_proxy(model, args.batch, device))
     cuda_graphs = device == "cuda"
-    decoder = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs)
+    decoder = SlotDecoder(model, args.batch, 0, DecodeOptions(cuda_graphs=cuda_graphs))
     baseline, baseline_rows = timed_generate(decoder, prompts, args.new_tokens, device)
     baseline["proxy_ratio"] = round(baseline["tokens_per_s"] / result["proxy"]["tokens_per_s"], 3)
     baseline["fused_kernels"] = decoder.fused_kernels
@@ -214,13 +214,13 @@ def main() -> None:
     section("parts_ms", {"key_length": key_length, **parts(model, decoder, args.batch, key_length, device)})
     del decoder
     if args.profile_top:
-        eager = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=False, fused_kernels=cuda_graphs)
+        eager = SlotDecoder(model, args.batch, 0, DecodeOptions(cuda_graphs=False, fused_kernels=cuda_graphs))
         timed_generate(eager, prompts, 2, device)
         section("profile", profile_step(eager, args.batch, device, args.profile_top))
         del eager
     for name in args.variants:
-        decoder = SlotDecoder(model, args.batch, pad_token_id=0, cuda_graphs=cuda_graphs,
-                              **{"fused_kernels": cuda_graphs, **VARIANTS[name]})
+        decoder = SlotDecoder(model, args.batch, 0, DecodeOptions(cuda_graphs=cuda_graphs,
+                              **{"fused_kernels": cuda_graphs, **VARIANTS[name]}))
         figures, rows = timed_generate(decoder, prompts, args.new_tokens, device)
         del decoder
         figures["speedup_vs_baseline"] = round(baseline["ms_per_step"] / figures["ms_per_step"], 3)

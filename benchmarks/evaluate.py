@@ -80,9 +80,9 @@ from checkpoint import build_model_dir  # noqa: E402  (benchmarks/checkpoint.py)
 
 from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.config.load import parse_config  # noqa: E402
-from mlperf_grpo.model.files import DTYPES  # noqa: E402
-from mlperf_grpo.logs.mllog import PREFIX  # noqa: E402
 from mlperf_grpo.config.rundir import RunDir  # noqa: E402
+from mlperf_grpo.logs.mllog import PREFIX  # noqa: E402
+from mlperf_grpo.model.files import DTYPES  # noqa: E402
 from mlperf_grpo.train.trainer import train  # noqa: E402
 
 

@@ -58,10 +58,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from logtools_helpers import DATA, reference_style, synth, to_text  # noqa: E402
 
+from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.logs.check import MAX_LINE_CHARS, UnreadableLog, check_log  # noqa: E402
 from mlperf_grpo.logs.check.official import preload_checkers  # noqa: E402
 from mlperf_grpo.logs.check.render import format_reports, to_json  # noqa: E402
-from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 
 TOKENS = ["", "x", "null", '"', "}", "{", "[", "]", ",", "9e999", "-1", "NaN", "\\u0000", "ü", "\x00", "\\", "true"]
 BAD_VALUES = [[], {}, [1, 2], {"a": 1}, "18", 18.5, -4608, None, True]

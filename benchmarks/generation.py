@@ -60,7 +60,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.decode import SlotDecoder
+from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.hf import HFEngine
 
 VOCAB_SIZE = 151_936  # Qwen3 / Qwen3.5 tokenizers
@@ -257,7 +257,7 @@ def validation_sampling(model: Qwen3ForCausalLM, prompts: list[list[int]], new_t
     candidates' ``rerun_steps`` and the fraction of rows with the same tokens."""
     out, rows = {}, {}
     for name, k in (("exact", 0), ("candidates", candidates)):
-        decoder = SlotDecoder(model, len(prompts), pad_token_id=0, cuda_graphs=device == "cuda", top_p_candidates=k)
+        decoder = SlotDecoder(model, len(prompts), 0, DecodeOptions(cuda_graphs=device == "cuda", top_p_candidates=k))
         seeds = list(range(len(prompts)))
         call = (prompts, seeds, 0.1, 0.95, new_tokens, [])
         decoder.generate(*call)  # captures

@@ -71,10 +71,10 @@ import torch
 from mlperf_grpo import rules, tasks
 from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.errors import ConfigError, ModelLoadError
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR, check_model_path
-from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train import trainer as trainer_module
 
 SHAPES = {

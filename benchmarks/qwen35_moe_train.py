@@ -35,7 +35,6 @@ from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
-
 SHAPES = {
     "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 64, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from mlperf_grpo.config.load import parse_config
-from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights, sha256_file
+from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.train.trainer import train
 
 OUT = BUILTIN_MODEL_DIR.parent / "arithmetic-tiny-closed"

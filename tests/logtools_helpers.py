@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 
 GBS = 256
 S0 = 18

@@ -2,7 +2,7 @@
 Torch-free and at the bottom of the imports, so the CLI names them without loading the
 library.
 
-Each is raised by the module it is also importable from (``config_load.ConfigError``,
+Each is raised by the module it is also importable from (``config.load.ConfigError``,
 ``checkpoint.CheckpointError``, ...). Every type in :data:`BAD_INPUT_ERRORS`, and its
 subclasses, is wrong input: exit 2 with its one-line message, nothing written.
 """

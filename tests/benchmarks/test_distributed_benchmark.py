@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.tasks.scoring import reward_ref
-from mlperf_grpo.config.run import RunConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -61,8 +61,8 @@ def test_format_task_rewards_any_integer_and_loads_as_an_entry_point(monkeypatch
 def test_build_model_dir_writes_a_finite_model_that_loads(tmp_path):
     import torch
 
-    from mlperf_grpo.model.load import load_model
     from mlperf_grpo.model.check import check_model
+    from mlperf_grpo.model.load import load_model
 
     n = _module("checkpoint").build_model_dir(tmp_path / "m", 2e6, "bfloat16", device="cpu")
     check_model(str(tmp_path / "m"), sample_text="12+34=")

@@ -26,8 +26,8 @@ from mlperf_grpo.checkpoint import (
     write_checkpoint,
 )
 from mlperf_grpo.checkpoint import writer as writer_module
-from mlperf_grpo.model.load import load_model
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.load import load_model
 
 
 def _info(step):

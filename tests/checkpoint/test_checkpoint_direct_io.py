@@ -13,14 +13,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mlperf_grpo.checkpoint import AsyncCheckpointer, TrainingInfo, discover_checkpoints, read_weights, write_checkpoint
-from mlperf_grpo.checkpoint import direct_io, staging
+from mlperf_grpo.checkpoint import (
+    AsyncCheckpointer,
+    TrainingInfo,
+    direct_io,
+    discover_checkpoints,
+    read_weights,
+    staging,
+    write_checkpoint,
+)
 from mlperf_grpo.checkpoint import writer as writer_module
 from mlperf_grpo.checkpoint.staging import staged_checksums
 from mlperf_grpo.checkpoint.writer import combined_fingerprint
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.model.fingerprint import weights_fingerprint
 from mlperf_grpo.model.load import load_model
-from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 
 
 def _info(step, dtype="float32"):

@@ -19,8 +19,15 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file
 
 import mlperf_grpo
-from mlperf_grpo.checkpoint import (AsyncCheckpointer, CheckpointWriteError, RankGroup, TrainingInfo,
-                                   engine_checkpoint_weights, read_training_info, write_checkpoint)
+from mlperf_grpo.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointWriteError,
+    RankGroup,
+    TrainingInfo,
+    engine_checkpoint_weights,
+    read_training_info,
+    write_checkpoint,
+)
 from mlperf_grpo.checkpoint.direct_io import ALIGNMENT_BYTES
 from mlperf_grpo.checkpoint.format import END_FILE, INDEX_FILE
 from mlperf_grpo.checkpoint.shard_plan import plan_shards, tensor_bytes
@@ -70,8 +77,8 @@ def test_each_tensor_has_one_owner_in_whole_files_and_no_rank_more_than_its_shar
 
 
 def test_the_tests_model_is_the_builtin_one():
-    from mlperf_grpo.model.load import load_model
     from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+    from mlperf_grpo.model.load import load_model
 
     assert MODEL_DIR == BUILTIN_MODEL_DIR
     state = load_model("builtin:arithmetic-tiny", "bfloat16").state_dict()
@@ -249,7 +256,7 @@ RANK_1_HANGS_IN_STEP_3 = textwrap.dedent(
     from pathlib import Path
     from mlperf_grpo.checkpoint import rank_group
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
     rank_group.STALL_S = 2.0  # rank 0 takes a silent rank for dead sooner than the default
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
@@ -268,7 +275,7 @@ def test_a_rank_killed_while_it_writes_publishes_nothing_half_written(tmp_path):
     from test_distributed import ENV, _rank_pid
     from test_faults_train import assert_published_checkpoints_intact
 
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     (tmp_path / "small.yaml").write_text(SMALL)
     (tmp_path / "hang.py").write_text(RANK_1_HANGS_IN_STEP_3)

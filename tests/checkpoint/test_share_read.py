@@ -11,16 +11,15 @@ import os
 import pytest
 import torch
 
-from mlperf_grpo.checkpoint import CheckpointCorruptError, TrainingInfo, discover_checkpoints, read_weights
-from mlperf_grpo.checkpoint import share_read
+from mlperf_grpo.checkpoint import CheckpointCorruptError, TrainingInfo, discover_checkpoints, read_weights, share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.checkpoint.share_read import HASH_KEYS, SHARE_KEY, hashing_ranks, read_share, reserve_share
 from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
 from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, verify_refit
-from mlperf_grpo.model.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.fingerprint import FINGERPRINT_V1, FINGERPRINT_V2, weights_fingerprint
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@
 import pytest
 import yaml
 
-from mlperf_grpo.cli.app import main
-from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import ClosedDivisionError, parse_config
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import ConfigError
+
 
 def _with(section, key, value):
     data = {"division": "closed", "grpo": {"num_prompts_per_step": 16, "max_steps": 40}}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.load import load_config, parse_config
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import ConfigError
 
 
@@ -102,7 +102,7 @@ def test_only_the_benchmark_target_is_accepted(division, target):
 
 
 def test_run_with_another_target_exits_2_with_one_line(tmp_path, capsys):
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("validation: {target_accuracy: 0.64}\n")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.logs.mllog import read_log

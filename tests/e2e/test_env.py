@@ -3,7 +3,7 @@
 import yaml
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import read_log
 
 SMALL_OPEN = {

@@ -386,8 +386,8 @@ def test_output_whose_lock_cannot_be_written_is_one_error_line_and_nothing_is_ma
 def test_a_lock_that_cannot_be_opened_is_a_run_dir_error(tmp_path):
     """``RunLock`` on a directory whose ``.lock`` cannot be opened raises RunDirError
     (exit 2 at the CLI) naming the lock file, not a bare OSError (exit 1)."""
-    from mlperf_grpo.errors import RunDirError
     from mlperf_grpo.config.rundir import RunLock
+    from mlperf_grpo.errors import RunDirError
 
     (tmp_path / ".lock").mkdir()
     with pytest.raises(RunDirError, match=r"cannot write the run's lock file .*\.lock: Is a directory"):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
-from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.tasks import arithmetic
 from mlperf_grpo.train.rollout import PromptSampler
 

@@ -8,11 +8,11 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from mlperf_grpo.cli.app import main
-from mlperf_grpo.logs.mllog import read_log
 from test_distributed import ENV, TORCHRUN
 from test_tensor_parallel import _training_model_dir
+
+from mlperf_grpo.cli import main
+from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow
 

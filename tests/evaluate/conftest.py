@@ -13,7 +13,7 @@ import pytest
 from faults_eval_helpers import copy_run, eval_steps, has_eval_events
 
 from mlperf_grpo.checkpoint import discover_checkpoints, read_weights
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.series import verify_refit
 from mlperf_grpo.evaluate.validator import validate

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 EVAL_KEYS = ("eval_start", "eval_accuracy", "eval_stop", "run_stop")

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.config.load import load_config
+from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.evaluate.commit import (
-    WORKER_ERRORS,
     EvalPlan,
     StepOrderCommitter,
     logged_evals,
@@ -20,12 +20,12 @@ from mlperf_grpo.evaluate.commit import (
     write_results,
 )
 from mlperf_grpo.evaluate.launch import local_queue
+from mlperf_grpo.evaluate.outcome import Evaluation
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem
 from mlperf_grpo.evaluate.validator import TaskResult
+from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.logs.mllog import MLLogWriter, read_log
-from mlperf_grpo.evaluate.outcome import Evaluation
-from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks.scoring import VerifierError
 
 CONFIG = load_config(None)

@@ -11,11 +11,19 @@ import time
 
 import pytest
 from faults_eval_helpers import (
-    SHARD, copy_run, normalized, eval_steps, error_lines, spawn_evaluate, wait_for, lock_held_by,
-    count_evals, read_results,
+    SHARD,
+    copy_run,
+    count_evals,
+    error_lines,
+    eval_steps,
+    lock_held_by,
+    normalized,
+    read_results,
+    spawn_evaluate,
+    wait_for,
 )
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import json
 import os
 
 import pytest
-from faults_eval_helpers import error_lines, spawn_evaluate, wait_for, lock_held_by
+from faults_eval_helpers import error_lines, lock_held_by, spawn_evaluate, wait_for
 
-from mlperf_grpo.cli.app import main
-from mlperf_grpo.logs.mllog import PREFIX, read_log
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.rundir import RunLock
+from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 pytestmark = pytest.mark.slow
 

@@ -16,12 +16,20 @@ from pathlib import Path
 import pytest
 import yaml
 from faults_eval_helpers import (
-    SHARD, copy_run, normalized, eval_steps, error_lines, wait_for, count_evals, read_results,
-    flip_byte, evaluate_with,
+    SHARD,
+    copy_run,
+    count_evals,
+    error_lines,
+    eval_steps,
+    evaluate_with,
+    flip_byte,
+    normalized,
+    read_results,
+    wait_for,
 )
 
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.check import check_log
-from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import read_log
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ import types
 import pytest
 import reward_fixtures
 import yaml
-from faults_eval_helpers import normalized, eval_steps, error_lines, read_results, set_info, info_of
+from faults_eval_helpers import error_lines, eval_steps, info_of, normalized, read_results, set_info
 
 from mlperf_grpo import rules
 from mlperf_grpo.checkpoint import read_weights
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.evaluate.series import RefitError, verify_refit

@@ -10,17 +10,17 @@ import shutil
 
 import pytest
 import yaml
+from faults_eval_helpers import SHARD, error_lines, eval_steps, flip_byte, info_of, normalized, set_info
 from safetensors.torch import load_file, save_file
-from faults_eval_helpers import SHARD, normalized, eval_steps, error_lines, set_info, info_of, flip_byte
 
 from mlperf_grpo import rules
-from mlperf_grpo.tasks import load_validation_set
 from mlperf_grpo.checkpoint import discover_checkpoints
-from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate import series
 from mlperf_grpo.logs.mllog import read_log
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.tasks import load_validation_set
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def _rename_tensor(update_record):
     """Rename a tensor of step_19 (a consistent shard, index and hash; with
     ``update_record`` also the tensor digest of its training_info.json)."""
     def damage(run):
-        from mlperf_grpo.checkpoint.format import tensor_specs_digest, SAFETENSORS_DTYPES
+        from mlperf_grpo.checkpoint.format import SAFETENSORS_DTYPES, tensor_specs_digest
         step = run / "checkpoints" / "step_19"
         tensors = load_file(step / SHARD)
         tensors["model.norm.weight_renamed"] = tensors.pop("model.norm.weight")

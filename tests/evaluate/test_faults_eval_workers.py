@@ -14,7 +14,13 @@ import time
 
 import pytest
 from faults_eval_helpers import (
-    copy_run, normalized, eval_steps, wait_for, count_evals, read_results, evaluate_with,
+    copy_run,
+    count_evals,
+    eval_steps,
+    evaluate_with,
+    normalized,
+    read_results,
+    wait_for,
 )
 
 from mlperf_grpo.logs.mllog import read_log

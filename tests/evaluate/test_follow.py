@@ -22,7 +22,7 @@ import time
 import pytest
 import yaml
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import PREFIX, read_log
 
 pytestmark = pytest.mark.slow
@@ -184,11 +184,11 @@ def test_each_follow_round_reads_only_the_files_of_checkpoints_it_has_not_checke
     non-weight files of the checkpoints no earlier round found sound, and no others (nor
     ``model.path``'s again); a checkpoint whose file changed after it was published is
     still refused when it is first checked, and checked again until it is sound."""
+    from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.evaluate import follow, series
     from mlperf_grpo.evaluate.series import EvaluationError
-    from mlperf_grpo.inference.base import build_engine
+    from mlperf_grpo.inference.factory import build_engine
     from mlperf_grpo.model.files import check_model_path
-    from mlperf_grpo.config.rundir import RunDir
     from mlperf_grpo.tasks import load_validation_set
 
     run = RunDir(tmp_path / "run")

@@ -13,17 +13,17 @@ import shutil
 import subprocess
 import sys
 
+import foreign_layouts
 import pytest
 import torch
 import yaml
 
-import foreign_layouts
 from mlperf_grpo.checkpoint import CheckpointError, discover_checkpoints, read_weights
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
+from mlperf_grpo.config.rundir import RunLock
 from mlperf_grpo.evaluate.offline import evaluate_run
 from mlperf_grpo.logs.mllog import read_log
-from mlperf_grpo.config.rundir import RunLock
 
 pytestmark = pytest.mark.slow
 
@@ -364,7 +364,7 @@ def test_per_rank_safetensors_missing_a_rank_are_refused_naming_the_tensor(train
 def test_consolidated_config_with_every_default_key_is_accepted_with_a_note(trained, tmp_path):
     """Automodel writes ``to_json_string(use_diff=False)``: every default key; only keys
     that define the architecture are compared."""
-    from mlperf_grpo.evaluate.foreign_series import config_differences
+    from mlperf_grpo.evaluate.foreign_source import config_differences
 
     ours = json.loads((trained / "checkpoints" / "step_3" / "config.json").read_text())
     series = foreign_layouts.to_nemo_rl(trained, tmp_path / "c", "consolidated")

@@ -12,21 +12,21 @@ import subprocess
 import sys
 import time
 
+import foreign_layouts
 import pytest
 import torch
 import yaml
-
-import foreign_layouts
 from faults_eval_helpers import error_lines
+from test_distributed import ENV
+from test_tensor_parallel import _training_model_dir
+
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint.foreign_share import read_foreign_share
 from mlperf_grpo.checkpoint.reader import ReadBuffers
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.evaluate import group_watch
 from mlperf_grpo.evaluate.group_watch import lost_peer_line
 from mlperf_grpo.logs.mllog import read_log
-from test_distributed import ENV
-from test_tensor_parallel import _training_model_dir
 
 pytestmark = pytest.mark.slow
 

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 import pytest
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.config.load import load_config
-from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_results
-from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem
-from mlperf_grpo.evaluate.launch import local_queue
-from mlperf_grpo.logs.mllog import MLLogWriter, read_log
-from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.evaluate import outcome
+from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_results
+from mlperf_grpo.evaluate.launch import local_queue
+from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
+from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem
+from mlperf_grpo.logs.mllog import MLLogWriter, read_log
 
 GBS = 16
 

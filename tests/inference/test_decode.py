@@ -8,15 +8,21 @@ import random
 
 import pytest
 import torch
+from test_generation import EOS, reference_sample, tiny_qwen3
 from transformers import DynamicCache, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.inference.decode import SlotDecoder, _Call, supports_slot_decoding
+from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.sampling import (
-    block_masses, sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates)
-from test_generation import EOS, reference_sample, tiny_qwen3
+    block_masses,
+    sample_tokens,
+    sample_tokens_by_blocks,
+    sample_tokens_from_candidates,
+)
+from mlperf_grpo.inference.slot_attention import supports_slot_decoding
+from mlperf_grpo.inference.slot_state import DecodeCall
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
 
@@ -47,7 +53,7 @@ def test_completions_do_not_depend_on_slot_count_order_or_neighbours():
     random.Random(5).shuffle(order)
     for slots in (1, 3, 8):
         for perm in (list(range(len(prompts))), order):
-            decoder = SlotDecoder(model, slots, pad_token_id=0, cuda_graphs=False, key_block=4)
+            decoder = SlotDecoder(model, slots, 0, DecodeOptions(cuda_graphs=False, key_block=4))
             out = decoder.generate([prompts[i] for i in perm], [seeds[i] for i in perm], PARAMS.temperature,
                                    PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
             for i, (tokens, logprobs) in zip(perm, out):
@@ -68,7 +74,7 @@ def test_steps_between_looks_keep_each_completion():
     expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
     lengths = [len(tokens) for tokens, _ in expected]
     for every in (3, 8):
-        decoder = SlotDecoder(model, 3, pad_token_id=0, cuda_graphs=False, key_block=4, check_every=every)
+        decoder = SlotDecoder(model, 3, 0, DecodeOptions(cuda_graphs=False, key_block=4, check_every=every))
         out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
             assert tokens == want_tokens
@@ -84,7 +90,7 @@ def test_bucketed_prefills_keep_each_completion():
     prompts, seeds = _prompts(14, seed=3)
     expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
     for slots in (3, 8):
-        decoder = SlotDecoder(model, slots, pad_token_id=0, cuda_graphs=False, key_block=4, prefill_graphs=True)
+        decoder = SlotDecoder(model, slots, 0, DecodeOptions(cuda_graphs=False, key_block=4, prefill_graphs=True))
         out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
             assert tokens == want_tokens
@@ -101,8 +107,8 @@ def test_a_prefill_writes_the_prompts_keys_into_their_slots():
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     prompts, seeds = [[5, 6, 7], [9, 3, 4, 11, 12]], [1, 2]
     for bucketed in (False, True):
-        decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4, prefill_graphs=bucketed)
-        call = _Call(PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, (EOS,))
+        decoder = SlotDecoder(model, 4, 0, DecodeOptions(cuda_graphs=False, key_block=4, prefill_graphs=bucketed))
+        call = DecodeCall(PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, (EOS,))
         decoder._prefill([2, 0], prompts, seeds, call, 4, 32)
         width = 16 if bucketed else 5
         for slot, prompt in zip([2, 0], prompts):
@@ -303,8 +309,8 @@ def test_blocks_with_a_nucleus_beyond_the_candidates_run_again_exactly():
     expected = [reference_sample(model, p, s, PARAMS) for p, s in zip(prompts, seeds)]
     reruns = {}
     for k in (3, 24):
-        decoder = SlotDecoder(model, 3, pad_token_id=0, cuda_graphs=False, key_block=4, check_every=3,
-                              top_p_candidates=k)
+        decoder = SlotDecoder(model, 3, 0, DecodeOptions(cuda_graphs=False, key_block=4, check_every=3,
+                              top_p_candidates=k))
         out = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(out, expected):
             assert tokens == want_tokens
@@ -342,7 +348,7 @@ def test_one_token_completions_take_no_decode_step():
     admissions), no forward pass after them; an empty call then resets the counts."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     prompts, seeds = _prompts(8, seed=6)
-    decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4)
+    decoder = SlotDecoder(model, 4, 0, DecodeOptions(cuda_graphs=False, key_block=4))
     out = decoder.generate(prompts, seeds, 1.0, 1.0, 1, [EOS])
     assert [len(tokens) for tokens, _ in out] == [1] * 8
     assert [t for t, _ in out] == [reference_sample(model, p, s, SamplingParams(1.0, 1.0, 1))[0]
@@ -381,8 +387,8 @@ def test_cuda_graph_replays_give_the_eager_steps():
     runs = {}
     for graphs in (False, True):
         # the same schedule (looks every 4 steps): buckets and compaction as in the graphs
-        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4,
-                              fused_kernels=False)
+        decoder = SlotDecoder(model, 16, 0, DecodeOptions(cuda_graphs=graphs, key_block=8, check_every=4,
+                              fused_kernels=False))
         for _ in range(2):  # the second call replays the graphs the first captured
             runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
                                             PARAMS.max_new_tokens, [EOS])
@@ -401,8 +407,8 @@ def test_cuda_graph_replays_run_a_block_again_as_the_eager_steps():
     prompts, seeds = _prompts(40, seed=11)
     runs = {}
     for graphs in (False, True):
-        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=graphs, key_block=8, check_every=4,
-                              top_p_candidates=3, fused_kernels=False)
+        decoder = SlotDecoder(model, 16, 0, DecodeOptions(cuda_graphs=graphs, key_block=8, check_every=4,
+                              top_p_candidates=3, fused_kernels=False))
         for _ in range(2):  # the second call replays the graphs the first captured
             runs[graphs] = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p,
                                             PARAMS.max_new_tokens, [EOS])
@@ -419,8 +425,8 @@ def test_captured_prefills_give_the_eager_bucketed_prefills():
     prompts, seeds = _prompts(40, seed=11)
     runs, captures = {}, {}
     for graphs in (False, True):
-        decoder = SlotDecoder(model, 16, pad_token_id=0, cuda_graphs=True, key_block=8, check_every=4,
-                              fused_kernels=False, prefill_graphs=True)
+        decoder = SlotDecoder(model, 16, 0, DecodeOptions(cuda_graphs=True, key_block=8, check_every=4,
+                              fused_kernels=False, prefill_graphs=True))
         if not graphs:  # the same buckets, prefills run eagerly
             decoder._capture_prefill = lambda call, inputs: decoder._prefill_body(call, inputs)
         for call in range(2):

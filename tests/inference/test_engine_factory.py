@@ -12,12 +12,14 @@ from safetensors.torch import save_file
 
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError
-from mlperf_grpo.model.fingerprint import canary_mismatch
-from mlperf_grpo.inference import base
-from mlperf_grpo.inference.base import EngineUnavailableError, SamplingParams, build_engine, check_engine_available
+from mlperf_grpo.inference import factory
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.decode import DecodeOptions
+from mlperf_grpo.inference.factory import EngineUnavailableError, build_engine, check_engine_available
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.vllm import sampled_logprobs
 from mlperf_grpo.inference.vllm_worker import read_safetensors_dir
+from mlperf_grpo.model.fingerprint import canary_mismatch
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
@@ -64,9 +66,9 @@ def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
     made = {}
     real_init = HFEngine._init
 
-    def spy(self, model, tokenizer, batch_size, model_path, decode, top_p_candidates=0, prefill_graphs=False):
-        made.update(top_p_candidates=top_p_candidates, prefill_graphs=prefill_graphs)
-        real_init(self, model, tokenizer, batch_size, model_path, "slots", top_p_candidates, prefill_graphs)
+    def spy(self, model, tokenizer, batch_size, model_path, decode, decoder=DecodeOptions()):
+        made.update(top_p_candidates=decoder.top_p_candidates, prefill_graphs=decoder.prefill_graphs)
+        real_init(self, model, tokenizer, batch_size, model_path, "slots", decoder)
 
     monkeypatch.setattr(HFEngine, "_init", spy)
     config = parse_config({"inference": {"top_p_candidates": 32, "prefill_graphs": True}})
@@ -81,7 +83,7 @@ def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
 
 def test_missing_vllm_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(factory.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     config = parse_config({"inference": {"engine": "vllm"}})
     with pytest.raises(EngineUnavailableError) as err:
         build_engine(config)

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model.fingerprint import CANARY_TOLERANCE, canary_mismatch
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
-from mlperf_grpo.model.load import build_model_for_refit, load_model
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.fingerprint import CANARY_TOLERANCE, canary_mismatch
+from mlperf_grpo.model.load import build_model_for_refit, load_model
 
 PROMPTS = ["12 + 7 =", "3 * 4 =", "100 - 1 ="]
 

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.inference.base import Completion, SamplingParams, eos_token_ids
-from mlperf_grpo.model.load import encode_prompts
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.load import encode_prompts
 from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.train.grpo import group_advantages
 from mlperf_grpo.train.rollout import build_batch

@@ -7,11 +7,11 @@ import warnings
 
 import pytest
 import torch
-
-from mlperf_grpo.inference import fused_decode
-from mlperf_grpo.inference.decode import SlotDecoder
 from test_decode import PARAMS, _prompts
 from test_generation import EOS, tiny_qwen3
+
+from mlperf_grpo.inference import fused_decode
+from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -25,7 +25,7 @@ def test_fused_decoding_gives_the_models_own_completions(top_p):
     prompts, seeds = _prompts(10, seed=5)
     runs = {}
     for fused in (False, True):
-        decoder = SlotDecoder(model, 4, pad_token_id=0, cuda_graphs=False, key_block=4, fused_kernels=fused)
+        decoder = SlotDecoder(model, 4, 0, DecodeOptions(cuda_graphs=False, key_block=4, fused_kernels=fused))
         runs[fused] = decoder.generate(prompts, seeds, PARAMS.temperature, top_p, PARAMS.max_new_tokens, [EOS])
         assert decoder.fused_kernels == (["rms_norm", "rotary", "silu_times"] if fused else [])
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs[True], runs[False]):

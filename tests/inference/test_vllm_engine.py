@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(
 from mlperf_grpo.checkpoint import TrainingInfo, discover_checkpoints, read_weights, write_checkpoint  # noqa: E402
 from mlperf_grpo.config.sections import InferenceConfig  # noqa: E402
 from mlperf_grpo.evaluate.series import RefitError, verify_refit  # noqa: E402
-from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
-from mlperf_grpo.model.load import load_model  # noqa: E402
 from mlperf_grpo.model.files import resolve_model_path  # noqa: E402
+from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint  # noqa: E402
+from mlperf_grpo.model.load import load_model  # noqa: E402
 from mlperf_grpo.train.grpo import token_logprobs  # noqa: E402
 
 BUILTIN_DIR = resolve_model_path("builtin:arithmetic-tiny")

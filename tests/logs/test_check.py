@@ -9,11 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logtools_helpers import DATA, GBS, find, live_run, real_run, synth, to_text
 
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.check import UnreadableLog, check_log, lint_text
 from mlperf_grpo.logs.check.lint import RULES, LintInput
-from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import parse_log_text
-
 
 EVAL = ("eval_start", "eval_accuracy", "eval_stop")
 
@@ -335,9 +334,8 @@ def test_check_never_crashes_on_mutated_real_logs(tmp_path, ops):
 
 # --- issue 19: a verdict in bounded time on any input ------------------------------------
 
-import time  # noqa: E402
-
 import importlib  # noqa: E402
+import time  # noqa: E402
 
 import mlperf_grpo.logs.check as check_pkg  # noqa: E402
 

@@ -20,7 +20,7 @@ class NoTorch(importlib.abc.MetaPathFinder):
             sys.stderr.write("TORCH IMPORTED\\n")
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 """``python -c NO_TORCH ARGS``: ``mlperf-grpo ARGS`` with torch uninstallable; every attempt

@@ -6,8 +6,8 @@ import random
 import pytest
 from logtools_helpers import DATA, real_run
 
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.check import check_log
-from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.merge import MergeError, merge_logs
 
 REAL = (DATA / "mlperf.log").read_text()

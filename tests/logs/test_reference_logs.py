@@ -6,9 +6,9 @@ report labels true to the run."""
 import pytest
 from logtools_helpers import figure_texts, find, reference_style, synth, to_text
 
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.check import check_log, lint_text
 from mlperf_grpo.logs.check.shape import evaluation_mode
-from mlperf_grpo.cli.app import main
 from mlperf_grpo.logs.mllog import parse_log_text
 from mlperf_grpo.logs.report.timeline import build_timeline
 

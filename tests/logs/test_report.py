@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logtools_helpers import DATA, figure_texts, find, reference_style, synth, to_text
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.logs.mllog import parse_log_text
 from mlperf_grpo.logs.report.png import render_png
 from mlperf_grpo.logs.report.timeline import build_timeline, title_of
@@ -105,7 +105,7 @@ def test_png_renders_after_mutation(drop):
 def test_unwritable_output_is_bad_input_naming_the_file(capsys):
     from pathlib import Path
 
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     log = Path(__file__).parents[1] / "data" / "real_run" / "mlperf.log"
     assert main(["report", str(log), "-o", "/proc/no/such/dir/r.png"]) == 2

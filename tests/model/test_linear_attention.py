@@ -2,13 +2,12 @@
 wrong: Triton >= 3.4.0 and < 3.7.1 on a Hopper GPU (flash-linear-attention #640)."""
 
 import yaml
+from test_compile import _qwen3_5_moe_dir
 
 from mlperf_grpo.cli import app as cli
-
 from mlperf_grpo.model import linear_attention
 from mlperf_grpo.model.linear_attention import fla_refusal
 from mlperf_grpo.train import inputs
-from test_compile import _qwen3_5_moe_dir
 
 
 def test_fla_is_refused_only_on_hopper_with_the_triton_releases_that_break_it():

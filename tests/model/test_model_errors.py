@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.inference.vllm import VLLMEngine
-from mlperf_grpo.model.load import load_model
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.model.load import load_model
 from mlperf_grpo.train import fsdp
 
 WEIGHTS = "model.safetensors"
@@ -269,7 +269,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type
     LM, and train exits 2, nothing made."""
     import yaml
 
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
     from mlperf_grpo.model.check import check_model
     from mlperf_grpo.model.skeleton import model_skeleton
 

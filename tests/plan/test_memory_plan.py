@@ -117,7 +117,7 @@ def test_cli_shape_names_are_the_planners():
 def test_plan_memory_json_is_the_plan(tmp_path, capsys):
     import json
 
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     config = {"model_type": "llama", "hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 0,
               "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -131,7 +131,7 @@ def test_plan_memory_json_is_the_plan(tmp_path, capsys):
 
 def test_plan_memory_bad_t_is_one_line_naming_the_flag(capsys):
     """The refusal names the flag the user gave, not the config key (a new-user trial)."""
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
                  "--tensor-parallel-size", "32"]) == 2
@@ -152,7 +152,7 @@ def test_plan_memory_bad_t_is_one_line_naming_the_flag(capsys):
     (["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b"], "give --world-size N"),
 ])
 def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     assert main(argv) == 2
     captured = capsys.readouterr()

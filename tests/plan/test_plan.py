@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.plan.closed import build_plan, load_rcp_means, rcp_convergence
 

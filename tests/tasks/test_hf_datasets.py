@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.tasks import load_suite
 from mlperf_grpo.tasks.base import TaskError

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import yaml
 
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
-from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths
 from mlperf_grpo.tasks.base import Task
+from mlperf_grpo.tasks.lengths import PromptTooLongError, check_prompt_lengths
 
 # The built-in tokenizer: one token per character of "0123456789+=", plus <bos> in front.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}0000000000={% endif %}"
@@ -113,10 +113,10 @@ def test_a_chat_prompt_is_measured_as_its_rendered_template(tmp_path, capsys):
 
 def test_evaluate_checks_the_validation_prompts_before_anything(tmp_path):
     """``evaluate`` refuses the same way before taking the run's lock or reading its log."""
-    from mlperf_grpo.evaluate.offline import evaluate_series
     from mlperf_grpo.config.rundir import RunDir
+    from mlperf_grpo.evaluate.offline import SeriesRequest, evaluate_series
 
     config = parse_config({"grpo": {"max_sequence_length": 12}})
     with pytest.raises(PromptTooLongError, match=r"validation task '.*': its prompt is \d+ tokens"):
-        evaluate_series(RunDir(tmp_path / "run"), None, config, tmp_path / "run" / "mlperf.log")
+        evaluate_series(SeriesRequest(RunDir(tmp_path / "run"), None, config, tmp_path / "run" / "mlperf.log"))
     assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ import pytest
 
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.tasks import arithmetic
-from mlperf_grpo.train.async_rollout import RolloutProducer
+from mlperf_grpo.train.async_rollout import RolloutProducer, RolloutSettings
 from mlperf_grpo.train.rollout import PromptSampler
 
 PARAMS = SamplingParams(1.0, 1.0, 4)
@@ -36,7 +36,8 @@ class FakeEngine:
 
 def _producer(engine, age, max_steps=4):
     sampler = PromptSampler(arithmetic.train_tasks(32, 251, seed=1), seed=1)
-    return RolloutProducer(engine, sampler, 2, 3, PARAMS, seed=7, max_trajectory_age_steps=age, max_steps=max_steps)
+    return RolloutProducer(engine, sampler, RolloutSettings(2, 3, PARAMS, seed=7, max_trajectory_age_steps=age,
+                                                            max_steps=max_steps))
 
 
 def _run(age, max_steps=4):

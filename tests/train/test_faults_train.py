@@ -20,10 +20,10 @@ import xxhash
 from mlperf_grpo.checkpoint import discover_checkpoints, read_training_end, read_weights
 from mlperf_grpo.config.load import load_config
 from mlperf_grpo.evaluate.series import check_series
+from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
 from mlperf_grpo.tasks import load_validation_set
-from mlperf_grpo.graceful_stop import GracefulStop, Terminated
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -95,7 +95,7 @@ SLOW_WRITES = textwrap.dedent(
     """
     import sys, time
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
         time.sleep(2.0)
@@ -238,7 +238,7 @@ FAIL_AT_STEP_20 = textwrap.dedent(
     """
     import errno, sys
     from mlperf_grpo.checkpoint.writer import AsyncCheckpointer
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
     real = AsyncCheckpointer._write_shard
     def write_shard(path, shard, slot):
         if path.parent.name == "tmp_step_20":

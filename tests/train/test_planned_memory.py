@@ -78,7 +78,7 @@ def test_the_hf_engine_splits_over_the_world_and_the_vocabulary(monkeypatch, wor
 
 
 def test_train_refuses_a_tensor_parallel_hf_engine_in_one_process(tmp_path, capsys):
-    from mlperf_grpo.cli.app import main
+    from mlperf_grpo.cli import main
 
     config = tmp_path / "t2.yaml"
     config.write_text("inference: {tensor_parallel_size: 2}\n")

@@ -10,14 +10,14 @@ import torch
 import yaml
 
 from mlperf_grpo import tasks
-from mlperf_grpo.cli.app import main
+from mlperf_grpo.cli import main
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.graceful_stop import GracefulStop
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.inputs import check_training_inputs
 from mlperf_grpo.train.optimize import OptimizeSettings
 from mlperf_grpo.train.outputs import NoRunOutput
-from mlperf_grpo.graceful_stop import GracefulStop
 from mlperf_grpo.train.trainer import Trainer, train
 
 # two steps, both from the first eval step on: each after_step saves a checkpoint and asks

@@ -96,7 +96,7 @@ class TrainingInfo:
     ``files``: non-weight file name -> ``{"hash": hex, "bytes": size}`` (same algorithm),
     as the model directory held them when training started.
     ``canary_logits`` are the rollout engine's logits on the canary input with these
-    weights (see fingerprint.py), which the evaluator's engine must reproduce.
+    weights (see model/fingerprint.py), which the evaluator's engine must reproduce.
     ``evaluation``: the settings that decide what evaluating it measures
     (``mlperf_grpo.evaluate.settings.evaluation_settings``: config key -> value); the
     evaluator's config must give the same (empty in checkpoints written before it existed).

@@ -64,6 +64,7 @@ from mlperf_grpo.checkpoint.format import (
     INDEX_FILE,
     INFO_FILE,
     NON_WEIGHT_FILES,
+    SAFETENSORS_DTYPES,
     CheckpointWriteError,
     TrainingEnd,
     TrainingInfo,
@@ -73,7 +74,6 @@ from mlperf_grpo.checkpoint.format import (
     new_hasher,
     tensor_specs_digest,
     write_file_synced,
-    SAFETENSORS_DTYPES,
 )
 from mlperf_grpo.checkpoint.rank_group import Heartbeat, RankGroup, RankReportError
 from mlperf_grpo.checkpoint.shard_plan import ShardPlan, layout_of, plan_shards, spec_of

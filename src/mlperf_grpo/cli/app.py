@@ -15,11 +15,17 @@ import os
 import sys
 
 from mlperf_grpo.cli import commands
+from mlperf_grpo.cli.commands import Progress, say
 from mlperf_grpo.cli.parser import build_parser
 from mlperf_grpo.cli.requests import CheckRequest, EvaluateRequest, PlanRequest, TrainRequest, torchrun_world_size
-from mlperf_grpo.cli.commands import Progress, say
 from mlperf_grpo.errors import (
-    BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, BadInput,
+    BAD_INPUT_ERRORS,
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    BadInput,
     outcome_exit_code,
 )
 
@@ -67,8 +73,8 @@ def cmd_evaluate(args: argparse.Namespace, progress: Progress) -> int:
     world = torchrun_world_size()
     if world <= 1:
         return _evaluate(EvaluateRequest.from_args(args, world), progress)
-    from mlperf_grpo.evaluate.worker import join_evaluation
     from mlperf_grpo.evaluate.launch import joined_ranks
+    from mlperf_grpo.evaluate.worker import join_evaluation
 
     with joined_ranks() as ranks:
         if ranks.rank != 0:

@@ -55,9 +55,9 @@ def _start_training(request: TrainRequest, progress: Progress):
     Nothing is written; a missing ``--output`` becomes a new ``runs/YYYYMMDD-HHMMSS`` (made
     by rank 0, its name on every rank)."""
     from mlperf_grpo.config.load import load_config
-    from mlperf_grpo.plan.closed import format_differences
-    from mlperf_grpo.errors import RunDirError
     from mlperf_grpo.config.rundir import RunDir
+    from mlperf_grpo.errors import RunDirError
+    from mlperf_grpo.plan.closed import format_differences
     from mlperf_grpo.train import collectives, ranks
     from mlperf_grpo.train.inputs import check_training_inputs
 
@@ -126,8 +126,8 @@ def evaluate_trained(request: TrainRequest, progress: Progress):
     ``evaluate RUN_DIR`` under torchrun (world / T workers of T ranks). Returns the
     ``EvalOutcome`` (rank 0).
     """
-    from mlperf_grpo.evaluate.offline import evaluate_run
     from mlperf_grpo.config.rundir import RunDir
+    from mlperf_grpo.evaluate.offline import evaluate_run
     from mlperf_grpo.train import ranks
 
     here = ranks.layout()
@@ -142,9 +142,9 @@ def evaluate_trained(request: TrainRequest, progress: Progress):
 def _evaluate_on_every_rank(run_dir: Path, retain: bool):
     """Every torchrun rank evaluates ``run_dir`` (rank 0 plans, commits and returns the
     ``EvalOutcome``; the others join its plan and return ``None``)."""
+    from mlperf_grpo.evaluate.launch import joined_ranks
     from mlperf_grpo.evaluate.offline import evaluate_run
     from mlperf_grpo.evaluate.worker import join_evaluation
-    from mlperf_grpo.evaluate.launch import joined_ranks
 
     with joined_ranks() as torchrun_ranks:
         if torchrun_ranks.rank != 0:
@@ -188,13 +188,13 @@ def evaluate(request: EvaluateRequest, progress: Progress, ranks=None):
 def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     """Another trainer's series: validate its training log (check's messages), then
     evaluate the series through the offline evaluator."""
-    from mlperf_grpo import environment
-    from mlperf_grpo.logs.check.training_log import TrainingLogError, check_training_log
     from mlperf_grpo.config.load import load_config
-    from mlperf_grpo.evaluate.foreign_series import build_source, evaluate_checkpoints
+    from mlperf_grpo.evaluate.foreign_series import CheckpointsRequest, evaluate_checkpoints
+    from mlperf_grpo.evaluate.foreign_source import build_source
     from mlperf_grpo.evaluate.worker_group import check_worker_groups
+    from mlperf_grpo.logs.check.training_log import TrainingLogError, check_training_log
 
-    retain = environment.retain_checkpoints(request.retain_checkpoints)
+    retain = request.retain_checkpoints
     config = load_config(request.config)
     check_worker_groups(config, request.torchrun_world or None,  # under torchrun: workers of T ranks
                         f"evaluate --checkpoints {request.checkpoints} ...")
@@ -204,8 +204,8 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     except TrainingLogError as err:
         raise BadInput(str(err)) from None
     progress.phase, progress.run_dir = "evaluate", request.checkpoints
-    return evaluate_checkpoints(request.checkpoints, request.mllog, config, request.format or "auto", request.eval_log,
-                                retain, config_file=request.config, ranks=ranks)
+    return evaluate_checkpoints(CheckpointsRequest(request.checkpoints, request.mllog, request.format or "auto",
+                                                   request.eval_log, retain, config_file=request.config), config, ranks)
 
 
 def plan(request: PlanRequest) -> str:

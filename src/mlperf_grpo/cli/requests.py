@@ -76,7 +76,8 @@ class EvaluateRequest:
     def from_args(cls, args: argparse.Namespace, torchrun_world: int = 0) -> EvaluateRequest:
         """Raises: BadInput: the command line is inconsistent (one line naming the fix)."""
         return cls(args.run_dir, args.checkpoints, args.mllog, args.config, args.eval_log, args.format, args.workers,
-                   args.follow, args.stop_training_at_pass, args.retain_checkpoints, torchrun_world)
+                   args.follow, args.stop_training_at_pass,
+                   environment.retain_checkpoints(args.retain_checkpoints), torchrun_world)
 
     @property
     def foreign_given(self) -> bool:

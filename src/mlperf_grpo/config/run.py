@@ -1,9 +1,9 @@
 """The typed run config: :class:`RunConfig`, the whole of a run's YAML (its sections in
-``config_sections.py``), the values derived from the global batch size, the rules
+``config/sections.py``), the values derived from the global batch size, the rules
 across sections and the closed division's omitted keys.
 
 Every field has a default, so an empty file (or no file) gives the built-in default
-run; YAML in and the errors' wording: ``config_load.py``.
+run; YAML in and the errors' wording: ``config/load.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,16 @@ from pydantic import model_validator
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.sections import (
-    CheckpointConfig, DistributedConfig, GRPOConfig, InferenceConfig, ModelConfig, OptimizerConfig, Strict,
-    SubmissionConfig, TaskConfig, ValidationConfig,
+    CheckpointConfig,
+    DistributedConfig,
+    GRPOConfig,
+    InferenceConfig,
+    ModelConfig,
+    OptimizerConfig,
+    Strict,
+    SubmissionConfig,
+    TaskConfig,
+    ValidationConfig,
 )
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo import environment
-from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.load import dump_config, load_config
+from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.errors import RunDirError
 from mlperf_grpo.step_dirs import published_steps
 

@@ -20,23 +20,18 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
-from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.evaluate.series import EvaluationError, RefitError, SeriesProblem, SeriesSource
+from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.evaluate import outcome
+from mlperf_grpo.evaluate.launch import WorkQueue
+from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
+from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem, SeriesSource
 from mlperf_grpo.evaluate.validator import TaskResult
-from mlperf_grpo.evaluate.launch import RankFailedError, WorkQueue
+from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog
-from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
-from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet
-from mlperf_grpo.tasks.scoring import RewardValueError, VerifierError
-
-
-WORKER_ERRORS: dict[str, type[Exception]] = {"EvaluationError": EvaluationError, "RefitError": RefitError, "VerifierError": VerifierError,
-                                       "RewardValueError": RewardValueError, "RankFailedError": RankFailedError}
-"""The errors a worker reports as a result (raised again, in step order, by the committer)."""
 
 
 def logged_evals(log: ParsedLog) -> list[tuple[int, float]]:

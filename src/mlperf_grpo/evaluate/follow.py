@@ -31,17 +31,17 @@ from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import environment
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.evaluate.commit import plan_evaluation
-from mlperf_grpo.evaluate.offline import EvalOutcome, evaluate_run, evaluate_series
-from mlperf_grpo.evaluate.serial import evaluate_serially
-from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, check_series
-from mlperf_grpo.evaluate.worker_group import check_worker_groups
-from mlperf_grpo.inference.base import InferenceEngine, build_engine, check_engine_available
-from mlperf_grpo.logs.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock, RunLockedError
+from mlperf_grpo.evaluate.commit import plan_evaluation
+from mlperf_grpo.evaluate.offline import EvalOutcome, SeriesRequest, evaluate_run, evaluate_series
+from mlperf_grpo.evaluate.serial import evaluate_serially
+from mlperf_grpo.evaluate.series import EvalJob, RunSeries, SeriesProblem, check_series
+from mlperf_grpo.evaluate.worker_group import check_worker_groups
+from mlperf_grpo.inference.base import InferenceEngine
+from mlperf_grpo.inference.factory import build_engine, check_engine_available
+from mlperf_grpo.logs.mllog import ParsedLog, now_ms, parse_log_text
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 
 POLL_S = 1.0
@@ -58,7 +58,8 @@ def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at
 
     Args:
         run_dir: the ``--output`` of a ``train`` that is running (or has run).
-        retain_checkpoints: keep the checkpoints (also ``RETAIN_GRPO_CHECKPOINTS=1``, or
+        retain_checkpoints: keep the checkpoints (``--retain-checkpoints`` or
+            ``RETAIN_GRPO_CHECKPOINTS=1``, resolved by the caller; also
             the run's recorded choice, ``run.json``);
             they are deleted, as by ``evaluate``, only after training ended.
         stop_training_at_pass: at a committed pass write ``stop_training.json``: the
@@ -71,10 +72,9 @@ def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at
             (RunLockedError: another evaluator writes to the run).
         EvaluationError, RefitError, VerifierError, LogWriteError: as :func:`evaluate_run`.
     """
-    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(Path(run_dir))
     config, mllog_file = _wait_for_run(run, poll_s)
-    retain = retain or run.retain_recorded()
+    retain = retain_checkpoints or run.retain_recorded()
     check_engine_available(config)
     check_worker_groups(config, None)  # one worker of one rank: a tensor-parallel engine is refused
     if not _trainer_running(run) and not run.follow_log.is_file():
@@ -85,8 +85,8 @@ def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at
         run.follow_log.touch()  # marks the run followed: a later 'evaluate' continues this log
         validation = load_validation_set(config)  # once for every round and the final evaluation
         _follow(run, config, validation, mllog_file, stop_training_at_pass, show_progress, poll_s)
-        return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
-                               retain=retain, show_progress=show_progress, validation=validation)
+        return evaluate_series(SeriesRequest(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log,
+                                             merge=True, retain=retain, show_progress=show_progress, validation=validation))
 
 
 def _follow(run: RunDir, config: RunConfig, validation: ValidationSet, mllog_file: Path, stop_training_at_pass: bool,
@@ -128,7 +128,8 @@ def _evaluate_published(run: RunDir, config: RunConfig, validation: ValidationSe
     if not plan.pending_steps:
         return
     checkpoints = {c.step: c for c in source.discover()[0]}
-    evaluate_serially(run, source, config, validation, run.follow_log, plan, checkpoints, lambda: engine, show_progress)
+    evaluate_serially(EvalJob(run, source, config, validation), run.follow_log, plan, checkpoints, lambda: engine,
+                      show_progress)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ import time
 
 import torch.distributed as dist
 
+from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS
+
 BEAT_S = 0.5
 """Seconds between two heartbeats (and two looks at the peers) of a watcher."""
 
@@ -99,7 +101,6 @@ class GroupWatch:
         then; an unexpected error is first held up to :data:`PEER_SILENCE_S` + 2
         :data:`BEAT_S` while the watcher decides about a peer on another host (if one is
         gone it ends the process with its line)."""
-        from mlperf_grpo.evaluate.commit import WORKER_ERRORS
         from mlperf_grpo.graceful_stop import Terminated
 
         try:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from mlperf_grpo.errors import EXIT_FAILURE, EXIT_OK
 from mlperf_grpo.evaluate.group_watch import PeerTracker
 from mlperf_grpo.evaluate.prestart import RANK_START_METHOD, die_with_parent, prestart_rank_server
+from mlperf_grpo.evaluate.worker_errors import RankFailedError
 
 STORE_TIMEOUT = timedelta(hours=24)
 """How long a rank waits on the store (a checkpoint's evaluation may take hours at scale)."""
@@ -66,10 +67,6 @@ RANK0_SILENCE_S = 30.0
 """Under torchrun: how long the other ranks accept rank 0's heartbeat standing still
 before they stop (:class:`Rank0LostError`), in s. Rank 0's heartbeat is a thread of its
 own; only a rank 0 that is gone (or frozen that long) misses it."""
-
-
-class RankFailedError(RuntimeError):
-    """A rank other than 0 failed (its message names it); the evaluation stops."""
 
 
 class Rank0LostError(RuntimeError):

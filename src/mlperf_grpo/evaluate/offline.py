@@ -34,30 +34,30 @@ from pathlib import Path
 
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
-from mlperf_grpo import environment, rules
-
-from mlperf_grpo.evaluate import outcome
+from mlperf_grpo import rules
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.evaluate.settings import LOGGED_KEYS, logged_differences
+from mlperf_grpo.config.rundir import RunDir, RunLock
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.evaluate.commit import (
-    WORKER_ERRORS,
     EvalPlan,
     logged_evals,
     plan_evaluation,
 )
+from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, launch
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.serial import evaluate_serially
-from mlperf_grpo.evaluate.series import EvaluationError, RunSeries, SeriesSource, series_by_step
+from mlperf_grpo.evaluate.series import EvalJob, EvaluationError, RunSeries, SeriesSource, series_by_step
+from mlperf_grpo.evaluate.settings import LOGGED_KEYS, logged_differences
 from mlperf_grpo.evaluate.worker import RANK_MODULE, EngineAtFirstUse, evaluate_rank
-from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, launch
+from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS
 from mlperf_grpo.evaluate.worker_group import check_worker_groups
-from mlperf_grpo.inference.base import check_engine_available
+from mlperf_grpo.inference.factory import check_engine_available
 from mlperf_grpo.logs.merge import MergeError, merge_logs
 from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
-from mlperf_grpo.config.rundir import RunDir, RunLock
 from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
+
 
 @dataclass(frozen=True)
 class EvalOutcome:
@@ -108,7 +108,8 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
     ``eval/mlperf_eval.log`` exists) is continued in that log by one worker, which is then
     merged into the training log (:func:`merge_in_place`, ``mlperf-grpo merge``'s core).
 
-    The checkpoints are kept with ``retain_checkpoints``, ``RETAIN_GRPO_CHECKPOINTS=1``, or
+    The checkpoints are kept with ``retain_checkpoints`` (``--retain-checkpoints`` or
+    ``RETAIN_GRPO_CHECKPOINTS=1``, resolved once by the caller: ``cli/requests.py``), or
     when the run was started to keep them (``run.json``; a flag can only add keeping).
 
     Holds the run's lock throughout (one writer per run). Resumable and idempotent:
@@ -126,20 +127,19 @@ def evaluate_run(run_dir: Path, retain_checkpoints: bool = False, show_progress:
         VerifierError: the reward function raised or timed out on a checkpoint.
         LogWriteError: the log cannot be appended to.
     """
-    retain = environment.retain_checkpoints(retain_checkpoints)  # a bad RETAIN_GRPO_CHECKPOINTS fails first
     run = RunDir(run_dir)
     config, mllog_file = run.load()
-    retain = retain or run.retain_recorded()
+    retain = retain_checkpoints or run.retain_recorded()
     workers = config.validation.workers if workers is None else workers
     check_worker_groups(config, None if ranks is None else ranks.world_size)
     if run.follow_log.is_file():
         if workers > 1:
             print(f"note: {run.follow_log} (a follower's log) is continued by one worker, not {workers}", file=sys.stderr)
         with RunLock(run.eval_dir, "evaluator"):  # the one writer of eval/mlperf_eval.log
-            return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log, merge=True,
-                                   retain=retain, show_progress=show_progress)
-    return evaluate_series(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain, show_progress=show_progress,
-                           workers=workers, ranks=ranks)
+            return evaluate_series(SeriesRequest(run, RunSeries(run.checkpoints), config, mllog_file, eval_log=run.follow_log,
+                                                 merge=True, retain=retain, show_progress=show_progress))
+    return evaluate_series(SeriesRequest(run, RunSeries(run.checkpoints), config, mllog_file, retain=retain,
+                                         show_progress=show_progress, workers=workers, ranks=ranks))
 
 
 def merge_in_place(train_log: Path, eval_log: Path) -> None:
@@ -156,43 +156,50 @@ def merge_in_place(train_log: Path, eval_log: Path) -> None:
     print(f"merged {eval_log} into {train_log}: {result.appended} eval line(s) appended")
 
 
-def evaluate_series(
-    run: RunDir,
-    source: SeriesSource,
-    config: RunConfig,
-    mllog_file: Path,
-    *,
-    eval_log: Path | None = None,
-    merge: bool = False,
-    retain: bool = False,
-    show_progress: bool = True,
-    workers: int = 1,
-    ranks: TorchrunRanks | None = None,
-    validation: ValidationSet | None = None,
-) -> EvalOutcome:
-    """The lifecycle of :func:`evaluate_run` for any series: ``run`` holds the lock and
+@dataclass(frozen=True)
+class SeriesRequest:
+    """An evaluation of any series (:func:`evaluate_series`): ``run`` holds the lock and
     the results (``eval/``); ``mllog_file`` is the training log; evaluations and
     ``run_stop`` are appended to it, or to ``eval_log`` (for ``mlperf-grpo merge``).
     With ``merge`` (``eval_log`` a follower's log), it is merged into the training log
-    (:func:`merge_in_place`) once its ``run_stop``
-    is logged (before the teardown); a training log that already has a ``run_stop`` was
-    merged before (or closed by training), and ``eval_log`` is then not read.
+    (:func:`merge_in_place`) once its ``run_stop`` is logged (before the teardown); a
+    training log that already has a ``run_stop`` was merged before (or closed by
+    training), and ``eval_log`` is then not read. ``retain``: keep the checkpoints
+    (resolved once by the caller: flag, environment, run record).
     ``workers`` > 1 (torchrun ranks): ``ranks`` (torchrun's, joined by this process as
     rank 0; any source with a ``rank_spec``, which they rebuild it from) or, without,
     ranks launched here (``run`` a run directory of ours, ``source`` its
     :class:`RunSeries`: the ranks load both from it).
     ``validation``: the caller's task suite and validation tasks (a follower's, loaded
-    for its rounds); ``None``: loaded here, once for the whole evaluation.
+    for its rounds); ``None``: loaded here, once for the whole evaluation."""
+
+    run: RunDir
+    source: SeriesSource
+    config: RunConfig
+    mllog_file: Path
+    eval_log: Path | None = None
+    merge: bool = False
+    retain: bool = False
+    show_progress: bool = True
+    workers: int = 1
+    ranks: TorchrunRanks | None = None
+    validation: ValidationSet | None = None
+
+
+def evaluate_series(request: SeriesRequest) -> EvalOutcome:
+    """The lifecycle of :func:`evaluate_run` for any series (:class:`SeriesRequest`).
 
     Raises: as :func:`evaluate_run`.
     """
+    r = request
+    run, source, config, mllog_file, eval_log = r.run, r.source, r.config, r.mllog_file, r.eval_log
     check_engine_available(config)  # before the lock or anything else is written
-    validation = load_validation_set(config) if validation is None else validation
+    validation = load_validation_set(config) if r.validation is None else r.validation
     check_prompt_lengths(config, {"validation": validation.tasks})
-    if workers > 1 and ranks is None:
+    if r.workers > 1 and r.ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over
-        if merge and _read_checked_log(mllog_file).find(C.RUN_STOP):
+        if r.merge and _read_checked_log(mllog_file).find(C.RUN_STOP):
             eval_log = None  # merged already
         log = _read_checked_log(mllog_file, eval_log)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
@@ -202,12 +209,12 @@ def evaluate_series(
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
                 _check_logged_settings(config, log, mllog_file)
-                _evaluate_checkpoints(run, source, config, validation, eval_log or mllog_file, log, show_progress, workers,
-                                      ranks)
-        if merge and eval_log is not None:
+                _evaluate_checkpoints(EvalJob(run, source, config, validation), eval_log or mllog_file, log,
+                                      r.show_progress, r.workers, r.ranks)
+        if r.merge and eval_log is not None:
             merge_in_place(mllog_file, eval_log)
             eval_log = None
-        if not retain:
+        if not r.retain:
             _teardown(source, _read_logs(mllog_file, eval_log))
         outcome = read_outcome(run, mllog_file, eval_log)
         write_summary(run, outcome)  # marks the run finished
@@ -227,15 +234,6 @@ def write_summary(run: RunDir, outcome: EvalOutcome) -> None:
     run.summary_file.write_text(json.dumps(record, indent=2) + "\n")
 
 
-def last_trained_step(log: ParsedLog) -> tuple[int, int]:
-    """``(step, time_ms)`` of the log's last ``block_stop``, or ``(0, run_start time)``
-    when no step finished; time in Unix ms. The log must have a ``run_start``."""
-    stops = log.find(C.BLOCK_STOP)
-    if stops:
-        return int(stops[-1].metadata.get("step", 0)), int(stops[-1].time_ms)
-    return 0, int(log.find(C.RUN_START)[0].time_ms)
-
-
 def _stopped_before_first_checkpoint(run: RunDir, source: SeriesSource, config: RunConfig, log: ParsedLog,
                                      mllog_file: Path) -> bool:
     """True for a run whose training ended before publishing any checkpoint: nothing
@@ -253,13 +251,13 @@ def _stopped_before_first_checkpoint(run: RunDir, source: SeriesSource, config: 
             f"{run.root}: training never started (no run_start in {mllog_file}), so the run has nothing to "
             "evaluate or score; delete the directory and train again"
         )
-    last, s0 = last_trained_step(log)[0], config.first_eval_step
+    last, s0 = outcome.last_trained_step(log)[0], config.first_eval_step
     return last < s0 or (last == s0 and (source.root / tmp_step_dir_name(s0)).is_dir())
 
 
 def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: ParsedLog) -> None:
     """Write ``run_stop`` aborted at the last trained step and say why (stderr)."""
-    step, time_ms = last_trained_step(log)
+    step, time_ms = outcome.last_trained_step(log)
     writer = MLLogWriter(mllog_file)
     outcome.log_aborted_run_stop(writer, step, rules.samples_count(step, config.global_batch_size), time_ms)
     writer.commit()
@@ -272,7 +270,7 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
 
 def _check_logged_settings(config: RunConfig, log: ParsedLog, mllog_file: Path) -> None:
     """The config's seed and validation settings are those the training log recorded
-    (``eval_settings.LOGGED_KEYS``; a key the log lacks is not compared): the one check
+    (``evaluate.settings.LOGGED_KEYS``; a key the log lacks is not compared): the one check
     of them a series from another trainer allows.
 
     Raises:
@@ -325,22 +323,22 @@ def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedL
     return log
 
 
-def _evaluate_checkpoints(run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet, mllog_file: Path,
-                          log: ParsedLog, show_progress: bool, workers: int, ranks: TorchrunRanks | None = None) -> None:
+def _evaluate_checkpoints(job: EvalJob, mllog_file: Path, log: ParsedLog, show_progress: bool, workers: int,
+                          ranks: TorchrunRanks | None = None) -> None:
     """Evaluate the pending checkpoints with ``workers`` engines and commit in step order
     up to the first pass; one worker runs here, more are torchrun ranks (``ranks``, or
     launched here: :func:`launch`). Workers launched here are no more than the pending
     checkpoints (one at least): a worker beyond them would claim nothing, and ``--workers
     99999`` would start that many engines."""
-    plan = plan_evaluation(source, config, validation, log)
+    plan = plan_evaluation(job.source, job.config, job.validation, log)
     if ranks is None and workers > max(1, len(plan.pending_steps)):
         print(f"note: {len(plan.pending_steps)} checkpoint(s) to evaluate: {max(1, len(plan.pending_steps))} "
               f"worker(s), not {workers}", file=sys.stderr)
         workers = max(1, len(plan.pending_steps))
     try:
-        _run_workers(run, source, config, validation, mllog_file, plan, show_progress, workers, ranks)
+        _run_workers(job, mllog_file, plan, show_progress, workers, ranks)
     except EvaluationError:
-        _remove_if_nothing_committed(run)
+        _remove_if_nothing_committed(job.run)
         raise
 
 
@@ -354,14 +352,15 @@ def _remove_if_nothing_committed(run: RunDir) -> None:
         shutil.rmtree(run.eval_dir)
 
 
-def _run_workers(run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet, mllog_file: Path,
-                 plan: EvalPlan, show_progress: bool, workers: int, ranks: TorchrunRanks | None) -> None:
+def _run_workers(job: EvalJob, mllog_file: Path, plan: EvalPlan, show_progress: bool, workers: int,
+                 ranks: TorchrunRanks | None) -> None:
     """One worker here, or ``workers`` torchrun ranks (``ranks``, or launched here; a
     launched rank is its own process and loads the validation set itself)."""
+    run, source, config, validation = job.run, job.source, job.config, job.validation
     if workers == 1:
         engine = EngineAtFirstUse(run, config, validation)
         try:
-            evaluate_serially(run, source, config, validation, mllog_file, plan, series_by_step(source), engine, show_progress)
+            evaluate_serially(job, mllog_file, plan, series_by_step(source), engine, show_progress)
         finally:
             engine.close()
         return

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.logs.mllog import MLLogWriter
+from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog
 
 if TYPE_CHECKING:
     from mlperf_grpo.checkpoint import Checkpoint
@@ -128,3 +128,12 @@ def commit_inline_evaluation(log: MLLogWriter, evaluation: Evaluation, gbs: int,
         _log_run_stop(log, C.SUCCESS, evaluation.step, rules.samples_count(evaluation.step, gbs), evaluation.stop_ms)
     log.commit()
     return passed
+
+
+def last_trained_step(log: ParsedLog) -> tuple[int, int]:
+    """``(step, time_ms)`` of the log's last ``block_stop``, or ``(0, run_start time)``
+    when no step finished; time in Unix ms. The log must have a ``run_start``."""
+    stops = log.find(C.BLOCK_STOP)
+    if stops:
+        return int(stops[-1].metadata.get("step", 0)), int(stops[-1].time_ms)
+    return 0, int(log.find(C.RUN_START)[0].time_ms)

@@ -9,19 +9,15 @@ from pathlib import Path
 from typing import Callable
 
 from mlperf_grpo.checkpoint import Checkpoint
-from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter
-from mlperf_grpo.evaluate.series import SeriesSource
-from mlperf_grpo.evaluate.worker import evaluate_claimed
 from mlperf_grpo.evaluate.launch import local_queue
+from mlperf_grpo.evaluate.series import EvalJob
+from mlperf_grpo.evaluate.worker import evaluate_claimed
 from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.config.rundir import RunDir
-from mlperf_grpo.tasks import ValidationSet
 
 
-def evaluate_serially(run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet, log_file: Path,
-                      plan: EvalPlan, checkpoints: dict[int, Checkpoint], engine: Callable[[], InferenceEngine],
-                      show_progress: bool) -> None:
+def evaluate_serially(job: EvalJob, log_file: Path, plan: EvalPlan, checkpoints: dict[int, Checkpoint],
+                      engine: Callable[[], InferenceEngine], show_progress: bool) -> None:
     """Evaluate ``plan.pending_steps`` in step order with ``engine()`` (called once, after
     the first claim) and commit each result to ``log_file`` as it is in, up to the run's
     decision (:class:`~mlperf_grpo.evaluate.commit.StepOrderCommitter`). The engine is the
@@ -32,10 +28,9 @@ def evaluate_serially(run: RunDir, source: SeriesSource, config: RunConfig, vali
             are committed).
     """
     queue = local_queue(len(plan.pending_steps))
-    committer = StepOrderCommitter(run, config, log_file, plan, checkpoints, queue, show_progress)
+    committer = StepOrderCommitter(job.run, job.config, log_file, plan, checkpoints, queue, show_progress)
     try:
-        evaluate_claimed(queue, run, source, config, validation, checkpoints, plan, engine,
-                         after_each=lambda: committer.advance(block=False))
+        evaluate_claimed(queue, job, checkpoints, plan, engine, after_each=lambda: committer.advance(block=False))
         committer.advance(block=True)
     finally:
         committer.close()

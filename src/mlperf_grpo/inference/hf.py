@@ -26,6 +26,7 @@ decoder's static cache is not split by heads).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -34,10 +35,17 @@ from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint
-from mlperf_grpo.inference.base import Completion, SamplingParams, Weights, completion_length, eos_token_ids, weight_pairs
+from mlperf_grpo.inference.base import (
+    Completion,
+    SamplingParams,
+    Weights,
+    completion_length,
+    eos_token_ids,
+    weight_pairs,
+)
+from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.sampling import RowSeededSampler
-from mlperf_grpo.inference.decode import SlotDecoder, supports_slot_decoding
+from mlperf_grpo.inference.slot_attention import supports_slot_decoding
 from mlperf_grpo.inference.tensor_parallel import (
     build_tensor_parallel_model,
     full_tensor,
@@ -47,8 +55,8 @@ from mlperf_grpo.inference.tensor_parallel import (
     mesh_of,
     tensor_parallel_mesh,
 )
+from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.model.load import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
-
 
 GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention kernels ``generate`` may use: all but cuDNN's. A KV-cached generation
@@ -99,21 +107,19 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                 decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0,
-                 prefill_graphs: bool = False) -> None:
+                 decode: str = "auto", tensor_parallel_size: int = 1, decoder: DecodeOptions = DecodeOptions()) -> None:
         if tensor_parallel_size == 1:
             self._init(load_model(model_path, dtype, device), load_tokenizer(model_path), batch_size, model_path, decode,
-                       top_p_candidates, prefill_graphs)
+                       decoder)
             return
         mesh = tensor_parallel_mesh(tensor_parallel_size, device)
         self._init(build_tensor_parallel_model(model_path, dtype, device, mesh), load_tokenizer(model_path),
-                   batch_size, model_path, decode, top_p_candidates, prefill_graphs)
+                   batch_size, model_path, decode, decoder)
         self.load_checkpoint(check_model_path(model_path))
 
     @classmethod
     def for_refit(cls, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
-                  decode: str = "auto", tensor_parallel_size: int = 1, top_p_candidates: int = 0,
-                  prefill_graphs: bool = False) -> HFEngine:
+                  decode: str = "auto", tensor_parallel_size: int = 1, decoder: DecodeOptions = DecodeOptions()) -> HFEngine:
         """An engine whose weights are unset until its first :meth:`load_weights` (the
         model built from its config on ``device``, nothing read from the weight files
         nor initialised: :func:`~mlperf_grpo.model.load.build_model_for_refit`, or at T > 1
@@ -126,7 +132,7 @@ class HFEngine:
             model = build_model_for_refit(model_path, dtype, device)
         else:
             model = build_tensor_parallel_model(model_path, dtype, device, tensor_parallel_mesh(tensor_parallel_size, device))
-        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, top_p_candidates, prefill_graphs)
+        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, decoder)
         return engine
 
     @classmethod
@@ -150,7 +156,7 @@ class HFEngine:
 
     def _init(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str,
-        decode: str, top_p_candidates: int = 0, prefill_graphs: bool = False,
+        decode: str, decoder: DecodeOptions = DecodeOptions(),
     ) -> None:
         self.model = model
         mesh = mesh_of(model)
@@ -168,10 +174,11 @@ class HFEngine:
         pad = _single_id(source.pad_token_id)
         self.pad_token_id: int = pad if pad is not None else (
             self.eos_token_ids[0] if tokenizer is not None and self.eos_token_ids else 0)
-        self._decoder = self._slot_decoder(decode, top_p_candidates, prefill_graphs)
+        self._decoder = self._slot_decoder(decode, decoder)
 
-    def _slot_decoder(self, decode: str, top_p_candidates: int, prefill_graphs: bool = False) -> SlotDecoder | None:
-        """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``.
+    def _slot_decoder(self, decode: str, decoder: DecodeOptions) -> SlotDecoder | None:
+        """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``;
+        ``decoder``'s options, with CUDA graphs and top-p candidates on CUDA only.
 
         Raises:
             ValueError: ``decode`` is unknown, or ``"slots"`` for a model that needs ``generate``.
@@ -185,8 +192,8 @@ class HFEngine:
         on_cuda = self.model.device.type == "cuda"
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
             return None
-        return SlotDecoder(self.model, self.batch_size, self.pad_token_id, cuda_graphs=on_cuda,
-                           top_p_candidates=top_p_candidates if on_cuda else 0, prefill_graphs=prefill_graphs)
+        return SlotDecoder(self.model, self.batch_size, self.pad_token_id, dataclasses.replace(
+            decoder, cuda_graphs=on_cuda, top_p_candidates=decoder.top_p_candidates if on_cuda else 0))
 
     def load_weights(self, weights: Weights) -> None:
         """Refit in place: each given tensor is copied into the engine's own (any source
@@ -331,7 +338,7 @@ class HFEngine:
     """:meth:`canary_logits` returns raw logits."""
 
     def canary_logits(self) -> list[float]:
-        """The engine model's logits on the fixed canary input (see fingerprint.py)."""
+        """The engine model's logits on the fixed canary input (see model/fingerprint.py)."""
         return canary_logits(self.model, self.model.config.vocab_size)
 
     def _tied_names(self, given: dict[str, object]) -> set[str]:

@@ -5,6 +5,7 @@ once and reused by every call and every captured CUDA graph."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -169,3 +170,13 @@ class SlotState:
     def _mutable(self, cache: SlotCache) -> list[torch.Tensor]:
         return [self.positions, self.last, self.counts, self.done, self.inexact, self.tokens, self.logprobs,
                 cache.write_columns]
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One :meth:`~mlperf_grpo.inference.decode.SlotDecoder.generate` call's sampling constants (a captured graph bakes them in)."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    eos: tuple[int, ...]  # sorted; (-1,) when there is no EOS

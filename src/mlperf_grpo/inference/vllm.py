@@ -55,14 +55,18 @@ from transformers import AutoConfig
 
 from mlperf_grpo.config.sections import InferenceConfig
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model.fingerprint import CANARY_LOGITS, canary_input_ids
 from mlperf_grpo.inference.base import (
-    Completion, SamplingParams, Weights, eos_token_ids, weight_pairs,
+    Completion,
+    SamplingParams,
+    Weights,
+    eos_token_ids,
+    weight_pairs,
 )
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
-from mlperf_grpo.model.load import encode_prompts, load_tokenizer
 from mlperf_grpo.model.files import DTYPES, check_device, check_model_path, load_generation_config
+from mlperf_grpo.model.fingerprint import CANARY_LOGITS, canary_input_ids
+from mlperf_grpo.model.load import encode_prompts, load_tokenizer
 from mlperf_grpo.model.skeleton import check_weights
 
 LOGPROBS_MODE = "processed_logprobs"

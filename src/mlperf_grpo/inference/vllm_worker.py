@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mlperf_grpo.model.fingerprint import weights_fingerprint
 from mlperf_grpo.inference.head_padding import HeadPadding
+from mlperf_grpo.model.fingerprint import weights_fingerprint
 
 WORKER_EXTENSION = "mlperf_grpo.inference.vllm_worker.WeightSyncExtension"
 """Qualified name passed to vLLM as ``worker_extension_cls``."""

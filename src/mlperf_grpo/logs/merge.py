@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlperf_grpo import rules
+from mlperf_grpo.logs.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 from mlperf_grpo.logs.values import (
     EVAL_KEYS,
     UnreadableLog,
@@ -46,7 +47,6 @@ from mlperf_grpo.logs.values import (
     ms_text,
     samples_count_of,
 )
-from mlperf_grpo.logs.mllog import PREFIX, LogEvent, ParsedLog, loads_line, parse_log_text
 
 MERGED_KEYS = (*EVAL_KEYS, "run_stop")
 _KEY_ORDER = {k: i for i, k in enumerate(MERGED_KEYS)}

@@ -37,8 +37,8 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.logs.mllog import read_log, time_to_train_ms
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.logs.mllog import read_log, time_to_train_ms
 
 USAGE = "training"
 FILL_IN = "FILL IN"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from mlperf_grpo.errors import ModelLoadError
-from mlperf_grpo.model.load import load_tokenizer
 from mlperf_grpo.model.files import check_model_path
+from mlperf_grpo.model.load import load_tokenizer
 from mlperf_grpo.model.skeleton import check_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

@@ -11,7 +11,13 @@ from transformers.utils import logging as hf_logging
 
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.model.files import (
-    DTYPES, HF_LOAD_ERRORS, check_device, check_model_path, error_reason, hf_config, open_weights,
+    DTYPES,
+    HF_LOAD_ERRORS,
+    check_device,
+    check_model_path,
+    error_reason,
+    hf_config,
+    open_weights,
     saved_generation_config,
 )
 from mlperf_grpo.model.skeleton import check_weight_shapes, materialize, model_skeleton

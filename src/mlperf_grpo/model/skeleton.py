@@ -9,12 +9,20 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
 )
 
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.model.files import (
-    DTYPES, HF_LOAD_ERRORS, check_model_path, error_reason, hf_config, saved_generation_config, weight_shapes,
+    DTYPES,
+    HF_LOAD_ERRORS,
+    check_model_path,
+    error_reason,
+    hf_config,
+    saved_generation_config,
+    weight_shapes,
 )
 from mlperf_grpo.model.weight_names import loaded_shapes
 

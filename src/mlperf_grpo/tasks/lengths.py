@@ -12,8 +12,8 @@ engine, by ``inference.max_model_len`` when set.
 from __future__ import annotations
 
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.model.load import encode_prompts, load_tokenizer
 from mlperf_grpo.model.files import context_length
+from mlperf_grpo.model.load import encode_prompts, load_tokenizer
 from mlperf_grpo.tasks.base import Task, TaskError
 
 

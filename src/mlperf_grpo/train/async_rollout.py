@@ -54,6 +54,21 @@ class Rollouts:
         return self.step - 1 - self.weights_version
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What each step's rollouts are: ``num_prompts_per_step`` x
+    ``num_generations_per_prompt`` completions sampled with ``params``, per-completion
+    seeds derived from the run ``seed``, the step and the index; ``max_trajectory_age_steps``
+    0 or 1; no rollouts generated for a step after ``max_steps``."""
+
+    num_prompts_per_step: int
+    num_generations_per_prompt: int
+    params: SamplingParams
+    seed: int
+    max_trajectory_age_steps: int
+    max_steps: int
+
+
 class RolloutProducer:
     """Generates each step's rollouts, one step ahead when ``max_trajectory_age_steps`` is 1.
 
@@ -63,11 +78,8 @@ class RolloutProducer:
     Args:
         engine: the generation engine, holding the weights of version 0.
         sampler: draws each step's prompts.
-        num_prompts_per_step, num_generations_per_prompt: the batch shape.
-        params: training rollout sampling parameters.
-        seed: run seed (per-completion seeds are derived from it, the step and the index).
-        max_trajectory_age_steps: 0 or 1.
-        max_steps: no rollouts are generated for a later step.
+        settings: the batch shape, sampling parameters, seed, trajectory age and last
+            step (:class:`RolloutSettings`).
         device: the engine's device; with ``cuda`` the background generation runs on
             its own CUDA stream (after the refit's copies on the default stream), so
             its kernels can overlap training's instead of queueing behind them.
@@ -79,28 +91,17 @@ class RolloutProducer:
         ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
     """
 
-    def __init__(
-        self,
-        engine: InferenceEngine,
-        sampler: PromptSampler,
-        num_prompts_per_step: int,
-        num_generations_per_prompt: int,
-        params: SamplingParams,
-        seed: int,
-        max_trajectory_age_steps: int,
-        max_steps: int,
-        device: str = "cpu",
-        prompt_share: slice = slice(None),
-    ) -> None:
-        if max_trajectory_age_steps not in (0, 1):
-            raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {max_trajectory_age_steps}")
+    def __init__(self, engine: InferenceEngine, sampler: PromptSampler, settings: RolloutSettings, device: str = "cpu",
+                 prompt_share: slice = slice(None)) -> None:
+        if settings.max_trajectory_age_steps not in (0, 1):
+            raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {settings.max_trajectory_age_steps}")
         self._engine = engine
         self._sampler = sampler
-        self._shape = (num_prompts_per_step, num_generations_per_prompt)
-        self._params = params
-        self._seed = seed
-        self._max_age = max_trajectory_age_steps
-        self._max_steps = max_steps
+        self._shape = (settings.num_prompts_per_step, settings.num_generations_per_prompt)
+        self._params = settings.params
+        self._seed = settings.seed
+        self._max_age = settings.max_trajectory_age_steps
+        self._max_steps = settings.max_steps
         self._weights_version = 0
         self._cuda = device == "cuda"
         self._share = prompt_share

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.inference.decode import DecodeOptions
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.train.fsdp import policy_weights
 
@@ -28,7 +29,7 @@ def engine_from_policy(config: RunConfig, policy: torch.nn.Module) -> HFEngine:
     """
     engine = HFEngine.for_refit(config.model.path, config.model.dtype, device=config.model.device,
                                 tensor_parallel_size=config.inference.tensor_parallel_size,
-                                top_p_candidates=config.inference.top_p_candidates,
-                                prefill_graphs=config.inference.prefill_graphs)
+                                decoder=DecodeOptions(top_p_candidates=config.inference.top_p_candidates,
+                                                      prefill_graphs=config.inference.prefill_graphs))
     engine.load_weights(policy_weights(policy))
     return engine

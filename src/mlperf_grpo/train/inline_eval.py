@@ -18,19 +18,20 @@ import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-
-from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.evaluate.commit import write_results
 from mlperf_grpo.evaluate.offline import EvalOutcome, read_outcome, write_summary
+from mlperf_grpo.evaluate.outcome import Evaluation
 from mlperf_grpo.evaluate.series import EvaluationError
 from mlperf_grpo.evaluate.validator import validate
-from mlperf_grpo.inference.base import SamplingParams, build_engine
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.inference.factory import build_engine
 from mlperf_grpo.logs.mllog import MLLogWriter, now_ms, read_log
-from mlperf_grpo.evaluate.outcome import Evaluation
-from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.tasks import ValidationSet
 from mlperf_grpo.train.inputs import TrainingInputs
+
 
 class InlineEvaluator:
     """``inline_eval`` hook of :func:`mlperf_grpo.train.trainer.train`

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from mlperf_grpo import tasks
-
-from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.inference.base import check_engine_available
-from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.inference.factory import check_engine_available
 from mlperf_grpo.model.check import check_model
 from mlperf_grpo.model.files import check_device, check_model_path
-from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
 

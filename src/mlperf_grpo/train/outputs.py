@@ -20,24 +20,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Protocol
-
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
 
 from mlperf_grpo import rules
-from mlperf_grpo.checkpoint import AsyncCheckpointer, CheckpointTiming, RankGroup, TrainingInfo, engine_checkpoint_weights
+from mlperf_grpo.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointTiming,
+    RankGroup,
+    TrainingInfo,
+    engine_checkpoint_weights,
+)
 from mlperf_grpo.config.run import RunConfig
-from mlperf_grpo.model.fingerprint import canary_logits_in_dtype
+from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock
+from mlperf_grpo.evaluate.outcome import log_aborted_run_stop
+from mlperf_grpo.graceful_stop import GracefulStop
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.logs.mllog import DiscardingLogWriter, MLLogWriter, read_log
-from mlperf_grpo.evaluate.outcome import log_aborted_run_stop
 from mlperf_grpo.model.files import DTYPES, check_model_path
-from mlperf_grpo.config.rundir import RunDir, RunDirError, RunLock
+from mlperf_grpo.model.fingerprint import canary_logits_in_dtype
 from mlperf_grpo.train import collectives, ranks
-from mlperf_grpo.graceful_stop import GracefulStop
 
 
 class Checkpoints(Protocol):

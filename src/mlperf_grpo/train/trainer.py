@@ -44,26 +44,26 @@ from tqdm import tqdm
 
 from mlperf_grpo.checkpoint import CheckpointTiming
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.evaluate.settings import evaluation_settings
-from mlperf_grpo.inference.base import InferenceEngine, SamplingParams, build_engine
+from mlperf_grpo.graceful_stop import GracefulStop
+from mlperf_grpo.inference.base import InferenceEngine, SamplingParams
+from mlperf_grpo.inference.factory import build_engine
 from mlperf_grpo.inference.tensor_parallel import rank_share
 from mlperf_grpo.logs.mllog import now_ms
-from mlperf_grpo.model.load import load_model
 from mlperf_grpo.model.compile import compile_decoder_layers, compile_policy_layers
 from mlperf_grpo.model.files import DTYPES
-from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.model.load import load_model
 from mlperf_grpo.tasks.scoring import score
 from mlperf_grpo.train import collectives, ranks
-from mlperf_grpo.train.async_rollout import RolloutProducer
+from mlperf_grpo.train.async_rollout import RolloutProducer, RolloutSettings
 from mlperf_grpo.train.engine_setup import engine_from_policy
 from mlperf_grpo.train.fsdp import load_sharded_policy, policy_weights
 from mlperf_grpo.train.inputs import TrainingInputs, check_training_inputs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training_batch
-from mlperf_grpo.train.outputs import (InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests,
-                                       RunOutput)
+from mlperf_grpo.train.outputs import InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests, RunOutput
 from mlperf_grpo.train.rollout import PromptSampler
-from mlperf_grpo.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -240,9 +240,10 @@ class Trainer:
         log.start(C.RUN_START, time_ms=run_start_ms)
         log.commit()
         rollout_params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
+        settings = RolloutSettings(g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params, config.seed,
+                                   g.max_trajectory_age_steps, g.max_steps)
         self.producer = RolloutProducer(
-            self.engine, self.sampler, g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params,
-            config.seed, g.max_trajectory_age_steps, g.max_steps, config.model.device,
+            self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
         )
         self.bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not self.show_progress)

@@ -19,10 +19,10 @@ from pathlib import Path
 from mlperf_grpo.logs.check.findings import Finding
 from mlperf_grpo.logs.check.lint import MAX_LINE_CHARS, LintInput, lint
 from mlperf_grpo.logs.check.official import OFFICIAL_TIME_LIMIT_S, ComplianceResult, not_run, run_official
-from mlperf_grpo.logs.check.shape import EvalMode, evaluation_mode
 from mlperf_grpo.logs.check.score import Score, compute_score
-from mlperf_grpo.logs.values import UnreadableLog, find_run_dir, load_log_text
+from mlperf_grpo.logs.check.shape import EvalMode, evaluation_mode
 from mlperf_grpo.logs.mllog import ParsedLog, parse_log_text
+from mlperf_grpo.logs.values import UnreadableLog, find_run_dir, load_log_text
 
 __all__ = ["CheckReport", "Finding", "UnreadableLog", "check_log", "find_run_dir", "load_log_text"]
 

@@ -28,8 +28,8 @@ from mlperf_grpo.logs.check.lint_evals import (
     run_stop_time,
 )
 from mlperf_grpo.logs.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
-from mlperf_grpo.logs.values import EVAL_KEYS, int_or_none, is_number, ms_text
 from mlperf_grpo.logs.mllog import LogEvent, loads_line
+from mlperf_grpo.logs.values import EVAL_KEYS, int_or_none, is_number, ms_text
 
 MAX_LINE_CHARS = 4096
 """Longest ``:::MLLOG`` line the official checkers are given. Their line normalisation is

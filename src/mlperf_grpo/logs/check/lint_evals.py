@@ -15,6 +15,7 @@ from mlperf_grpo.logs.check.evidence import result_files, results_dirs, stored_r
 from mlperf_grpo.logs.check.findings import Finding
 from mlperf_grpo.logs.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
 from mlperf_grpo.logs.check.shape import DEFERRED, INLINE, evaluation_mode, trained_samples
+from mlperf_grpo.logs.mllog import LogEvent
 from mlperf_grpo.logs.values import (
     EVAL_KEYS,
     checkpoint_records,
@@ -24,7 +25,6 @@ from mlperf_grpo.logs.values import (
     ms_text,
     samples_count_of,
 )
-from mlperf_grpo.logs.mllog import LogEvent
 
 
 def evals_after_pass(inp: LintInput) -> list[Finding]:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from mlperf_grpo import rules
-from mlperf_grpo.logs.values import is_number
 from mlperf_grpo.logs.mllog import LogEvent, ParsedLog
+from mlperf_grpo.logs.values import is_number
 
 
 @dataclass

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlperf_grpo.logs.values import EVAL_KEYS, ms_text, samples_count_of
 from mlperf_grpo.logs.mllog import ParsedLog
-
+from mlperf_grpo.logs.values import EVAL_KEYS, ms_text, samples_count_of
 
 INLINE, DEFERRED, UNKNOWN = "inline", "deferred", "unknown"
 

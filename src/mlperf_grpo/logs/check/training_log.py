@@ -21,8 +21,8 @@ from mlperf_grpo.logs.check.lint import (
     run_stop_order,
 )
 from mlperf_grpo.logs.check.shape import trained_samples
-from mlperf_grpo.logs.values import logged_global_batch_size
 from mlperf_grpo.logs.mllog import parse_log_text
+from mlperf_grpo.logs.values import logged_global_batch_size
 
 RULES = (invalid_lines, metadata_types, run_stop_order, multiple_run_stops, duplicate_global_batch_size)
 """The lint rules whose findings make a training log unusable for evaluation."""

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from mlperf_grpo import rules
 from mlperf_grpo.logs.check.shape import INLINE, EvalMode, evaluation_mode
-from mlperf_grpo.logs.values import is_int, is_number, logged_global_batch_size
 from mlperf_grpo.logs.mllog import ParsedLog
+from mlperf_grpo.logs.values import is_int, is_number, logged_global_batch_size
 
 
 @dataclass
