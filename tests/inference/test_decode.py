@@ -439,3 +439,45 @@ def test_captured_prefills_give_the_eager_bucketed_prefills():
     cpu_model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     for (tokens, _), prompt, seed in zip(runs[True], prompts, seeds):
         assert tokens == reference_sample(cpu_model, prompt, seed, PARAMS)[0]
+
+
+def _fail_when_captured(body):
+    """``body`` that, inside a CUDA graph capture only, first copies from pageable host
+    memory (which a capture refuses): a capture that fails as a real one can."""
+    def failing(*args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.ones(1).to("cuda")
+        return body(*args)
+    return failing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("failing", ["prefill", "step"])
+def test_a_failed_capture_falls_back_in_one_warning(failing):
+    """A prefill or decode-step capture that fails turns its graphs off with one warning
+    and the calls (this one and the next) give the completions of the decoder without
+    them; later captures take a new memory pool (a capture into the pool of a dropped
+    graph fails the caching allocator's assertion)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
+    prompts, seeds = _prompts(40, seed=13)
+    eager = SlotDecoder(model, 16, 0, DecodeOptions(cuda_graphs=False, key_block=8, check_every=4,
+                                                   fused_kernels=False, prefill_graphs=True))
+    want = eager.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+    decoder = SlotDecoder(model, 16, 0, DecodeOptions(cuda_graphs=True, key_block=8, check_every=4,
+                                                     fused_kernels=False, prefill_graphs=True))
+    name = "_prefill_body" if failing == "prefill" else "_step_body"
+    setattr(decoder, name, _fail_when_captured(getattr(decoder, name)))
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(2):
+            got = decoder.generate(prompts, seeds, PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, [EOS])
+            assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+            # after the fallback, prefills are padded to their longest, not to a bucket: float32
+            # sums over other shapes, about 1e-6 apart
+            for (_, logprobs), (_, expected) in zip(got, want):
+                torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "turned off" in str(caught[0].message) and "\n" not in str(caught[0].message)
+    assert not decoder.prefill_graphs
+    assert decoder.cuda_graphs == (failing == "prefill")
+    if failing == "prefill":
+        assert decoder._graphs  # the decode steps captured after it, into a new pool

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from mlperf_grpo.inference.sampling import sample_tokens
 from mlperf_grpo.inference.slot_attention import PREFILL_SDPA_BACKENDS, attention_implementation
-from mlperf_grpo.inference.slot_state import DecodeCall, PrefillWriter
+from mlperf_grpo.inference.slot_state import DecodeCall, PrefillWriter, first_line
 
 PREFILL_WIDTH_BLOCK = 16
 """With ``prefill_graphs``, prefill widths are multiples of this many columns."""
@@ -163,9 +163,18 @@ class PrefillSteps:
             if all(torch.equal(a[real], b[real]) for a, b in zip(eager, replayed)):
                 return graph
             problem = "its replay differs from the eager prefill"
-        except RuntimeError as err:
-            problem = f"the capture failed ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-        warnings.warn(f"prefill graphs turned off: {problem}; prefills run eagerly", stacklevel=2)
+        except Exception as err:  # noqa: BLE001 - a failed capture turns the graphs off, it never ends a call
+            problem = f"the capture failed ({first_line(err)})"
+        warnings.warn(f"prefill graphs turned off: {problem}; prefills run eagerly", RuntimeWarning, stacklevel=2)
         self.prefill_graphs = False
+        self._abandon_pool()
         self._prefill_body(call, inputs)  # the rows as the eager prefill leaves them
         return None
+
+    def _abandon_pool(self) -> None:
+        """Later captures take a new memory pool. A graph dropped after a capture (failed,
+        or its replay differed) gives its pool back; once no graph holds a pool, the
+        caching allocator may free it, and a capture into that pool's id then fails an
+        internal assertion (``use_count > 0``, ``CUDACachingAllocator.cpp``) that ends
+        the process. The graphs kept still hold the old pool."""
+        self._pool = None

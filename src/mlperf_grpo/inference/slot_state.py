@@ -125,7 +125,9 @@ class SlotState:
         self.tokens[index, 0] = chosen
         self.logprobs[index, 0] = logprob
         self.last[index] = chosen
-        self.counts[index] = 1
+        # not ``counts[index] = 1``: a Python scalar assigned through a tensor index is a
+        # CPU tensor copied to the device (pageable memory, which a CUDA graph capture refuses)
+        self.counts.index_fill_(0, index, 1)
         self.done[index] = (chosen[:, None] == eos[None, :]).any(-1) | (max_new_tokens <= 1)
 
     def advance_cpu(self, rows: int) -> None:
@@ -180,3 +182,9 @@ class DecodeCall:
     top_p: float
     max_new_tokens: int
     eos: tuple[int, ...]  # sorted; (-1,) when there is no EOS
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (at most 200 characters), or its type's name
+    (the one-line warnings of a capture that failed)."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]

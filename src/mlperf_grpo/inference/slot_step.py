@@ -7,13 +7,14 @@ a row's nucleus was not among them."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 from mlperf_grpo.inference import fused_decode
 from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_by_blocks, sample_tokens_from_candidates
 from mlperf_grpo.inference.slot_attention import SLOT_ATTENTION, attention_implementation
-from mlperf_grpo.inference.slot_state import DecodeCall
+from mlperf_grpo.inference.slot_state import DecodeCall, first_line
 
 MAX_CANDIDATES = 4096
 """The most logits per row :class:`~mlperf_grpo.inference.decode.SlotDecoder`'s doubling takes before it sorts the vocabulary."""
@@ -60,14 +61,21 @@ class DecodeSteps:
             key = (rows, key_length, call, exact, self._candidates)
             graph = self._graphs.get(key)
             if graph is None:
-                graph = self._graphs[key] = self._capture(call, rows, key_length, exact)
+                graph = self._capture(call, rows, key_length, exact)
+                if graph is None:  # turned off (warned): this step and the later ones run eagerly
+                    self._step_body(call, rows, key_length, exact)
+                    self.state.advance_cpu(rows)
+                    return
+                self._graphs[key] = graph
                 self.graph_captures += 1
             graph.replay()
         self.state.advance_cpu(rows)
 
-    def _capture(self, call: DecodeCall, rows: int, key_length: int, exact: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, call: DecodeCall, rows: int, key_length: int, exact: bool) -> torch.cuda.CUDAGraph | None:
         """Warm up and capture :meth:`_step_body`; the state it changes is restored
-        (keys and values written at the write columns are rewritten by the real step)."""
+        (keys and values written at the write columns are rewritten by the real step).
+        A capture that fails turns CUDA graphs off (one warning; the decoder runs
+        eagerly from then on) and returns None."""
         saved = self.state.snapshot(self.cache)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -76,13 +84,22 @@ class DecodeSteps:
                 self._step_body(call, rows, key_length, exact)
                 self.state.restore(saved, self.cache)
         torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the one-step-async rollouts capture on their own thread while the
-        # training thread allocates and synchronizes (global mode would fail those calls)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step_body(call, rows, key_length, exact)
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the one-step-async rollouts capture on their own thread while the
+            # training thread allocates and synchronizes (global mode would fail those calls)
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._step_body(call, rows, key_length, exact)
+        except Exception as err:  # noqa: BLE001 - a failed capture turns the graphs off, it never ends a call
+            warnings.warn(f"CUDA graphs turned off: the capture of a decode step failed ({first_line(err)}); "
+                          "steps and prefills run eagerly", RuntimeWarning, stacklevel=2)
+            self.cuda_graphs = self.prefill_graphs = False
+            self._graphs.clear()
+            self._prefill_graphs.clear()
+            self._abandon_pool()
+            graph = None
         self.state.restore(saved, self.cache)
         return graph
 
