@@ -61,6 +61,7 @@ import gc
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -76,6 +77,9 @@ from mlperf_grpo.errors import ConfigError, ModelLoadError
 from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.model.files import BUILTIN_MODEL_DIR, check_model_path
 from mlperf_grpo.train import trainer as trainer_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from update_profile import update_profiler  # noqa: E402  (benchmarks/update_profile.py)
 
 SHAPES = {
     # Qwen3-1.7B's blocks (1.41e9 parameters with the built-in tokenizer's tiny vocabulary)
@@ -176,12 +180,14 @@ def engine_decode(decode: str, ignore_eos: bool, built: list[str]):
 
 
 def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eos: bool = False,
-                 engines: list[str] | None = None) -> list[dict]:
+                 engines: list[str] | None = None, profile: dict | None = None) -> list[dict]:
     """Train ``config`` with the engine decoding as ``decode``; per step from step 2:
     ``step_s`` and the :data:`PHASE_NAMES` seconds. The engines built are described in
-    ``engines``."""
+    ``engines``; with ``profile`` (a dict), the last step's update is profiled into it
+    (:func:`update_profiler`; that step's times include the profiler's cost)."""
     run = RunDir(tmp / f"ours-{len(list(tmp.glob('ours-*')))}")
-    with phase_timers(device) as seconds, engine_decode(decode, ignore_eos, [] if engines is None else engines):
+    with phase_timers(device) as seconds, engine_decode(decode, ignore_eos, [] if engines is None else engines), \
+            update_profiler(device, None if profile is None else config.grpo.max_steps, {} if profile is None else profile):
         trainer_module.train(config, run, config_filename="grpo_step", show_progress=False)
     _, log_file = run.load()
     log = read_log(log_file)
@@ -205,8 +211,11 @@ def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eo
     return steps
 
 
-def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Path) -> list[float]:
-    """Step times (s) of ``trl.GRPOTrainer`` from step 2, same model, prompts, reward and shape."""
+def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Path,
+                ignore_eos: bool = False) -> list[float]:
+    """Step times (s) of ``trl.GRPOTrainer`` from step 2, same model, prompts, reward and
+    shape; ``ignore_eos``: every completion runs to ``max_new_tokens`` (``min_new_tokens``
+    of its generation config), as ours with ``--ignore-eos``."""
     import datasets.fingerprint
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -242,6 +251,7 @@ def measure_trl(config, model_dir: Path, device: str, model_dtype: str, tmp: Pat
         temperature=g.rollout_temperature, top_p=g.rollout_top_p, beta=0.0, max_grad_norm=config.gradient_clip_norm,
         model_init_kwargs={"dtype": model_dtype}, bf16=device == "cuda", gradient_checkpointing=False,
         use_cpu=device == "cpu", report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        generation_kwargs={"min_new_tokens": g.max_new_tokens} if ignore_eos else None,
     )
     clock = StepClock()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset,
@@ -277,12 +287,17 @@ def main() -> None:
                         help="the hf engine's decode; several values: ours measured once per value, side by side")
     parser.add_argument("--max-new-tokens", type=int, help="grpo.max_new_tokens (default: the config's)")
     parser.add_argument("--ignore-eos", action="store_true", help="the engine gets no EOS id: completions run to the limit")
+    parser.add_argument("--also-new-tokens", type=int,
+                        help="also compare both sides at this many new tokens, every completion that long")
+    parser.add_argument("--profile-update", action="store_true",
+                        help="profile our last step's update (torch.profiler): launches, syncs, kernel time")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                         help="TRL's weights (float32: master weights as ours; auto: the saved dtype)")
     args = parse_args_one_line(parser)
     bad = [f"{flag} {value}" for flag, value in (("--num-prompts-per-step", args.num_prompts_per_step),
                                                   ("--micro-batch-size", args.micro_batch_size),
-                                                  ("--repeat", args.repeat), ("--max-new-tokens", args.max_new_tokens))
+                                                  ("--repeat", args.repeat), ("--max-new-tokens", args.max_new_tokens),
+                                                  ("--also-new-tokens", args.also_new_tokens))
            if value is not None and value < 1]
     bad += [f"--steps {args.steps}"] if args.steps < 2 else []
     if bad:
@@ -296,36 +311,28 @@ def main() -> None:
 def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Measure ours (each decode arm) and TRL as ``args`` asks; print the JSON line."""
     with_trl = not args.no_trl and trl_available()
+    profile: dict | None = {} if args.profile_update else None
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model, dtype = args.model, "float32"
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
-        config = run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
-                            args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile,
-                            args.max_new_tokens)
-        ours: list[dict] = []
-        arms: dict[str, list[dict]] = {d: [] for d in args.decode}
-        engines: dict[str, list[str]] = {d: [] for d in args.decode}
-        trl_steps: list[float] = []
-        for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
-            sides = ["ours", "trl"] if with_trl else ["ours"]
-            for side in sides[::-1] if r % 2 else sides:
-                if side == "ours":
-                    for decode in args.decode:
-                        arms[decode] += measure_ours(config, args.device, tmp, decode, args.ignore_eos,
-                                                     engines[decode])
-                        gc.collect()
-                        if args.device == "cuda":
-                            torch.cuda.empty_cache()
-                    ours = arms[args.decode[0]]
-                else:
-                    trl_steps += measure_trl(config, check_model_path(model), args.device, args.trl_model_dtype, tmp)
-                gc.collect()  # both sides share this process: free one's model and optimizer first
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-    ours_step_s = statistics.median(s["step_s"] for s in ours)
-    trl_step_s = statistics.median(trl_steps) if trl_steps else None
+
+        def config_of(max_new_tokens):
+            return run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
+                              args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile,
+                              max_new_tokens)
+
+        config = config_of(args.max_new_tokens)
+        arms, engines, trl_steps = _sides(args, config, model, tmp, args.decode, args.ignore_eos, with_trl, profile)
+        longer = None
+        if args.also_new_tokens:  # both sides again, every completion args.also_new_tokens long
+            long_config = config_of(args.also_new_tokens)
+            long_arms, long_engines, long_trl = _sides(args, long_config, model, tmp, args.decode[:1], True, with_trl)
+            longer = {"max_new_tokens": args.also_new_tokens, "ignore_eos": True,
+                      **_figures(long_arms[args.decode[0]], long_trl),
+                      "engine": sorted(set(long_engines[args.decode[0]]))}
+    ours = arms[args.decode[0]]
     print(json.dumps({
         "benchmark": "grpo_step",
         "model": args.model_shape or args.model,
@@ -336,11 +343,7 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "max_trajectory_age_steps": args.max_trajectory_age_steps,
         "compute_dtype": config.model.train_compute_dtype,
         "compile": config.model.compile_policy,
-        "ours_step_s": round(ours_step_s, 4),
-        "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
-        "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),
-        "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
-        "phases_s": _phases(ours),
+        **_figures(ours, trl_steps),
         "max_new_tokens": config.grpo.max_new_tokens,
         "ignore_eos": args.ignore_eos,
         "decode_arms": {d: {"ours_step_s": round(statistics.median(s["step_s"] for s in steps), 4),
@@ -348,10 +351,51 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                         for d, steps in arms.items()},
         "rollout_speedup": {d: _ratio(statistics.median(s["rollout_s"] for s in arms[args.decode[0]]),
                                       statistics.median(s["rollout_s"] for s in steps)) for d, steps in arms.items()},
+        **({"longer": longer} if longer is not None else {}),
+        **({"update_profile": profile} if profile is not None else {}),
         "torch": torch.__version__,
         "trl": _version("trl") if with_trl else None,
         "trl_model_dtype": args.trl_model_dtype if with_trl else None,
     }))
+
+
+def _sides(args: argparse.Namespace, config, model: str, tmp: Path, decodes: list[str], ignore_eos: bool,
+           with_trl: bool, profile: dict | None = None) -> tuple[dict, dict, list[float]]:
+    """Ours (once per decode value) and TRL, ``args.repeat`` times, alternating which goes
+    first; returns per decode value our steps and engines, and TRL's step times."""
+    arms: dict[str, list[dict]] = {d: [] for d in decodes}
+    engines: dict[str, list[str]] = {d: [] for d in decodes}
+    trl_steps: list[float] = []
+    for r in range(args.repeat):  # alternate the order: a shared machine's load drifts
+        sides = ["ours", "trl"] if with_trl else ["ours"]
+        for side in sides[::-1] if r % 2 else sides:
+            if side == "ours":
+                for decode in decodes:
+                    arms[decode] += measure_ours(config, args.device, tmp, decode, ignore_eos, engines[decode],
+                                                 profile if r == args.repeat - 1 and decode == decodes[0] else None)
+                    gc.collect()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+            else:
+                trl_steps += measure_trl(config, check_model_path(model), args.device, args.trl_model_dtype, tmp,
+                                         ignore_eos)
+            gc.collect()  # both sides share this process: free one's model and optimizer first
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    return arms, engines, trl_steps
+
+
+def _figures(ours: list[dict], trl_steps: list[float]) -> dict:
+    """Our and TRL's median step seconds, their ratio and our phases."""
+    ours_step_s = statistics.median(s["step_s"] for s in ours)
+    trl_step_s = statistics.median(trl_steps) if trl_steps else None
+    return {
+        "ours_step_s": round(ours_step_s, 4),
+        "ours_train_step_time_s": round(statistics.median(s["train_step_time_s"] for s in ours), 4),
+        "trl_step_s": None if trl_step_s is None else round(trl_step_s, 4),
+        "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
+        "phases_s": _phases(ours),
+    }
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
