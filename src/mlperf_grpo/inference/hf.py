@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from mlperf_grpo.inference.base import (
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.sampling import RowSeededSampler
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
+from mlperf_grpo.inference.slot_probe import slot_decoding_problem
 from mlperf_grpo.inference.tensor_parallel import (
     build_tensor_parallel_model,
     full_tensor,
@@ -191,6 +193,14 @@ class HFEngine:
                              "use decode='generate'")
         on_cuda = self.model.device.type == "cuda"
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
+            return None
+        problem = slot_decoding_problem(self.model, self.pad_token_id)  # a family whose cache it cannot drive
+        if problem is not None:
+            if decode == "slots":
+                raise ValueError(f"{type(self.model).__name__} does not run through the slot decoder ({problem}): "
+                                 "use decode='generate'")
+            warnings.warn(f"{type(self.model).__name__} decodes through generate: the slot decoder cannot drive it "
+                          f"({problem})", RuntimeWarning, stacklevel=2)
             return None
         return SlotDecoder(self.model, self.batch_size, self.pad_token_id, dataclasses.replace(
             decoder, cuda_graphs=on_cuda, top_p_candidates=decoder.top_p_candidates if on_cuda else 0))
