@@ -4,6 +4,9 @@
         [--layers N --hidden H | --params P] [--dtype float32|bfloat16] [--key-length K]
         [--variants unfused key_block_256] [--profile-top N]
 
+With no shape option the model is ``--params 1.4e9`` on CUDA (the shape the other GPU
+benchmarks use) and 2 layers of hidden 64 on the CPU.
+
 Builds the Qwen3-shaped model of ``benchmarks/generation.py`` (random init, vocabulary
 151,936, nothing downloaded) and measures, in one process:
 
@@ -58,6 +61,10 @@ from mlperf_grpo.inference.sampling import sample_tokens, sample_tokens_by_block
 from mlperf_grpo.inference.slot_state import DecodeCall  # noqa: E402
 
 PROMPT_TOKENS = 32
+CUDA_DEFAULT_PARAMS = 1.4e9
+"""With ``--device cuda`` and no shape option, the model of ``--params 1.4e9`` (16 layers,
+1.65B with the 151,936-id vocabulary: the shape of ``generation.py``'s and the docs' GPU
+figures); on the CPU the 2-layer, hidden-64 model."""
 REPLAYS = 20
 VARIANTS = {"unfused": {"fused_kernels": False}, "key_block_256": {"key_block": 256}}
 
@@ -190,6 +197,8 @@ def main() -> None:
         bad_input("--device cuda but torch sees no CUDA device; use --device cpu")
 
     device = args.device
+    if device == "cuda" and args.params is None and args.layers is None and args.hidden is None:
+        args.params = CUDA_DEFAULT_PARAMS  # the shape the other benchmarks measure on a GPU
     config = model_config(args)
     model = build_model(config, DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")], device)
     rng = random.Random(0)

@@ -297,9 +297,9 @@ def bad_input(message: str) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model-shape options of the benchmarks that build :func:`qwen3_config` models:
-    ``--layers N --hidden H`` or ``--params P``."""
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
+    ``--layers N --hidden H`` (default 2 and 64) or ``--params P``."""
+    parser.add_argument("--layers", type=int, default=None, help="default 2")
+    parser.add_argument("--hidden", type=int, default=None, help="default 64")
     parser.add_argument("--params", type=float, default=None, help="pick --hidden (16 layers) for this many parameters")
 
 
@@ -312,6 +312,8 @@ def model_config(args: argparse.Namespace) -> Qwen3Config:
         if not (math.isfinite(args.params) and args.params > 0):
             bad_input(f"--params {args.params:g}: must be a finite number > 0")
         return config_for_params(args.params)
+    args.layers = 2 if args.layers is None else args.layers
+    args.hidden = 64 if args.hidden is None else args.hidden
     if args.layers < 1 or args.hidden < 8 or args.hidden % 8:
         bad_input(f"--layers {args.layers}, --hidden {args.hidden}: layers >= 1 and hidden a positive multiple of 8 "
                   "(an even head_dim, hidden / 4, for RoPE)")
