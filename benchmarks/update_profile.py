@@ -76,8 +76,9 @@ def profile_summary(prof) -> dict:
     of most device time."""
     events = prof.events()
     regions: dict[str, list] = defaultdict(list)
+    cpu, device = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     for ev in events:
-        if ev.name in ("optimize_step", "micro_batch", "clip_grad_norm") or ev.name.startswith("Optimizer.step#"):
+        if _label(ev.name) and ev.device_type == cpu:  # a label's device-side twin is left out
             regions["optimizer_step" if ev.name.startswith("Optimizer.step#") else ev.name].append(ev.time_range)
     calls = [ev for ev in events if ev.name in LAUNCHES + SYNCS]
     summary: dict = {}
@@ -88,9 +89,14 @@ def profile_summary(prof) -> dict:
                          "syncs": sum(ev.name in SYNCS for ev in inside)}
     kernels = defaultdict(float)
     for ev in events:
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if ev.device_type == device and not _label(ev.name):
             kernels[ev.name] += ev.time_range.elapsed_us()
     summary["device_kernel_ms"] = round(sum(kernels.values()) / 1e3, 2)
     summary["top_kernels_ms"] = {name[:80]: round(us / 1e3, 2)
                                  for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]}
     return summary
+
+
+def _label(name: str) -> bool:
+    """Whether ``name`` is one of the regions labelled here or the optimizer's own."""
+    return name in ("optimize_step", "micro_batch", "clip_grad_norm") or name.startswith("Optimizer.step#")

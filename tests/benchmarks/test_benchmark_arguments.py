@@ -96,3 +96,20 @@ def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     assert arms["generate"]["engine"] == ["transformers.generate"]
     assert arms["slots"]["engine"] == ["slot decoder (static KV cache, refilled slots)"]
     assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0
+
+
+def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tmp_path):
+    """--also-new-tokens T: ours trained again with every completion T tokens long (no
+    EOS), reported under ``longer``; --profile-update: the last update's regions, four
+    micro-batches of a GBS-32 batch at micro-batch 8."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "grpo_step.py"), "--no-trl", "--steps", "2",
+                           "--num-prompts-per-step", "2", "--micro-batch-size", "8", "--max-new-tokens", "4",
+                           "--also-new-tokens", "6", "--profile-update"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.splitlines()[-1])
+    assert line["max_new_tokens"] == 4 and line["longer"]["max_new_tokens"] == 6 and line["longer"]["ignore_eos"]
+    assert line["longer"]["ours_step_s"] > 0 and line["longer"]["trl_step_s"] is None
+    profile = line["update_profile"]
+    assert profile["optimize_step"]["count"] == 1 and profile["micro_batch"]["count"] == 4
+    assert profile["clip_grad_norm"]["count"] == 1 and profile["optimizer_step"]["count"] == 1
