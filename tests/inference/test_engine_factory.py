@@ -66,9 +66,9 @@ def test_factory_hands_the_engine_its_top_p_candidates(monkeypatch, refit_only):
     made = {}
     real_init = HFEngine._init
 
-    def spy(self, model, tokenizer, batch_size, model_path, decode, decoder=DecodeOptions()):
+    def spy(self, model, tokenizer, batch_size, model_path, decode, decoder=DecodeOptions(), **kwargs):
         made.update(top_p_candidates=decoder.top_p_candidates, prefill_graphs=decoder.prefill_graphs)
-        real_init(self, model, tokenizer, batch_size, model_path, "slots", decoder)
+        real_init(self, model, tokenizer, batch_size, model_path, "slots", decoder, **kwargs)
 
     monkeypatch.setattr(HFEngine, "_init", spy)
     config = parse_config({"inference": {"top_p_candidates": 32, "prefill_graphs": True}})

@@ -6,6 +6,7 @@ import torch
 from test_generation import EOS, tiny_qwen3
 from transformers import FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
+from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.hf import HFEngine
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
 from mlperf_grpo.inference.slot_probe import slot_decoding_problem
@@ -56,3 +57,18 @@ def test_a_cache_the_model_reads_otherwise_fails_the_probe(monkeypatch):
     monkeypatch.setattr(PrefillWriter, "update", lambda self, key, value, layer, *args, **kwargs: (key, value))
     problem = slot_decoding_problem(model, 0)
     assert problem is not None and "differ" in problem
+
+
+def test_an_engine_built_for_a_refit_probes_at_its_first_generate():
+    """Built for a refit, an engine's weights are not set yet: the probe waits for its
+    first generate (then refuses decode=slots for OPT in one line; auto takes generate)."""
+    for decode in ("slots", "auto"):
+        engine = HFEngine.__new__(HFEngine)
+        engine._init(_tiny("opt"), None, 2, "in-memory", decode, weights_set=False)
+        if decode == "slots":
+            assert engine._decoder is not None  # not probed yet
+            with pytest.raises(ValueError, match="does not run through the slot decoder"):
+                engine.generate_ids([[3, 4, 5]], SamplingParams(1.0, 1.0, 3), [7])
+        else:
+            assert engine._decoder is None  # auto on the CPU: generate, no probe
+            assert len(engine.generate_ids([[3, 4, 5]], SamplingParams(1.0, 1.0, 3), [7])[0].token_ids) <= 3

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from mlperf_grpo.inference.base import (
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.sampling import RowSeededSampler
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
-from mlperf_grpo.inference.slot_probe import slot_decoding_problem
+from mlperf_grpo.inference.slot_probe import slot_decoder_drives
 from mlperf_grpo.inference.tensor_parallel import (
     build_tensor_parallel_model,
     full_tensor,
@@ -134,7 +133,7 @@ class HFEngine:
             model = build_model_for_refit(model_path, dtype, device)
         else:
             model = build_tensor_parallel_model(model_path, dtype, device, tensor_parallel_mesh(tensor_parallel_size, device))
-        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, decoder)
+        engine._init(model, load_tokenizer(model_path), batch_size, model_path, decode, decoder, weights_set=False)
         return engine
 
     @classmethod
@@ -158,7 +157,7 @@ class HFEngine:
 
     def _init(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, model_path: str,
-        decode: str, decoder: DecodeOptions = DecodeOptions(),
+        decode: str, decoder: DecodeOptions = DecodeOptions(), weights_set: bool = True,
     ) -> None:
         self.model = model
         mesh = mesh_of(model)
@@ -176,11 +175,16 @@ class HFEngine:
         pad = _single_id(source.pad_token_id)
         self.pad_token_id: int = pad if pad is not None else (
             self.eos_token_ids[0] if tokenizer is not None and self.eos_token_ids else 0)
-        self._decoder = self._slot_decoder(decode, decoder)
+        self._decode = decode
+        self._unprobed = False  # a slot decoder built before the weights were set: probed at the first generate
+        self._decoder = self._slot_decoder(decode, decoder, weights_set)
 
-    def _slot_decoder(self, decode: str, decoder: DecodeOptions) -> SlotDecoder | None:
+    def _slot_decoder(self, decode: str, decoder: DecodeOptions, weights_set: bool = True) -> SlotDecoder | None:
         """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``;
-        ``decoder``'s options, with CUDA graphs and top-p candidates on CUDA only.
+        ``decoder``'s options, with CUDA graphs and top-p candidates on CUDA only. A model
+        the probe finds the slot decoder cannot drive gets ``generate``; without
+        ``weights_set`` (an engine built for a refit) the probe waits for the first
+        :meth:`generate_ids`, when the weights are the real ones.
 
         Raises:
             ValueError: ``decode`` is unknown, or ``"slots"`` for a model that needs ``generate``.
@@ -194,14 +198,9 @@ class HFEngine:
         on_cuda = self.model.device.type == "cuda"
         if decode == "generate" or (decode == "auto" and not (supported and on_cuda)):
             return None
-        problem = slot_decoding_problem(self.model, self.pad_token_id)  # a family whose cache it cannot drive
-        if problem is not None:
-            if decode == "slots":
-                raise ValueError(f"{type(self.model).__name__} does not run through the slot decoder ({problem}): "
-                                 "use decode='generate'")
-            warnings.warn(f"{type(self.model).__name__} decodes through generate: the slot decoder cannot drive it "
-                          f"({problem})", RuntimeWarning, stacklevel=2)
+        if weights_set and not slot_decoder_drives(self.model, self.pad_token_id, decode):
             return None
+        self._unprobed = not weights_set
         return SlotDecoder(self.model, self.batch_size, self.pad_token_id, dataclasses.replace(
             decoder, cuda_graphs=on_cuda, top_p_candidates=decoder.top_p_candidates if on_cuda else 0))
 
@@ -377,10 +376,16 @@ class HFEngine:
         ``batch_size``, each left-padded to its longest prompt.
 
         Raises:
-            ValueError: prompts and seeds differ in number.
+            ValueError: prompts and seeds differ in number; or, at the first call of an
+                engine built for a refit with ``decode="slots"``, the slot decoder does not
+                drive the model (:func:`~mlperf_grpo.inference.slot_probe.slot_decoder_drives`).
         """
         if len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(seeds)} seeds")
+        if self._unprobed:  # built for a refit: the weights are set now
+            self._unprobed = False
+            if not slot_decoder_drives(self.model, self.pad_token_id, self._decode):
+                self._decoder = None
         if self._decoder is not None:
             rows = self._decoder.generate(prompt_token_ids, seeds, params.temperature, params.top_p,
                                           params.max_new_tokens, self.eos_token_ids)

@@ -11,6 +11,8 @@ so that such a model is routed to ``generate`` instead of failing inside a rollo
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import PreTrainedModel
 
@@ -58,3 +60,21 @@ def slot_decoding_problem(model: PreTrainedModel, pad_token_id: int) -> str | No
     if not error <= tolerance * scale:  # NaN fails too
         return f"its decode step's logits differ from the model's by {error:.3g} (scale {scale:.3g})"
     return None
+
+
+def slot_decoder_drives(model: PreTrainedModel, pad_token_id: int, decode: str) -> bool:
+    """Whether the slot decoder drives ``model``'s cache (:func:`slot_decoding_problem`);
+    if not, one warning line (an engine's ``decode`` ``"auto"``: ``generate`` then runs).
+
+    Raises:
+        ValueError: it does not, and ``decode`` is ``"slots"``.
+    """
+    problem = slot_decoding_problem(model, pad_token_id)
+    if problem is None:
+        return True
+    if decode == "slots":
+        raise ValueError(f"{type(model).__name__} does not run through the slot decoder ({problem}): "
+                         "use decode='generate'")
+    warnings.warn(f"{type(model).__name__} decodes through generate: the slot decoder cannot drive it ({problem})",
+                  RuntimeWarning, stacklevel=3)
+    return False
