@@ -1,0 +1,123 @@
+"""Run one host command line (a sandbox runtime's) with bounded output and a wall-clock
+limit that kills its whole process group; nothing beyond what is kept is held in memory or
+written to disk. Torch-free.
+
+The resource limits of the sandboxed command are not set here: the runtime sets them
+inside the sandbox (:func:`mlperf_grpo.sandbox.limits.limited_shell`), where they count per
+sandbox; set on the host they would count every process of the user (``RLIMIT_NPROC``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
+
+READ_CHUNK_BYTES = 1 << 16
+KILL_GRACE_S = 5.0  # after SIGKILL, how long the pipe may stay open before we stop reading
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (it was started in a new session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+
+
+class RunningCommand:
+    """A started command; :meth:`finish` reads its output to the end under the limits;
+    :meth:`kill` (from another thread: the sandbox's ``close``) ends it early."""
+
+    def __init__(self, argv: Sequence[str], limits: SandboxLimits, input_bytes: bytes = b"",
+                 env: dict[str, str] | None = None) -> None:
+        self.limits = limits
+        self.kill_reason = ""
+        self.proc = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE if input_bytes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            close_fds=True, env=env,
+        )
+        if input_bytes:
+            threading.Thread(target=self._feed, args=(input_bytes,), daemon=True).start()
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+
+    def kill(self, reason: str) -> None:
+        """Kill the command's process group, recording why (the first reason stays)."""
+        if not self.kill_reason:
+            self.kill_reason = reason
+        kill_group(self.proc)
+
+    def finish(self, timeout_s: float) -> CommandResult:
+        """Read the output until EOF, ``timeout_s`` or ``output_drain_bytes``; wait for exit."""
+        kept, total = self._read(time.monotonic() + timeout_s)
+        try:
+            code = self.proc.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.kill(self.kill_reason or "timeout")
+            code = self.proc.wait()
+        kill_group(self.proc)  # stragglers in the group (none under bwrap: its pid namespace is gone)
+        for stream in (self.proc.stdout, self.proc.stdin):
+            if stream is not None and not stream.closed:
+                stream.close()
+        text = bytes(kept).decode("utf-8", errors="replace")
+        killed = bool(self.kill_reason)
+        return CommandResult(
+            exit_code=None if killed else code, output=text,
+            timed_out=self.kill_reason == "timeout", output_truncated=total > len(kept),
+            kill_reason=self.kill_reason,
+        )
+
+    def _read(self, deadline: float) -> tuple[bytearray, int]:
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        kept, total, limits = bytearray(), 0, self.limits
+        grace_end = None
+        while True:
+            now = time.monotonic()
+            if grace_end is None and now >= deadline:
+                self.kill("timeout")
+            if self.kill_reason and grace_end is None:
+                grace_end = now + KILL_GRACE_S
+            end = grace_end if grace_end is not None else deadline
+            if now >= end and grace_end is not None:
+                break
+            if not poller.poll(max(0.0, min(end - now, 0.5)) * 1000):
+                continue
+            chunk = os.read(fd, READ_CHUNK_BYTES)
+            if not chunk:
+                break
+            total += len(chunk)
+            room = limits.output_bytes - len(kept)
+            if room > 0:
+                kept += chunk[:room]
+            if total > limits.output_drain_bytes and not self.kill_reason:
+                self.kill("output")
+        return kept, total
+
+
+def run_command(argv: Sequence[str], limits: SandboxLimits, timeout_s: float,
+                input_bytes: bytes = b"", env: dict[str, str] | None = None) -> CommandResult:
+    """Run ``argv`` to the end under ``limits`` (see :class:`RunningCommand`)."""
+    return RunningCommand(argv, limits, input_bytes, env).finish(timeout_s)
