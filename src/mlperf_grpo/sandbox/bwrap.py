@@ -6,11 +6,19 @@ installations named in ``ro_paths`` (read-only: the interpreter and packages the
 use), a generated ``/etc/passwd`` and ``/etc/group`` and a few read-only ``/etc`` files
 the loader and locale need, a new ``/proc`` (its own pid namespace), a minimal ``/dev``,
 a private size-limited tmpfs ``/tmp``, and its repository copy read-write at
-``/testbed``. Namespaces: user (runs as uid/gid 1000, no capabilities; ``RLIMIT_NPROC``
-then counts per sandbox), pid, network (no interface but loopback: no connection leaves
-it, nothing on the host's loopback is reachable), ipc, uts, cgroup. ``--die-with-parent``
-and the pid namespace end every process of the sandbox when its ``bwrap`` is killed;
+``/testbed``; nothing else is writable (the root is remounted read-only).
+Namespaces: pid, network (no interface but loopback: no connection leaves it, nothing on
+the host's loopback is reachable), ipc, uts, cgroup, mount. ``--die-with-parent`` and
+the pid namespace end every process of the sandbox when its ``bwrap`` is killed;
 ``--new-session`` keeps it off the caller's terminal.
+
+Whose processes: ``RLIMIT_NPROC`` (the process limit) is not enforced for host uid 0,
+whatever the namespace. So when the run is root, ``bwrap`` runs privileged (no user
+namespace) and the command runs through ``setpriv`` as a host uid of its own
+(``run_as``: unique per sandbox, so the limit counts that sandbox's processes alone),
+with no capabilities and ``no_new_privs`` (set-uid programs do not elevate). When the
+run is not root, ``bwrap`` makes a user namespace (uid 1000 inside, no capabilities);
+the limit then counts per namespace, i.e. per sandbox.
 Source of the flags: bubblewrap(1), bubblewrap 0.8.
 """
 
@@ -46,42 +54,54 @@ def system_args() -> list[str]:
     return args
 
 
-def write_identity(folder: Path) -> tuple[Path, Path]:
-    """A passwd and group file for the sandbox user (the host's are not shown)."""
+def write_identity(folder: Path, uid: int = INSIDE_UID) -> tuple[Path, Path]:
+    """A passwd and group file naming the sandbox user ``uid`` (the host's are not shown)."""
     folder.mkdir(parents=True, exist_ok=True)
     passwd, group = folder / "passwd", folder / "group"
-    passwd.write_text(f"root:x:0:0:root:/root:/bin/bash\nsandbox:x:{INSIDE_UID}:{INSIDE_UID}::/tmp:/bin/bash\n"
+    passwd.write_text(f"root:x:0:0:root:/root:/bin/bash\nsandbox:x:{uid}:{uid}::/tmp:/bin/bash\n"
                       "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    group.write_text(f"root:x:0:\nsandbox:x:{INSIDE_UID}:\nnogroup:x:65534:\n")
+    group.write_text(f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
     return passwd, group
 
 
 def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
-               ro_paths: Sequence[Path], limits: SandboxLimits, command: str) -> list[str]:
+               ro_paths: Sequence[Path], limits: SandboxLimits, command: str,
+               run_as: int | None = None) -> list[str]:
     """The full argv: ``bwrap`` ... ``bash -c <limits> <command>`` in ``inside_workdir``.
 
     ro_paths: host folders bound read-only at the same path (Python installations).
+    run_as: None runs in a user namespace as uid 1000 (a non-root run); a host uid runs
+    ``bwrap`` privileged and the command as that uid (a root run; see the module doc).
     The command's environment is cleared to PATH, HOME=/tmp, LANG, and the first
     ``ro_paths`` entry's ``bin`` leads PATH (the run's Python environment).
     """
     path_dirs = [str(Path(p) / "bin") for p in ro_paths] + ["/usr/local/bin", "/usr/bin", "/bin"]
+    if run_as is None:
+        identity = ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--disable-userns",
+                    "--cap-drop", "ALL"]
+        shell = limited_shell(limits)
+    else:
+        identity = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        shell = ["setpriv", f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs",
+                 "--inh-caps=-all", "--bounding-set=-all", "--", *limited_shell(limits)]
     args = [
-        bwrap, "--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID),
+        bwrap, *identity,
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--hostname", "sandbox", "--die-with-parent", "--new-session", "--disable-userns",
-        "--cap-drop", "ALL", "--clearenv",
+        "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
         "--setenv", "PATH", ":".join(dict.fromkeys(path_dirs)), "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
         *system_args(),
     ]
     for path in dict.fromkeys(str(Path(p)) for p in ro_paths):
+        for parent in reversed(Path(path).parents[:-1]):  # traversable by the sandbox's uid
+            args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
     args += [
         "--ro-bind", str(etc_dir / "passwd"), "/etc/passwd",
         "--ro-bind", str(etc_dir / "group"), "/etc/group",
         "--proc", "/proc", "--dev", "/dev",
-        "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
-        "--bind", str(workdir), inside_workdir, "--chdir", inside_workdir,
-        "--", *limited_shell(limits), command,
+        "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+        "--bind", str(workdir), inside_workdir, "--remount-ro", "/", "--chdir", inside_workdir,
+        "--", *shell, command,
     ]
     return args

@@ -70,7 +70,12 @@ class RunningCommand:
 
     def finish(self, timeout_s: float) -> CommandResult:
         """Read the output until EOF, ``timeout_s`` or ``output_drain_bytes``; wait for exit."""
-        kept, total = self._read(time.monotonic() + timeout_s)
+        try:
+            kept, total = self._read(time.monotonic() + timeout_s)
+        except BaseException:  # SIGTERM (Terminated), Ctrl-C: nothing may outlive the caller's unwinding
+            self.kill("interrupted")
+            self.proc.wait()
+            raise
         try:
             code = self.proc.wait(timeout=KILL_GRACE_S)
         except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -33,6 +34,26 @@ from mlperf_grpo.sandbox.process import RunningCommand, run_command
 INSIDE_WORKDIR = "/testbed"
 """Where the repository copy appears inside the sandbox (R2E-Gym's and SWE-bench's images' place)."""
 BWRAP_INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
+SANDBOX_UID_BASE, SANDBOX_UID_SPAN = 2_000_000_000, 100_000_000
+"""Host uids of root runs' sandboxes: one drawn at random from this range per sandbox (no
+account has them; 64 sandboxes at once collide with probability 2e-5, and a collision
+only merges two sandboxes' process limits)."""
+
+
+def sandbox_uid() -> int | None:
+    """The host uid a new bwrap sandbox runs its commands as: a fresh one when this process
+    is root (see :mod:`mlperf_grpo.sandbox.bwrap`), None (a user namespace) otherwise."""
+    if os.geteuid() != 0:
+        return None
+    return SANDBOX_UID_BASE + random.SystemRandom().randrange(SANDBOX_UID_SPAN)
+
+
+def give_to(folder: Path, uid: int) -> None:
+    """Make ``folder`` and everything in it belong to ``uid`` (links themselves, not their targets)."""
+    os.lchown(folder, uid, uid)
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            os.lchown(os.path.join(parent, name), uid, uid)
 
 
 @lru_cache(maxsize=None)
@@ -44,7 +65,7 @@ def _bwrap_problem() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         etc = Path(tmp)
         bwrap.write_identity(etc)
-        argv = bwrap.bwrap_argv(path, etc, "/probe", etc, [], SandboxLimits(), "true")
+        argv = bwrap.bwrap_argv(path, etc, "/probe", etc, [], SandboxLimits(), "true", run_as=sandbox_uid())
         result = run_command(argv, SandboxLimits(), timeout_s=30)
     if result.exit_code != 0:
         return (f"bwrap cannot make a sandbox here ({result.output.strip()[:200]}); it needs user "
@@ -115,6 +136,7 @@ class Sandbox:
         self._running: set[RunningCommand] = set()
         self._closed = False
         self._container: str | None = None
+        self._uid: int | None = None
         root = Path(root).resolve()
         self._ro_paths = _checked_ro_paths(python_roots() if ro_paths is None else ro_paths, root)
         root.mkdir(parents=True, exist_ok=True)
@@ -157,7 +179,10 @@ class Sandbox:
 
     def _start(self) -> None:
         if self.backend == "bwrap":
-            bwrap.write_identity(self.folder / "etc")
+            self._uid = sandbox_uid()
+            if self._uid is not None:
+                give_to(self.workdir, self._uid)
+            bwrap.write_identity(self.folder / "etc", bwrap.INSIDE_UID if self._uid is None else self._uid)
         elif self.backend in ("podman", "docker"):
             name = f"mlperf-grpo-{self.folder.name}"
             leftovers.write_marker(self.folder, container=name, runtime=shutil.which(self.backend))
@@ -172,7 +197,7 @@ class Sandbox:
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
-                                    self._ro_paths, self.limits, command)
+                                    self._ro_paths, self.limits, command, run_as=self._uid)
             return argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         if self.backend in ("apptainer", "singularity"):
             return containers.apptainer_argv(binary, self.image, self.workdir, INSIDE_WORKDIR, self.limits,
