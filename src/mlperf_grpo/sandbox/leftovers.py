@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -72,9 +73,27 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, onerror=opened_up)
 
 
+def kill_processes_naming(text: str) -> int:
+    """SIGKILL every process whose command line contains ``text`` (a dead run's ``bwrap``,
+    which names its sandbox folder: killing it ends its pid namespace); returns how many."""
+    needle, killed = text.encode(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
 def cleanup_leftovers(root: Path) -> int:
-    """Remove the sandboxes under ``root`` whose owning process is dead (and their
-    containers); returns how many were removed. A missing ``root`` has none."""
+    """Remove the sandboxes under ``root`` whose owning process is dead: kill what still
+    runs there (a ``bwrap`` whose parent died before it could arm ``--die-with-parent``),
+    remove their containers and folders; returns how many sandboxes were removed. A
+    missing ``root`` has none."""
     if not Path(root).is_dir():
         return 0
     removed = 0
@@ -88,6 +107,7 @@ def cleanup_leftovers(root: Path) -> int:
         if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
             subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=60, check=False)
+        kill_processes_naming(f"{folder}/")
         remove_tree(folder)
         removed += 1
     return removed

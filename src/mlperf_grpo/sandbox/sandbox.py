@@ -198,6 +198,9 @@ class Sandbox:
         if self.backend == "bwrap":
             argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
                                     self._ro_paths, self.limits, command, run_as=self._uid)
+            setpriv = shutil.which("setpriv")
+            if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
+                argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
             return argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         if self.backend in ("apptainer", "singularity"):
             return containers.apptainer_argv(binary, self.image, self.workdir, INSIDE_WORKDIR, self.limits,

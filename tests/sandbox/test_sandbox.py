@@ -1,0 +1,149 @@
+"""The sandbox's life: its copy, close(), SIGTERM and SIGKILL of the run, leftovers, and
+the command lines of the container runtimes (not installed here: checked as argv)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import descendants, make_repo, processes_with, require_bwrap
+
+from mlperf_grpo.errors import ConfigError
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers
+from mlperf_grpo.sandbox import containers
+from mlperf_grpo.sandbox.limits import limited_shell
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def test_each_sandbox_has_its_own_copy_and_close_leaves_nothing(tmp_path):
+    require_bwrap()
+    repo = make_repo(tmp_path / "repo")
+    (repo / "link").symlink_to("calc.py")
+    root = tmp_path / "sandboxes"
+    with Sandbox(repo, SandboxLimits(), root) as one, Sandbox(repo, SandboxLimits(), root) as two:
+        assert one.inside_workdir == INSIDE_WORKDIR and one.backend == "bwrap"
+        assert one.run("sed -i 's/a - b/a + b/' calc.py && cat link").output == "def add(a, b):\n    return a + b\n"
+        assert "a - b" in two.run("cat calc.py").output and "a - b" in (repo / "calc.py").read_text()
+        assert (one.workdir / "link").is_symlink()
+    assert sorted(root.iterdir()) == [] and descendants(os.getpid()) == []
+    assert one.run("echo late").kill_reason == "closed"
+    one.close()  # idempotent
+
+
+def test_write_file_does_not_follow_a_link_planted_by_the_model(tmp_path):
+    require_bwrap()
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    with Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes") as box:
+        assert box.run(f"ln -s {host_dir} tests").exit_code == 0
+        result = box.write_file("tests/test_hidden.py", b"def test_x():\n    pass\n")
+        assert result.exit_code != 0  # the link points nowhere inside the sandbox
+        assert list(host_dir.iterdir()) == []
+        assert box.write_file("hidden/test_ok.py", b"ok\n").exit_code == 0
+        assert box.read_file("hidden/test_ok.py").output == "ok\n"
+
+
+def test_close_from_another_thread_ends_a_running_command(tmp_path):
+    require_bwrap()
+    box = Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes")
+    results = []
+    worker = threading.Thread(target=lambda: results.append(box.run("sleep 1000")))
+    worker.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    box.close()
+    worker.join(10)
+    assert not worker.is_alive() and time.monotonic() - start < 10
+    assert results[0].exit_code is None and results[0].kill_reason == "closed"
+    assert not box.folder.exists() and descendants(os.getpid()) == []
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from mlperf_grpo.graceful_stop import GracefulStop
+    from mlperf_grpo.sandbox import Sandbox, SandboxLimits
+    repo, root, marker = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    with GracefulStop():
+        with Sandbox(repo, SandboxLimits(), root) as box:
+            print("ready", flush=True)
+            box.run(f"sleep 1000; echo {marker}")
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_run_leaves_no_process_and_the_next_run_removes_its_folder(tmp_path, signum):
+    require_bwrap()
+    repo, root, marker = make_repo(tmp_path / "repo"), tmp_path / "sandboxes", f"stopped-run-{os.getpid()}-{signum}"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(repo), str(root), marker], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": SRC}, text=True)
+    assert child.stdout.readline() == "ready\n"
+    deadline = time.monotonic() + 10
+    while len(processes_with(marker)) < 3 and time.monotonic() < deadline:  # bwrap, its init, bash
+        time.sleep(0.05)
+    assert len(processes_with(marker)) >= 3
+    child.send_signal(signum)
+    child.wait(10)
+    deadline = time.monotonic() + 5
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+    left = list(root.iterdir())
+    if signum == signal.SIGTERM:
+        assert left == []  # the with-blocks closed it
+    else:
+        assert len(left) == 1 and cleanup_leftovers(root) == 1 and list(root.iterdir()) == []
+
+
+def test_cleanup_leftovers_keeps_live_sandboxes(tmp_path):
+    require_bwrap()
+    with Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes") as box:
+        assert cleanup_leftovers(tmp_path / "sandboxes") == 0 and box.folder.exists()
+    assert cleanup_leftovers(tmp_path / "missing") == 0
+
+
+def test_bad_limits_and_a_missing_repository_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="must be positive: processes=0"):
+        SandboxLimits(processes=0)
+    with pytest.raises(ValueError, match="output_drain_bytes"):
+        SandboxLimits(output_bytes=10, output_drain_bytes=5)
+    require_bwrap()
+    with pytest.raises(ConfigError, match="is not a folder"):
+        Sandbox(tmp_path / "nope", SandboxLimits(), tmp_path / "sandboxes")
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+    with pytest.raises(ConfigError, match="contains the sandbox root"):
+        Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes", ro_paths=[tmp_path])
+
+
+def test_limits_are_set_inside_by_bash_and_cannot_be_raised(tmp_path):
+    limits = SandboxLimits(memory_bytes=1 << 30, processes=99, cpu_s=7, file_bytes=1 << 20)
+    argv = [*limited_shell(limits), "ulimit -v; ulimit -u; ulimit -t; ulimit -f; ulimit -u 1000"]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert result.stdout.split() == [str((1 << 30) // 1024), "99", "7", "1024"]
+    assert result.returncode != 0 and "ulimit" in result.stderr  # the hard limit holds
+
+
+def test_container_command_lines(tmp_path):
+    limits = SandboxLimits(command_timeout_s=60, processes=128, memory_bytes=1 << 30, tmp_bytes=1 << 20)
+    assert containers.is_sif("/images/r2e.sif") and not containers.is_sif("docker.io/org/r2e:tag")
+    argv = containers.apptainer_argv("apptainer", "/i/x.sif", tmp_path, "/testbed", limits, "ls")
+    joined = " ".join(argv)
+    for flag in ("exec --writable-tmpfs --cleanenv --containall --pid", "--net --network none",
+                 f"--bind {tmp_path}:/testbed", "--pwd /testbed /i/x.sif bash -c"):
+        assert flag in joined
+    assert argv[-1] == "ls"
+    start = " ".join(containers.oci_start_argv("podman", "img", "c1", tmp_path, "/testbed", limits))
+    for flag in ("run -d --rm --name c1 --network none --cap-drop ALL", "--pids-limit 128",
+                 f"--memory {1 << 30}", f"-v {tmp_path}:/testbed", "--entrypoint sleep img infinity"):
+        assert flag in start
+    exec_argv = containers.oci_exec_argv("podman", "c1", "/testbed", limits, "ls", 60)
+    assert exec_argv[:9] == ["podman", "exec", "-i", "-w", "/testbed", "c1", "timeout", "-s", "KILL"]
+    assert containers.oci_remove_argv("docker", "c1") == ["docker", "rm", "-f", "c1"]
