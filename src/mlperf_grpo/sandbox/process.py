@@ -40,13 +40,13 @@ class RunningCommand:
     :meth:`kill` (from another thread: the sandbox's ``close``) ends it early."""
 
     def __init__(self, argv: Sequence[str], limits: SandboxLimits, input_bytes: bytes = b"",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         self.limits = limits
         self.kill_reason = ""
         self.proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE if input_bytes else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            close_fds=True, env=env,
+            close_fds=True, env=env, pass_fds=pass_fds,
         )
         if input_bytes:
             threading.Thread(target=self._feed, args=(input_bytes,), daemon=True).start()
@@ -120,6 +120,24 @@ class RunningCommand:
             if total > limits.output_drain_bytes and not self.kill_reason:
                 self.kill("output")
         return kept, total
+
+
+def wait_gone(pid: int, start_time: int | None, timeout_s: float) -> bool:
+    """Wait until process ``pid`` (with kernel start time ``start_time``) has exited (gone or
+    a zombie); False if it still runs after ``timeout_s``."""
+    from mlperf_grpo.sandbox.leftovers import process_start_time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            return True
+        fields = text[text.rindex(")") + 2:].split()
+        if fields[0] in ("Z", "X") or (start_time is not None and process_start_time(pid) != start_time):
+            return True
+        time.sleep(0.002)
+    return False
 
 
 def run_command(argv: Sequence[str], limits: SandboxLimits, timeout_s: float,

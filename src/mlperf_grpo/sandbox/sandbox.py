@@ -15,6 +15,7 @@ Use :meth:`Sandbox.write_file` / :meth:`Sandbox.read_file`, which act inside the
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import random
 import shutil
@@ -29,7 +30,7 @@ from pathlib import Path
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import bwrap, containers, leftovers
 from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
-from mlperf_grpo.sandbox.process import RunningCommand, run_command
+from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
 
 INSIDE_WORKDIR = "/testbed"
 """Where the repository copy appears inside the sandbox (R2E-Gym's and SWE-bench's images' place)."""
@@ -193,11 +194,12 @@ class Sandbox:
                 raise ConfigError(f"sandbox: cannot start image {self.image}: {result.output.strip()[:300]}")
             self._container = name
 
-    def _argv(self, command: str, timeout_s: float) -> tuple[list[str], dict[str, str]]:
+    def _argv(self, command: str, timeout_s: float, info_fd: int = -1) -> tuple[list[str], dict[str, str]]:
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
                                     self._ro_paths, self.limits, command, run_as=self._uid)
+            argv[1:1] = ["--info-fd", str(info_fd)]
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
                 argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
@@ -213,17 +215,29 @@ class Sandbox:
         stdin). timeout_s: None for ``limits.command_timeout_s``. After :meth:`close`, or
         when closed meanwhile: exit_code None, kill_reason "closed"."""
         timeout = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
-        with self._lock:
-            if self._closed:
-                return CommandResult(None, "", False, False, "closed")
-            argv, env = self._argv(command, timeout)
-            running = RunningCommand(argv, self.limits, input_bytes, env)
-            self._running.add(running)
+        info_read, info_write = os.pipe() if self.backend == "bwrap" else (-1, -1)
         try:
-            return running.finish(timeout)
-        finally:
             with self._lock:
-                self._running.discard(running)
+                if self._closed:
+                    return CommandResult(None, "", False, False, "closed")
+                argv, env = self._argv(command, timeout, info_write)
+                running = RunningCommand(argv, self.limits, input_bytes, env,
+                                         pass_fds=(info_write,) if info_write >= 0 else ())
+                self._running.add(running)
+            if info_write >= 0:
+                os.close(info_write)
+                info_write = -1
+            try:
+                return running.finish(timeout)
+            finally:
+                with self._lock:
+                    self._running.discard(running)
+                if info_read >= 0:
+                    _await_namespace_end(info_read)
+        finally:
+            for fd in (info_read, info_write):
+                if fd >= 0:
+                    os.close(fd)
 
     def write_file(self, path: str, data: bytes) -> CommandResult:
         """Write ``data`` to ``path`` (inside; relative to :attr:`inside_workdir`), making its
@@ -261,6 +275,20 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _await_namespace_end(info_fd: int) -> None:
+    """Return once the command's pid namespace is gone. bwrap exits as soon as the command
+    does, while the kernel is still killing the namespace's other processes (a ``sleep &``);
+    its init (``child-pid`` on bwrap's ``--info-fd``) exits only after all of them."""
+    data = b""
+    while chunk := os.read(info_fd, 4096):
+        data += chunk
+    try:
+        pid = int(json.loads(data.decode())["child-pid"])
+    except (ValueError, KeyError):
+        return  # bwrap failed before starting a namespace
+    wait_gone(pid, None, timeout_s=10.0)
 
 
 def _shell_quote(text: str) -> str:
