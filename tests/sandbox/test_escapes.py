@@ -83,7 +83,7 @@ def test_no_network_to_the_host_or_outside(sandbox):
 
 def test_a_fork_bomb_is_held_at_the_process_limit_and_killed(sandbox):
     start = time.monotonic()
-    result = sandbox.run("f(){ f | f & }; f 2>/dev/null; sleep 1; echo count=$(ls /proc | grep -c "^[0-9]")",
+    result = sandbox.run("f(){ f | f & }; f 2>/dev/null; sleep 1; echo count=$(ls /proc | grep -c '^[0-9]')",
                          timeout_s=3)
     assert time.monotonic() - start < 3 + 6
     if result.exit_code is not None:  # it ended on its own: the count it printed respects the limit
