@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import descendants, make_repo, processes_with, require_bwrap
 
-from mlperf_grpo.sandbox import Sandbox, SandboxLimits
+from mlperf_grpo.sandbox import Sandbox, SandboxLimits, seccomp
 
 MIB = 1 << 20
 LIMITS = SandboxLimits(command_timeout_s=10, memory_bytes=512 * MIB, processes=64, cpu_s=20,
@@ -136,3 +136,20 @@ def test_a_timeout_kills_the_tree_in_time(sandbox):
     assert result.timed_out and result.exit_code is None
     assert time.monotonic() - start < 0.5 + 6
     still_works(sandbox)
+
+
+def test_no_new_user_namespaces_but_threads_and_subprocesses_work(sandbox):
+    if seccomp.filter_program() is None and os.geteuid() == 0:
+        pytest.skip("the seccomp filter is x86-64 only; this root run's bwrap cannot refuse user namespaces")
+    for command in ("unshare -U true", "unshare -r id", "unshare -Upf --mount-proc true"):
+        result = sandbox.run(command)
+        assert result.exit_code != 0 and "Operation not permitted" in result.output, command
+    threads = ("import subprocess, threading\n"
+               "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+               "print(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())")
+    assert sandbox.run(f"python -c \"{threads}\"").output == "thread\nchild\n"
+
+
+def test_output_that_is_not_utf8_is_replaced(sandbox):
+    result = sandbox.run("printf 'ok\\377\\376\\n'")
+    assert result.exit_code == 0 and result.output == "ok\ufffd\ufffd\n"

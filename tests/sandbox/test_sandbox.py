@@ -17,7 +17,7 @@ from sandbox_helpers import descendants, make_repo, processes_with, require_bwra
 
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers
-from mlperf_grpo.sandbox import containers
+from mlperf_grpo.sandbox import containers, seccomp
 from mlperf_grpo.sandbox.limits import limited_shell
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -147,3 +147,15 @@ def test_container_command_lines(tmp_path):
     exec_argv = containers.oci_exec_argv("podman", "c1", "/testbed", limits, "ls", 60)
     assert exec_argv[:9] == ["podman", "exec", "-i", "-w", "/testbed", "c1", "timeout", "-s", "KILL"]
     assert containers.oci_remove_argv("docker", "c1") == ["docker", "rm", "-f", "c1"]
+
+
+def test_the_seccomp_program_is_well_formed():
+    program = seccomp.filter_program()
+    if program is None:
+        pytest.skip("not an x86-64 host: no filter")
+    records = [program[i:i + 8] for i in range(0, len(program), 8)]
+    assert len(program) % 8 == 0 and records[-1][:2] == b"\x06\x00"  # ends with a return
+    for index, record in enumerate(records):
+        code, jt, jf = record[0] | record[1] << 8, record[2], record[3]
+        if code & 0x07 == 0x05:  # a jump: both targets inside the program
+            assert index + 1 + max(jt, jf) < len(records), index

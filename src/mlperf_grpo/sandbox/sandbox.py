@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mlperf_grpo.errors import ConfigError
-from mlperf_grpo.sandbox import bwrap, containers, leftovers
+from mlperf_grpo.sandbox import bwrap, containers, leftovers, seccomp
 from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
 from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
 
@@ -194,12 +194,13 @@ class Sandbox:
                 raise ConfigError(f"sandbox: cannot start image {self.image}: {result.output.strip()[:300]}")
             self._container = name
 
-    def _argv(self, command: str, timeout_s: float, info_fd: int = -1) -> tuple[list[str], dict[str, str]]:
+    def _argv(self, command: str, timeout_s: float, info_fd: int = -1,
+              seccomp_fd: int = -1) -> tuple[list[str], dict[str, str]]:
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
                                     self._ro_paths, self.limits, command, run_as=self._uid)
-            argv[1:1] = ["--info-fd", str(info_fd)]
+            argv[1:1] = ["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
                 argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
@@ -216,17 +217,19 @@ class Sandbox:
         when closed meanwhile: exit_code None, kill_reason "closed"."""
         timeout = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
         info_read, info_write = os.pipe() if self.backend == "bwrap" else (-1, -1)
+        filter_fd = seccomp.filter_fd() if self.backend == "bwrap" else -1
         try:
             with self._lock:
                 if self._closed:
                     return CommandResult(None, "", False, False, "closed")
-                argv, env = self._argv(command, timeout, info_write)
+                argv, env = self._argv(command, timeout, info_write, filter_fd)
                 running = RunningCommand(argv, self.limits, input_bytes, env,
-                                         pass_fds=(info_write,) if info_write >= 0 else ())
+                                         pass_fds=tuple(fd for fd in (info_write, filter_fd) if fd >= 0))
                 self._running.add(running)
-            if info_write >= 0:
-                os.close(info_write)
-                info_write = -1
+            for fd in (info_write, filter_fd):
+                if fd >= 0:
+                    os.close(fd)
+            info_write = filter_fd = -1
             try:
                 return running.finish(timeout)
             finally:
@@ -235,7 +238,7 @@ class Sandbox:
                 if info_read >= 0:
                     _await_namespace_end(info_read)
         finally:
-            for fd in (info_read, info_write):
+            for fd in (info_read, info_write, filter_fd):
                 if fd >= 0:
                     os.close(fd)
 
