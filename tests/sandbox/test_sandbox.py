@@ -159,3 +159,24 @@ def test_the_seccomp_program_is_well_formed():
         code, jt, jf = record[0] | record[1] << 8, record[2], record[3]
         if code & 0x07 == 0x05:  # a jump: both targets inside the program
             assert index + 1 + max(jt, jf) < len(records), index
+
+
+def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
+    require_bwrap()
+    repo, root = make_repo(tmp_path / "repo"), tmp_path / "sandboxes"
+    boxes = [Sandbox(repo, SandboxLimits(), root) for _ in range(6)]
+    outputs: dict[int, list[str]] = {index: [] for index in range(len(boxes))}
+
+    def work(index: int) -> None:
+        for step in range(4):
+            outputs[index].append(boxes[index].run(f"echo {index}-{step} >> log; cat log | wc -l").output)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(boxes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for box in boxes:
+        box.close()
+    assert all(outputs[index] == ["1\n", "2\n", "3\n", "4\n"] for index in outputs), outputs
+    assert list(root.iterdir()) == [] and descendants(os.getpid()) == []

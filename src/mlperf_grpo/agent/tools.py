@@ -159,8 +159,6 @@ def execute(call: ToolCall, sandbox: Sandbox, max_observation_chars: int) -> Obs
 def format_command_result(result: CommandResult, sandbox: Sandbox) -> str:
     """The shell tool's observation: the output, then one line on how the command ended."""
     text = result.output
-    if result.output_truncated:
-        text += f"\n<output beyond the first {sandbox.limits.output_bytes} bytes was not kept>"
     if result.kill_reason == "timeout":
         end = f"[The command was killed after {sandbox.limits.command_timeout_s:g} seconds (timeout).]"
     elif result.kill_reason == "output":

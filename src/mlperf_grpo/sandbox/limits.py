@@ -25,7 +25,8 @@ class SandboxLimits:
     cpu_s: CPU seconds of each process (``RLIMIT_CPU``; SIGKILL at the limit).
     file_bytes: size of any one file written (``RLIMIT_FSIZE``; the write fails).
     tmp_bytes: size of the sandbox's private ``/tmp`` (a tmpfs).
-    output_bytes: stdout+stderr kept of one command (the head; the rest is counted, not kept).
+    output_bytes: stdout+stderr kept of one command: its first and last halves, with a
+        line saying how many bytes between them were left out.
     output_drain_bytes: output read in all from one command before it is killed
         (``yes`` would otherwise keep the reader busy until the timeout).
     """
@@ -55,12 +56,14 @@ class CommandResult:
     """One command's outcome.
 
     exit_code: the command's exit status; None when it was killed (timeout or a limit).
-    output: stdout and stderr interleaved, decoded as UTF-8 (errors replaced), at most
-        ``output_bytes`` of it.
+    output: stdout and stderr interleaved, decoded as UTF-8 (errors replaced): all of it,
+        or its first and last ``output_bytes / 2`` around a line
+        ``[... N bytes of output left out ...]``.
     timed_out: the wall-clock limit killed it.
     output_truncated: more output came than was kept.
     kill_reason: "" when it ended by itself, else why it was killed: "timeout",
-        "output" (more than ``output_drain_bytes``), "closed" (the sandbox was closed).
+        "output" (more than ``output_drain_bytes``), "closed" (the sandbox was closed),
+        "interrupted" (the caller was interrupted: SIGTERM, Ctrl-C).
     """
 
     exit_code: int | None

@@ -35,6 +35,41 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+class HeadTail:
+    """The first and the last ``limit // 2`` bytes of a stream (the error a test run ends
+    with is at its end), never more than ``limit`` bytes held."""
+
+    def __init__(self, limit: int) -> None:
+        self.head_limit, self.tail_limit = limit - limit // 2, limit // 2
+        self.head, self.tail, self.dropped = bytearray(), bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if not chunk:
+            return
+        self.tail += chunk
+        excess = len(self.tail) - self.tail_limit
+        if excess > 0:
+            self.dropped += excess
+            del self.tail[:excess]
+
+    @property
+    def kept_bytes(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def text(self) -> str:
+        """Head and tail decoded (UTF-8, errors replaced), with a line saying how many bytes
+        were left out between them when some were."""
+        head = self.head.decode("utf-8", errors="replace")
+        tail = self.tail.decode("utf-8", errors="replace")
+        if not self.dropped:
+            return head + tail
+        return f"{head}\n[... {self.dropped} bytes of output left out ...]\n{tail}"
+
+
 class RunningCommand:
     """A started command; :meth:`finish` reads its output to the end under the limits;
     :meth:`kill` (from another thread: the sandbox's ``close``) ends it early."""
@@ -85,19 +120,19 @@ class RunningCommand:
         for stream in (self.proc.stdout, self.proc.stdin):
             if stream is not None and not stream.closed:
                 stream.close()
-        text = bytes(kept).decode("utf-8", errors="replace")
+        text = kept.text()
         killed = bool(self.kill_reason)
         return CommandResult(
             exit_code=None if killed else code, output=text,
-            timed_out=self.kill_reason == "timeout", output_truncated=total > len(kept),
+            timed_out=self.kill_reason == "timeout", output_truncated=total > kept.kept_bytes,
             kill_reason=self.kill_reason,
         )
 
-    def _read(self, deadline: float) -> tuple[bytearray, int]:
+    def _read(self, deadline: float) -> tuple["HeadTail", int]:
         fd = self.proc.stdout.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        kept, total, limits = bytearray(), 0, self.limits
+        kept, total, limits = HeadTail(self.limits.output_bytes), 0, self.limits
         grace_end = None
         while True:
             now = time.monotonic()
@@ -114,9 +149,7 @@ class RunningCommand:
             if not chunk:
                 break
             total += len(chunk)
-            room = limits.output_bytes - len(kept)
-            if room > 0:
-                kept += chunk[:room]
+            kept.add(chunk)
             if total > limits.output_drain_bytes and not self.kill_reason:
                 self.kill("output")
         return kept, total
