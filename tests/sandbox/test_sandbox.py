@@ -180,3 +180,15 @@ def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
         box.close()
     assert all(outputs[index] == ["1\n", "2\n", "3\n", "4\n"] for index in outputs), outputs
     assert list(root.iterdir()) == [] and descendants(os.getpid()) == []
+
+
+def test_a_sandbox_dropped_without_close_is_removed_at_exit(tmp_path):
+    require_bwrap()
+    repo, root = make_repo(tmp_path / "repo"), tmp_path / "sandboxes"
+    code = ("import sys; from pathlib import Path\n"
+            "from mlperf_grpo.sandbox import Sandbox, SandboxLimits\n"
+            "Sandbox(Path(sys.argv[1]), SandboxLimits(), Path(sys.argv[2])).run('echo x > y')\n"
+            "print(len(list(Path(sys.argv[2]).iterdir())))\n")
+    result = subprocess.run([sys.executable, "-c", code, str(repo), str(root)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": SRC}, timeout=60, check=True)
+    assert result.stdout == "1\n" and list(root.iterdir()) == []

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import uuid
-import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -107,7 +106,8 @@ def python_roots() -> list[Path]:
     return list(dict.fromkeys(roots))
 
 
-_LIVE: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
+_LIVE: "set[Sandbox]" = set()
+"""Sandboxes not closed yet (held, so one dropped without close() is still closed at exit)."""
 
 
 @atexit.register
