@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import descendants, make_repo, processes_with, require_bwrap
 
+import mlperf_grpo
 from mlperf_grpo.sandbox import Sandbox, SandboxLimits, seccomp
 
 MIB = 1 << 20
@@ -49,11 +50,13 @@ def test_files_outside_the_sandbox_are_not_there(sandbox, tmp_path):
 def test_nothing_outside_the_repository_copy_is_writable(sandbox, tmp_path):
     run_dir = tmp_path / "run"
     for target in (run_dir / "pwned", Path("/usr/pwned"), Path("/etc/pwned"), Path(os.__file__).parent / "pwned",
-                   sandbox.folder / "pwned"):
+                   sandbox.folder / "pwned", Path("/dev/pwned"), Path("/pwned")):
         result = sandbox.run(f"echo x > {target}")
         assert result.exit_code != 0, target
         assert not target.exists(), target
-    assert sandbox.run("echo x > inside && echo y > /tmp/private").exit_code == 0
+    assert sandbox.run("echo x > inside && echo y > /tmp/private && echo z > /dev/shm/semaphores").exit_code == 0
+    threads = "from concurrent.futures import ProcessPoolExecutor as P; print(list(P(2).map(abs, [-1, -2])))"
+    assert sandbox.run(f"python -c '{threads}'").output == "[1, 2]\n"  # multiprocessing has /dev/shm
     assert (sandbox.workdir / "inside").read_text() == "x\n"
 
 
@@ -156,3 +159,12 @@ def test_no_new_user_namespaces_but_threads_and_subprocesses_work(sandbox):
 def test_output_that_is_not_utf8_is_replaced(sandbox):
     result = sandbox.run("printf 'ok\\377\\376\\n'")
     assert result.exit_code == 0 and result.output == "ok\ufffd\ufffd\n"
+
+
+def test_the_run_s_environment_and_this_package_are_not_shown(tmp_path, monkeypatch):
+    require_bwrap()
+    monkeypatch.setenv("SECRET_TOKEN", "TOP-SECRET")
+    src = Path(mlperf_grpo.__file__).resolve().parents[1]  # the package's folder made visible on purpose
+    with Sandbox(make_repo(tmp_path / "repo"), LIMITS, tmp_path / "sandboxes", ro_paths=[src]) as box:
+        result = box.run(f"env; ls -A {src}/mlperf_grpo | wc -l; ls {src} | grep -c mlperf_grpo")
+        assert "TOP-SECRET" not in result.output and result.output.split()[-2:] == ["0", "1"], result.output

@@ -38,7 +38,7 @@ def test_each_sandbox_has_its_own_copy_and_close_leaves_nothing(tmp_path):
     one.close()  # idempotent
 
 
-def test_write_file_does_not_follow_a_link_planted_by_the_model(tmp_path):
+def test_write_file_and_copy_in_do_not_follow_a_link_planted_by_the_model(tmp_path):
     require_bwrap()
     host_dir = tmp_path / "host"
     host_dir.mkdir()
@@ -49,6 +49,15 @@ def test_write_file_does_not_follow_a_link_planted_by_the_model(tmp_path):
         assert list(host_dir.iterdir()) == []
         assert box.write_file("hidden/test_ok.py", b"ok\n").exit_code == 0
         assert box.read_file("hidden/test_ok.py").output == "ok\n"
+        hidden = tmp_path / "hidden_tests"
+        (hidden / "sub").mkdir(parents=True)
+        (hidden / "test_a.py").write_text("A\n")
+        (hidden / "sub" / "test_b.py").write_text("B\n")
+        assert box.copy_in(hidden, "tests").exit_code != 0 and list(host_dir.iterdir()) == []
+        assert box.copy_in(hidden, "r2e_tests").exit_code == 0
+        assert box.copy_in(hidden / "test_a.py", "single").exit_code == 0
+        listing = box.run("cat r2e_tests/test_a.py r2e_tests/sub/test_b.py single/test_a.py")
+        assert listing.output == "A\nB\nA\n"
 
 
 def test_close_from_another_thread_ends_a_running_command(tmp_path):

@@ -5,7 +5,8 @@ What the command sees (everything else of the host is absent, not just read-only
 installations named in ``ro_paths`` (read-only: the interpreter and packages the tests
 use), a generated ``/etc/passwd`` and ``/etc/group`` and a few read-only ``/etc`` files
 the loader and locale need, a new ``/proc`` (its own pid namespace), a minimal ``/dev``,
-a private size-limited tmpfs ``/tmp``, and its repository copy read-write at
+a private size-limited tmpfs ``/tmp`` (and ``/dev/shm``, for POSIX semaphores:
+``multiprocessing``), and its repository copy read-write at
 ``/testbed``; nothing else is writable (the root is remounted read-only).
 Namespaces: pid, network (no interface but loopback: no connection leaves it, nothing on
 the host's loopback is reachable), ipc, uts, cgroup, mount. ``--die-with-parent`` and
@@ -66,12 +67,14 @@ def write_identity(folder: Path, uid: int = INSIDE_UID) -> tuple[Path, Path]:
 
 def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
                ro_paths: Sequence[Path], limits: SandboxLimits, command: str,
-               run_as: int | None = None) -> list[str]:
+               run_as: int | None = None, hidden: Sequence[Path] = ()) -> list[str]:
     """The full argv: ``bwrap`` ... ``bash -c <limits> <command>`` in ``inside_workdir``.
 
     ro_paths: host folders bound read-only at the same path (Python installations).
     run_as: None runs in a user namespace as uid 1000 (a non-root run); a host uid runs
     ``bwrap`` privileged and the command as that uid (a root run; see the module doc).
+    hidden: folders inside ``ro_paths`` shown empty (this project's own package, when it
+    is installed into the environment the sandbox sees).
     The command's environment is cleared to PATH, HOME=/tmp, LANG, and the first
     ``ro_paths`` entry's ``bin`` leads PATH (the run's Python environment).
     """
@@ -96,12 +99,15 @@ def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
         for parent in reversed(Path(path).parents[:-1]):  # traversable by the sandbox's uid
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
+    for path in hidden:
+        args += ["--size", "4096", "--tmpfs", str(path)]
     args += [
         "--ro-bind", str(etc_dir / "passwd"), "/etc/passwd",
         "--ro-bind", str(etc_dir / "group"), "/etc/group",
         "--proc", "/proc", "--dev", "/dev",
+        "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",  # POSIX semaphores
         "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
-        "--bind", str(workdir), inside_workdir, "--remount-ro", "/", "--chdir", inside_workdir,
+        "--bind", str(workdir), inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", inside_workdir,
         "--", *shell, command,
     ]
     return args

@@ -15,11 +15,13 @@ Use :meth:`Sandbox.write_file` / :meth:`Sandbox.read_file`, which act inside the
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import random
 import shutil
 import sys
+import tarfile
 import tempfile
 import threading
 import uuid
@@ -93,6 +95,14 @@ def backend_name(image: str | None = None) -> str:
     if binary is None:
         raise ConfigError(f"sandbox: image {image} is an OCI image: install podman or docker (with its service running)")
     return Path(binary).name
+
+
+def hidden_inside(ro_paths: list[Path]) -> list[Path]:
+    """This project's package folder where it lies inside ``ro_paths`` (a non-editable
+    install into the run's environment): shown empty, so the model cannot read the
+    grader, the task suites or their fixes."""
+    package = Path(os.path.dirname(os.path.abspath(__file__))).parent
+    return [package] if any(package.is_relative_to(path) for path in ro_paths) else []
 
 
 def python_roots() -> list[Path]:
@@ -199,7 +209,8 @@ class Sandbox:
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
-                                    self._ro_paths, self.limits, command, run_as=self._uid)
+                                    self._ro_paths, self.limits, command, run_as=self._uid,
+                                    hidden=hidden_inside(self._ro_paths))
             argv[1:1] = ["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
@@ -247,6 +258,22 @@ class Sandbox:
         folders: done inside the sandbox, so links the model planted resolve there."""
         quoted = _shell_quote(path)
         return self.run(f"mkdir -p -- \"$(dirname -- {quoted})\" && cat > {quoted}", input_bytes=data)
+
+    def copy_in(self, source: Path, inside: str) -> CommandResult:
+        """Copy the host file or folder ``source`` (trusted input: a task's hidden tests) into
+        the folder ``inside`` (relative to :attr:`inside_workdir`; made if missing): a folder's
+        contents, or the file under its own name. Unpacked by ``tar`` inside the sandbox,
+        so links the model planted resolve there."""
+        source = Path(source)
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            if source.is_dir():
+                for child in sorted(source.iterdir()):
+                    tar.add(child, arcname=child.name)
+            else:
+                tar.add(source, arcname=source.name)
+        quoted = _shell_quote(inside)
+        return self.run(f"mkdir -p -- {quoted} && tar -x -f - -C {quoted}", input_bytes=buffer.getvalue())
 
     def read_file(self, path: str) -> CommandResult:
         """``path``'s contents (inside; at most ``limits.output_bytes``), read inside the sandbox."""
