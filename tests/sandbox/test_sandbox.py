@@ -201,3 +201,21 @@ def test_a_sandbox_dropped_without_close_is_removed_at_exit(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(repo), str(root)], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": SRC}, timeout=60, check=True)
     assert result.stdout == "1\n" and list(root.iterdir()) == []
+
+
+def test_a_forked_child_exiting_leaves_its_parent_s_sandbox_alone(tmp_path):
+    require_bwrap()
+    with Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes") as box:
+        code = ("import os, sys\n"
+                "from pathlib import Path\n"
+                "from mlperf_grpo.sandbox import Sandbox, SandboxLimits\n"
+                "box = Sandbox(Path(sys.argv[1]), SandboxLimits(), Path(sys.argv[2]))\n"
+                "pid = os.fork()\n"
+                "if pid == 0:\n"
+                "    sys.exit(0)  # runs atexit in the child\n"
+                "os.waitpid(pid, 0)\n"
+                "print(box.run('cat calc.py').exit_code)\n")
+        result = subprocess.run([sys.executable, "-c", code, str(box.workdir), str(tmp_path / "other")],
+                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=60)
+        assert result.stdout == "0\n", result.stderr
+        assert list((tmp_path / "other").iterdir()) == []

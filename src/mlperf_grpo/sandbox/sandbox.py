@@ -125,7 +125,8 @@ def close_all() -> None:
     """Close every sandbox of this process (at exit; the CLI's SIGTERM path unwinds through
     ``with Sandbox(...)`` blocks first)."""
     for sandbox in list(_LIVE):
-        sandbox.close()
+        if sandbox.owner_pid == os.getpid():  # not in a forked child: the sandboxes are its parent's
+            sandbox.close()
 
 
 class Sandbox:
@@ -148,6 +149,7 @@ class Sandbox:
         self._closed = False
         self._container: str | None = None
         self._uid: int | None = None
+        self.owner_pid = os.getpid()
         root = Path(root).resolve()
         self._ro_paths = _checked_ro_paths(python_roots() if ro_paths is None else ro_paths, root)
         root.mkdir(parents=True, exist_ok=True)
