@@ -4,9 +4,11 @@ the command lines of the container runtimes (not installed here: checked as argv
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -219,3 +221,49 @@ def test_a_forked_child_exiting_leaves_its_parent_s_sandbox_alone(tmp_path):
                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=60)
         assert result.stdout == "0\n", result.stderr
         assert list((tmp_path / "other").iterdir()) == []
+
+
+NON_ROOT_CHILD = textwrap.dedent("""
+    import os, sys, tempfile
+    from pathlib import Path
+    from mlperf_grpo.sandbox import Sandbox, SandboxLimits
+    root = Path(sys.argv[1])
+    repo = root / "repo"
+    repo.mkdir()
+    (repo / "a.py").write_text("print('a')\\n")
+    (repo / "spawn.py").write_text(
+        "import subprocess\\nchildren = []\\ntry:\\n    for _ in range(60):\\n"
+        "        children.append(subprocess.Popen(['sleep', '2']))\\nexcept OSError:\\n    pass\\n"
+        "print(len(children))\\n")
+    with Sandbox(repo, SandboxLimits(processes=32, command_timeout_s=20), root / "sandboxes") as box:
+        print(box.run("id -u").output.strip())
+        print(box.run("python3 a.py && echo x > b && cat b").output.split())
+        print(box.run("python3 spawn.py").output.strip())  # children started before fork failed
+        print(box.run("unshare -U true").exit_code != 0, box.run(f"echo x > {root}/pwned").exit_code != 0)
+    print(sorted(p.name for p in (root / "sandboxes").iterdir()))
+""")
+
+
+def test_a_non_root_run_gets_the_same_bounds_through_a_user_namespace(tmp_path):
+    """Run as root here, so a child drops to uid 65534 with the system Python: the path a
+    laptop user takes (bwrap makes a user namespace; the process limit counts per sandbox)."""
+    require_bwrap()
+    system_python = Path("/usr/bin/python3")
+    if os.geteuid() != 0 or not system_python.exists() or not shutil.which("setpriv"):
+        pytest.skip("needs root, /usr/bin/python3 and setpriv to run a child as an unprivileged user")
+    if any(not os.stat(p).st_mode & 0o005 for p in [Path(SRC), *Path(SRC).parents] if p != Path("/")):
+        pytest.skip(f"{SRC} is not readable by other users")
+    shared = Path(tempfile.mkdtemp(prefix="sandbox-nonroot-"))
+    try:
+        shared.chmod(0o777)
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(system_python), "-c",
+                NON_ROOT_CHILD, str(shared)]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                env={"PATH": os.environ["PATH"], "PYTHONPATH": SRC})
+        lines = result.stdout.splitlines()
+        assert result.returncode == 0 and len(lines) == 5, (result.stdout, result.stderr)
+        assert lines[0] == "1000" and lines[1] == "['a', 'x']"
+        assert int(lines[2]) < 32 and lines[3] == "True True" and lines[4] == "[]"
+        assert not (shared / "pwned").exists()
+    finally:
+        shutil.rmtree(shared)
