@@ -78,6 +78,22 @@ def test_the_editor_cannot_reach_host_files_through_links(sandbox, tmp_path):
     assert wrote.error and secret.read_text() == "SECRET = 1\n"
 
 
+def test_files_that_are_not_utf8_text_are_shown_but_not_edited(sandbox):
+    (sandbox.workdir / "latin1.py").write_bytes(b"name = 'caf\xe9'\n")
+    seen = run(sandbox, EDIT, command="view", path="/testbed/latin1.py")
+    assert not seen.error and "caf\ufffd" in seen.text
+    edit = run(sandbox, EDIT, command="str_replace", path="/testbed/latin1.py", old_str="name", new_str="n")
+    assert edit.error and "not UTF-8" in edit.text
+    assert (sandbox.workdir / "latin1.py").read_bytes() == b"name = 'caf\xe9'\n"
+    binary = run(sandbox, EDIT, command="view", path="/usr/bin/true")
+    assert binary.error and "binary" in binary.text
+
+
+def test_commands_reading_stdin_get_end_of_file(sandbox):
+    result = run(sandbox, "execute_bash", command="cat; read line; python3; echo done")
+    assert result.text == "done\n[The command completed with exit code 0.]"
+
+
 def test_bad_calls_are_error_observations(sandbox):
     cases = [
         (ToolCall("rm_rf", {}), "unknown tool 'rm_rf'"),

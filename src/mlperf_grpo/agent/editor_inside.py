@@ -26,7 +26,7 @@ def numbered(lines, first):
     return "\n".join("%6d\t%s" % (first + i, line) for i, line in enumerate(lines))
 
 
-def read_text(path):
+def read_text(path, for_edit=False):
     if not os.path.exists(path):
         raise Refused("The path %s does not exist." % path)
     if os.path.isdir(path):
@@ -35,7 +35,12 @@ def read_text(path):
         data = handle.read()
     if b"\0" in data[:8192]:
         raise Refused("The file %s is binary; the editor shows and edits text files only." % path)
-    return data.decode("utf-8", errors="replace")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        if for_edit:  # writing the decoded text back would replace the undecodable bytes
+            raise Refused("The file %s is not UTF-8 text; edit it with a shell command instead." % path)
+        return data.decode("utf-8", errors="replace")
 
 
 def write_text(path, text):
@@ -101,7 +106,7 @@ def str_replace(path, old_str, new_str):
     if old_str is None or old_str == "":
         raise Refused("`str_replace` needs a non-empty `old_str`, the exact text to replace.")
     new_str = new_str or ""
-    text = read_text(path)
+    text = read_text(path, for_edit=True)
     count = text.count(old_str)
     if count == 0:
         raise Refused("No replacement was performed: `old_str` does not occur verbatim in %s." % path)
@@ -131,7 +136,7 @@ def insert(path, insert_line, new_str):
         raise Refused("`insert` needs `new_str`, the text to insert.")
     if not isinstance(insert_line, int) or isinstance(insert_line, bool):
         raise Refused("`insert` needs `insert_line`, an integer (0 inserts at the top).")
-    text = read_text(path)
+    text = read_text(path, for_edit=True)
     lines = text.split("\n")
     has_final_newline = text.endswith("\n")
     count = len(lines) - 1 if has_final_newline else len(lines)
