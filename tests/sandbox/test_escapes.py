@@ -168,3 +168,17 @@ def test_the_run_s_environment_and_this_package_are_not_shown(tmp_path, monkeypa
     with Sandbox(make_repo(tmp_path / "repo"), LIMITS, tmp_path / "sandboxes", ro_paths=[src]) as box:
         result = box.run(f"env; ls -A {src}/mlperf_grpo | wc -l; ls {src} | grep -c mlperf_grpo")
         assert "TOP-SECRET" not in result.output and result.output.split()[-2:] == ["0", "1"], result.output
+
+
+def test_a_command_running_while_the_disk_fills_is_killed(tmp_path):
+    require_bwrap()
+    from mlperf_grpo.sandbox.process import free_bytes
+
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    floor = free_bytes(str(root)) + (1 << 30)  # as if the disk were already nearly full
+    limits = SandboxLimits(min_free_disk_bytes=floor)
+    with Sandbox(make_repo(tmp_path / "repo"), limits, root) as box:
+        start = time.monotonic()
+        result = box.run("sleep 30")
+        assert result.kill_reason == "disk" and result.exit_code is None and time.monotonic() - start < 5

@@ -164,6 +164,8 @@ def format_command_result(result: CommandResult, sandbox: Sandbox) -> str:
     elif result.kill_reason == "output":
         end = (f"[The command was killed: it wrote more than {sandbox.limits.output_drain_bytes} bytes "
                "of output.]")
+    elif result.kill_reason == "disk":
+        end = "[The command was killed: the disk is nearly full. Remove large files you made.]"
     elif result.kill_reason:
         end = f"[The command was killed ({result.kill_reason}).]"
     else:

@@ -29,6 +29,9 @@ class SandboxLimits:
         line saying how many bytes between them were left out.
     output_drain_bytes: output read in all from one command before it is killed
         (``yes`` would otherwise keep the reader busy until the timeout).
+    min_free_disk_bytes: a command still running when the file system holding the
+        repository copies has less free space than this is killed (many files, each under
+        ``file_bytes``, would otherwise fill the disk the run's checkpoints need).
     """
 
     command_timeout_s: float = 60.0
@@ -39,6 +42,7 @@ class SandboxLimits:
     tmp_bytes: int = 512 * MIB
     output_bytes: int = 1 * MIB
     output_drain_bytes: int = 64 * MIB
+    min_free_disk_bytes: int = 1 * GIB
 
     def __post_init__(self) -> None:
         bad = [f"{name}={value!r}" for name, value in vars(self).items() if not value > 0]
@@ -62,7 +66,8 @@ class CommandResult:
     timed_out: the wall-clock limit killed it.
     output_truncated: more output came than was kept.
     kill_reason: "" when it ended by itself, else why it was killed: "timeout",
-        "output" (more than ``output_drain_bytes``), "closed" (the sandbox was closed),
+        "output" (more than ``output_drain_bytes``), "disk" (free space under
+        ``min_free_disk_bytes``), "closed" (the sandbox was closed),
         "interrupted" (the caller was interrupted: SIGTERM, Ctrl-C).
     """
 

@@ -21,6 +21,13 @@ from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
 
 READ_CHUNK_BYTES = 1 << 16
 KILL_GRACE_S = 5.0  # after SIGKILL, how long the pipe may stay open before we stop reading
+DISK_CHECK_S = 0.25  # how often a running command's file system is checked for free space
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -75,8 +82,9 @@ class RunningCommand:
     :meth:`kill` (from another thread: the sandbox's ``close``) ends it early."""
 
     def __init__(self, argv: Sequence[str], limits: SandboxLimits, input_bytes: bytes = b"",
-                 env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
-        self.limits = limits
+                 env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = (),
+                 disk_path: str | None = None) -> None:
+        self.limits, self.disk_path = limits, disk_path
         self.kill_reason = ""
         self.proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE if input_bytes else subprocess.DEVNULL,
@@ -104,7 +112,9 @@ class RunningCommand:
         kill_group(self.proc)
 
     def finish(self, timeout_s: float) -> CommandResult:
-        """Read the output until EOF, ``timeout_s`` or ``output_drain_bytes``; wait for exit."""
+        """Read the output until EOF, ``timeout_s``, ``output_drain_bytes`` or, with
+        ``disk_path``, its file system's free space under ``min_free_disk_bytes`` (checked
+        every :data:`DISK_CHECK_S` from the command's start on); wait for exit."""
         try:
             kept, total = self._read(time.monotonic() + timeout_s)
         except BaseException:  # SIGTERM (Terminated), Ctrl-C: nothing may outlive the caller's unwinding
@@ -133,17 +143,21 @@ class RunningCommand:
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         kept, total, limits = HeadTail(self.limits.output_bytes), 0, self.limits
-        grace_end = None
+        grace_end, next_disk_check = None, time.monotonic() + DISK_CHECK_S
         while True:
             now = time.monotonic()
             if grace_end is None and now >= deadline:
                 self.kill("timeout")
+            if self.disk_path is not None and grace_end is None and now >= next_disk_check:
+                next_disk_check = now + DISK_CHECK_S
+                if free_bytes(self.disk_path) < limits.min_free_disk_bytes:
+                    self.kill("disk")
             if self.kill_reason and grace_end is None:
                 grace_end = now + KILL_GRACE_S
             end = grace_end if grace_end is not None else deadline
             if now >= end and grace_end is not None:
                 break
-            if not poller.poll(max(0.0, min(end - now, 0.5)) * 1000):
+            if not poller.poll(max(0.0, min(end - now, DISK_CHECK_S)) * 1000):
                 continue
             chunk = os.read(fd, READ_CHUNK_BYTES)
             if not chunk:

@@ -237,7 +237,8 @@ class Sandbox:
                     return CommandResult(None, "", False, False, "closed")
                 argv, env = self._argv(command, timeout, info_write, filter_fd)
                 running = RunningCommand(argv, self.limits, input_bytes, env,
-                                         pass_fds=tuple(fd for fd in (info_write, filter_fd) if fd >= 0))
+                                         pass_fds=tuple(fd for fd in (info_write, filter_fd) if fd >= 0),
+                                         disk_path=str(self.workdir))
                 self._running.add(running)
             for fd in (info_write, filter_fd):
                 if fd >= 0:
