@@ -10,8 +10,10 @@ str_replace | insert | undo_edit, ``path``, ``file_text``, ``old_str``, ``new_st
 own editor (``src/r2egym/agenthub/tools/str_replace_editor.py``) takes the same parameters
 and by default leaves ``undo_edit`` out. We keep those names, parameters and types and
 say what our implementation does in the descriptions. Deviations: no ``is_input`` (each
-command is its own process tree, nothing keeps running between commands to send input
-to; the working directory resets to /testbed for each command, files persist), no
+command is its own process tree, as R2E-Gym's runtime runs each as its own ``docker exec``
+under ``timeout`` (``src/r2egym/agenthub/runtime/docker.py``): nothing keeps running
+between commands to send input to; the working directory resets to /testbed for each
+command, files persist), no
 ``undo_edit`` (R2E-Gym's default set), no ``safety_risk`` (OpenHands' confirmation mode).
 """
 
