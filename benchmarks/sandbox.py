@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import Sandbox, SandboxLimits, backend_name
 from mlperf_grpo.sandbox.process import run_command
 
@@ -43,7 +44,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="where the repository and sandboxes go (default: the temp dir; "
                         "/dev/shm shows the cost without the disk)")
     args = parser.parse_args(argv)
-    backend = backend_name()
+    bad = [f"--{name} {getattr(args, name)}" for name in ("sandboxes", "commands", "files") if getattr(args, name) < 1]
+    if bad:
+        parser.exit(2, f"benchmarks/sandbox.py: {', '.join(bad)}: must be at least 1\n")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        parser.exit(2, f"benchmarks/sandbox.py: --dir {args.dir} is not a directory\n")
+    try:
+        backend = backend_name()
+    except ConfigError as error:
+        parser.exit(2, f"benchmarks/sandbox.py: {error}\n")
     limits = SandboxLimits()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         repo = make_repo(Path(tmp) / "repo", args.files)

@@ -3,6 +3,7 @@ the command lines of the container runtimes (not installed here: checked as argv
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -267,3 +268,21 @@ def test_a_non_root_run_gets_the_same_bounds_through_a_user_namespace(tmp_path):
         assert not (shared / "pwned").exists()
     finally:
         shutil.rmtree(shared)
+
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "sandbox.py"
+
+
+def test_the_benchmark_prints_one_json_line_and_refuses_bad_arguments(tmp_path):
+    require_bwrap()
+    env = {**os.environ, "PYTHONPATH": SRC}
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--sandboxes", "2", "--commands", "2", "--files", "3",
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["backend"] == "bwrap" and line["startup_s"] > 0 and line["command_over_plain"] > 0
+    assert list(tmp_path.iterdir()) == []
+    bad = subprocess.run([sys.executable, str(BENCHMARK), "--sandboxes", "0", "--files", "-1"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "benchmarks/sandbox.py: --sandboxes 0, --files -1: must be at least 1"]
