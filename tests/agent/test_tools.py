@@ -107,6 +107,9 @@ def test_bad_calls_are_error_observations(sandbox):
         (ToolCall(EDIT, {"command": "create", "path": "/testbed/x.py"}), "needs `file_text`"),
         (ToolCall("execute_bash", {"command": "ls", "timeout": 5}), "unknown argument 'timeout'"),
         (ToolCall("execute_bash", {"command": "  "}), "empty command"),
+        (ToolCall("execute_bash", {"command": "echo a\x00b"}), "holds a NUL character"),
+        (ToolCall(EDIT, {"command": "create", "path": "/testbed/s.py", "file_text": "x = '\ud800'"}),
+         "not valid Unicode"),
     ]
     for call, message in cases:
         observation = execute(call, sandbox, 10_000)

@@ -138,7 +138,18 @@ def argument_errors(call: ToolCall) -> list[str]:
             errors.append(f"argument {name!r} must be one of {', '.join(spec['enum'])}, got {value!r}")
         elif spec["type"] == "array" and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             errors.append(f"argument {name!r} must be a list of integers")
+        elif spec["type"] == "string" and not _is_text(value):
+            errors.append(f"argument {name!r} holds a NUL character or text that is not valid Unicode")
     return errors
+
+
+def _is_text(value: str) -> bool:
+    """No NUL (a command line cannot carry one) and encodable as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
 
 
 def execute(call: ToolCall, sandbox: Sandbox, max_observation_chars: int) -> Observation:
