@@ -60,7 +60,7 @@ def give_to(folder: Path, uid: int) -> None:
 
 @lru_cache(maxsize=None)
 def _bwrap_problem() -> str:
-    """"" if ``bwrap`` runs a command in a new user namespace here, else why not."""
+    """"" if ``bwrap`` makes a sandbox and runs a command in it here, else why not."""
     path = shutil.which("bwrap")
     if path is None:
         return f"bwrap is not installed: {BWRAP_INSTALL}"
@@ -69,10 +69,14 @@ def _bwrap_problem() -> str:
         bwrap.write_identity(etc)
         argv = bwrap.bwrap_argv(path, etc, "/probe", etc, [], SandboxLimits(), "true", run_as=sandbox_uid())
         result = run_command(argv, SandboxLimits(), timeout_s=30)
-    if result.exit_code != 0:
-        return (f"bwrap cannot make a sandbox here ({result.output.strip()[:200]}); it needs user "
-                "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
-    return ""
+    if result.exit_code == 0:
+        return ""
+    why = result.output.strip().replace("\n", " ")[:200]
+    if os.geteuid() == 0:
+        return (f"bwrap cannot make a sandbox here ({why}); as root it needs CAP_SYS_ADMIN and namespaces "
+                "(a VM or a privileged container)")
+    return (f"bwrap cannot make a sandbox here ({why}); it needs user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
 
 
 def backend_name(image: str | None = None) -> str:
