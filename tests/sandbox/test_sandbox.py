@@ -104,6 +104,7 @@ def test_a_stopped_run_leaves_no_process_and_the_next_run_removes_its_folder(tmp
     assert len(processes_with(marker)) >= 3
     child.send_signal(signum)
     child.wait(10)
+    child.stdout.close()
     deadline = time.monotonic() + 5
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
 
@@ -24,9 +25,13 @@ KILL_GRACE_S = 5.0  # after SIGKILL, how long the pipe may stay open before we s
 DISK_CHECK_S = 0.25  # how often a running command's file system is checked for free space
 
 
-def free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
-    stats = os.statvfs(path)
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``;
+    None when ``path`` is gone."""
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
     return stats.f_bavail * stats.f_frsize
 
 
@@ -117,19 +122,20 @@ class RunningCommand:
         every :data:`DISK_CHECK_S` from the command's start on); wait for exit."""
         try:
             kept, total = self._read(time.monotonic() + timeout_s)
+            try:
+                code = self.proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.kill(self.kill_reason or "timeout")
+                code = self.proc.wait()
         except BaseException:  # SIGTERM (Terminated), Ctrl-C: nothing may outlive the caller's unwinding
             self.kill("interrupted")
             self.proc.wait()
             raise
-        try:
-            code = self.proc.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.kill(self.kill_reason or "timeout")
-            code = self.proc.wait()
-        kill_group(self.proc)  # stragglers in the group (none under bwrap: its pid namespace is gone)
-        for stream in (self.proc.stdout, self.proc.stdin):
-            if stream is not None and not stream.closed:
-                stream.close()
+        finally:
+            kill_group(self.proc)  # stragglers in the group (none under bwrap: its pid namespace is gone)
+            for stream in (self.proc.stdout, self.proc.stdin):
+                if stream is not None and not stream.closed:
+                    stream.close()
         text = kept.text()
         killed = bool(self.kill_reason)
         return CommandResult(
@@ -150,7 +156,8 @@ class RunningCommand:
                 self.kill("timeout")
             if self.disk_path is not None and grace_end is None and now >= next_disk_check:
                 next_disk_check = now + DISK_CHECK_S
-                if free_bytes(self.disk_path) < limits.min_free_disk_bytes:
+                free = free_bytes(self.disk_path)
+                if free is not None and free < limits.min_free_disk_bytes:
                     self.kill("disk")
             if self.kill_reason and grace_end is None:
                 grace_end = now + KILL_GRACE_S
@@ -177,7 +184,7 @@ def wait_gone(pid: int, start_time: int | None, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            text = open(f"/proc/{pid}/stat").read()
+            text = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return True
         fields = text[text.rindex(")") + 2:].split()

@@ -36,6 +36,7 @@ from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
 INSIDE_WORKDIR = "/testbed"
 """Where the repository copy appears inside the sandbox (R2E-Gym's and SWE-bench's images' place)."""
 BWRAP_INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
+CLOSE_WAIT_S = 30.0  # close(): how long killed commands may take to be gone before the folder goes
 SANDBOX_UID_BASE, SANDBOX_UID_SPAN = 2_000_000_000, 100_000_000
 """Host uids of root runs' sandboxes: one drawn at random from this range per sandbox (no
 account has them; 64 sandboxes at once collide with probability 2e-5, and a collision
@@ -149,6 +150,7 @@ class Sandbox:
         self.backend = backend_name(image)
         self.inside_workdir = INSIDE_WORKDIR
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._running: set[RunningCommand] = set()
         self._closed = False
         self._container: str | None = None
@@ -242,7 +244,7 @@ class Sandbox:
                 argv, env = self._argv(command, timeout, info_write, filter_fd)
                 running = RunningCommand(argv, self.limits, input_bytes, env,
                                          pass_fds=tuple(fd for fd in (info_write, filter_fd) if fd >= 0),
-                                         disk_path=str(self.workdir))
+                                         disk_path=str(self.folder.parent))
                 self._running.add(running)
             for fd in (info_write, filter_fd):
                 if fd >= 0:
@@ -251,10 +253,11 @@ class Sandbox:
             try:
                 return running.finish(timeout)
             finally:
-                with self._lock:
-                    self._running.discard(running)
                 if info_read >= 0:
                     _await_namespace_end(info_read)
+                with self._lock:
+                    self._running.discard(running)
+                    self._idle.notify_all()
         finally:
             for fd in (info_read, info_write, filter_fd):
                 if fd >= 0:
@@ -296,6 +299,8 @@ class Sandbox:
             running = list(self._running)
         for command in running:
             command.kill("closed")
+        with self._lock:  # their run() calls return once the processes and namespaces are gone
+            self._idle.wait_for(lambda: not self._running, timeout=CLOSE_WAIT_S)
         if self._container is not None:
             run_command(containers.oci_remove_argv(shutil.which(self.backend), self._container), self.limits,
                         timeout_s=120, env=dict(os.environ))
