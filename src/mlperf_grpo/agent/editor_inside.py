@@ -55,14 +55,12 @@ def view(path, view_range):
         entries = []
         base_depth = path.rstrip("/").count("/")
         for folder, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            depth = folder.rstrip("/").count("/") - base_depth
-            if depth >= 2:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            entries += [os.path.join(folder, name) for name in dirs + [f for f in files if not f.startswith(".")]]
+            if folder.rstrip("/").count("/") - base_depth >= 1:  # path's entries and theirs: `find -maxdepth 2`
                 dirs[:] = []
-            for name in sorted(dirs) + sorted(f for f in files if not f.startswith(".")):
-                entries.append(os.path.join(folder, name))
         return ("Files and directories up to 2 levels deep in %s, hidden ones left out:\n%s\n"
-                % (path, "\n".join([path] + entries)))
+                % (path, "\n".join([path] + sorted(entries))))
     lines = read_text(path).split("\n")
     if lines and lines[-1] == "":
         lines.pop()
