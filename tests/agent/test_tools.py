@@ -42,7 +42,7 @@ def test_view_with_line_numbers_and_a_range(sandbox):
     run(sandbox, "execute_bash", command="mkdir -p a/b/c .hidden && touch a/b/c/deep.py a/b/two.py .hidden/x")
     listing = run(sandbox, EDIT, command="view", path="/testbed")
     assert "/testbed/calc.py" in listing.text and "/testbed/README" in listing.text
-    assert "/testbed/a/b\n" in listing.text and "two.py" not in listing.text and "hidden" not in listing.text
+    assert "/testbed/a/b\n" in listing.text and "two.py" not in listing.text and ".hidden" not in listing.text
     bad = run(sandbox, EDIT, command="view", path="/testbed/calc.py", view_range=[5, 9])
     assert bad.error and "start must be in [1, 2]" in bad.text
 
