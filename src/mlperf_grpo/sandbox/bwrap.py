@@ -26,7 +26,7 @@ Source of the flags: bubblewrap(1), bubblewrap 0.8.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlperf_grpo.sandbox.limits import SandboxLimits, limited_shell
@@ -65,19 +65,32 @@ def write_identity(folder: Path, uid: int = INSIDE_UID) -> tuple[Path, Path]:
     return passwd, group
 
 
-def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
-               ro_paths: Sequence[Path], limits: SandboxLimits, command: str,
-               run_as: int | None = None, hidden: Sequence[Path] = ()) -> list[str]:
-    """The full argv: ``bwrap`` ... ``bash -c <limits> <command>`` in ``inside_workdir``.
+@dataclass(frozen=True)
+class BwrapLayout:
+    """What one sandbox's bwrap shows and as whom it runs.
 
-    ro_paths: host folders bound read-only at the same path (Python installations).
+    bwrap: the binary. workdir: the host copy, bound read-write at ``inside_workdir``.
+    etc_dir: holds the generated ``passwd`` and ``group``. ro_paths: host folders bound
+    read-only at the same path (Python installations). hidden: folders inside ``ro_paths``
+    shown empty (this project's own package, when installed into that environment).
     run_as: None runs in a user namespace as uid 1000 (a non-root run); a host uid runs
     ``bwrap`` privileged and the command as that uid (a root run; see the module doc).
-    hidden: folders inside ``ro_paths`` shown empty (this project's own package, when it
-    is installed into the environment the sandbox sees).
-    The command's environment is cleared to PATH, HOME=/tmp, LANG, and the first
-    ``ro_paths`` entry's ``bin`` leads PATH (the run's Python environment).
     """
+
+    bwrap: str
+    workdir: Path
+    inside_workdir: str
+    etc_dir: Path
+    ro_paths: tuple[Path, ...] = ()
+    hidden: tuple[Path, ...] = ()
+    run_as: int | None = None
+
+
+def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list[str]:
+    """The full argv: ``bwrap`` ... ``bash -c <limits> <command>`` in ``inside_workdir``.
+    The command's environment is cleared to PATH, HOME=/tmp, LANG, TMPDIR, and the first
+    ``ro_paths`` entry's ``bin`` leads PATH (the run's Python environment)."""
+    ro_paths, run_as = layout.ro_paths, layout.run_as
     path_dirs = [str(Path(p) / "bin") for p in ro_paths] + ["/usr/local/bin", "/usr/bin", "/bin"]
     if run_as is None:
         identity = ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--disable-userns",
@@ -88,7 +101,7 @@ def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
         shell = ["setpriv", f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs",
                  "--inh-caps=-all", "--bounding-set=-all", "--", *limited_shell(limits)]
     args = [
-        bwrap, *identity,
+        layout.bwrap, *identity,
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
         "--setenv", "PATH", ":".join(dict.fromkeys(path_dirs)), "--setenv", "HOME", "/tmp",
@@ -99,15 +112,16 @@ def bwrap_argv(bwrap: str, workdir: Path, inside_workdir: str, etc_dir: Path,
         for parent in reversed(Path(path).parents[:-1]):  # traversable by the sandbox's uid
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
-    for path in hidden:
+    for path in layout.hidden:
         args += ["--size", "4096", "--tmpfs", str(path)]
     args += [
-        "--ro-bind", str(etc_dir / "passwd"), "/etc/passwd",
-        "--ro-bind", str(etc_dir / "group"), "/etc/group",
+        "--ro-bind", str(layout.etc_dir / "passwd"), "/etc/passwd",
+        "--ro-bind", str(layout.etc_dir / "group"), "/etc/group",
         "--proc", "/proc", "--dev", "/dev",
         "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",  # POSIX semaphores
         "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
-        "--bind", str(workdir), inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", inside_workdir,
+        "--bind", str(layout.workdir), layout.inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev",
+        "--chdir", layout.inside_workdir,
         "--", *shell, command,
     ]
     return args

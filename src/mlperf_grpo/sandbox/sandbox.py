@@ -68,7 +68,8 @@ def _bwrap_problem() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         etc = Path(tmp)
         bwrap.write_identity(etc)
-        argv = bwrap.bwrap_argv(path, etc, "/probe", etc, [], SandboxLimits(), "true", run_as=sandbox_uid())
+        layout = bwrap.BwrapLayout(path, etc, "/probe", etc, run_as=sandbox_uid())
+        argv = bwrap.bwrap_argv(layout, SandboxLimits(), "true")
         result = run_command(argv, SandboxLimits(), timeout_s=30)
     if result.exit_code == 0:
         return ""
@@ -216,9 +217,9 @@ class Sandbox:
               seccomp_fd: int = -1) -> tuple[list[str], dict[str, str]]:
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
-            argv = bwrap.bwrap_argv(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
-                                    self._ro_paths, self.limits, command, run_as=self._uid,
-                                    hidden=hidden_inside(self._ro_paths))
+            layout = bwrap.BwrapLayout(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
+                                       tuple(self._ro_paths), tuple(hidden_inside(self._ro_paths)), self._uid)
+            argv = bwrap.bwrap_argv(layout, self.limits, command)
             argv[1:1] = ["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
