@@ -7,7 +7,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlperf_grpo"
 
-LAYERS = ["cli", "train", "evaluate", "inference", "checkpoint", "tasks", "model", "logs", "plan", "config", "<root>"]
+LAYERS = ["cli", "train", "evaluate", "agent", "inference", "checkpoint", "tasks", "model", "logs", "plan", "config",
+          "sandbox", "<root>"]
 """Top to bottom, as docs/architecture.md draws them."""
 
 ROOT_MODULES = {"__init__", "rules", "errors", "environment", "step_dirs", "graceful_stop", "torchrun"}

@@ -1,0 +1,96 @@
+"""Container runtimes for task images: Apptainer/Singularity for SIF files, podman or
+docker for OCI images. Command lines only; :mod:`mlperf_grpo.sandbox.sandbox` runs them.
+Torch-free.
+
+Apptainer runs each command as its own ``apptainer exec`` (the way NeMo Gym's SWE agents
+run R2E-Gym SIF images: ``--writable-tmpfs``, no home/tmp/bind-path mounts) with
+``--containall`` (own pid and ipc namespaces, clean environment, no host home), no network
+(``--net --network none``: root, or a site that allows it) and the trajectory's repository
+copy bound read-write at its place in the image (``/testbed``): the copy persists between
+commands, the rest of the image's writable overlay does not.
+
+podman/docker keep one container per trajectory (``run -d ... sleep infinity``, as
+R2E-Gym's docker runtime does), run each command with ``exec`` under ``timeout -s KILL``
+inside, and ``rm -f`` it on close; no network, all capabilities dropped,
+``no-new-privileges``, ``--pids-limit`` and ``--memory`` for the container.
+
+Not exercised where these runtimes are absent (our CI has none): the tests build the
+command lines and check them; bubblewrap is the tested backend.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from mlperf_grpo.sandbox.limits import SandboxLimits, limited_shell
+
+SIF_SUFFIXES = (".sif", ".simg")
+
+
+def is_sif(image: str) -> bool:
+    """A Singularity/Apptainer image file (by name), as opposed to an OCI image reference."""
+    return image.endswith(SIF_SUFFIXES) or image.startswith(("docker-archive:", "oras://", "library://"))
+
+
+def apptainer_binary() -> str | None:
+    """``apptainer`` or ``singularity`` on PATH."""
+    return shutil.which("apptainer") or shutil.which("singularity")
+
+
+def oci_binary() -> str | None:
+    """``podman`` or ``docker`` on PATH whose service answers (``docker info`` succeeds)."""
+    for name in ("podman", "docker"):
+        path = shutil.which(name)
+        if path and subprocess.run([path, "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   timeout=30, check=False).returncode == 0:
+            return path
+    return None
+
+
+def apptainer_argv(binary: str, image: str, workdir: Path, inside_workdir: str,
+                   limits: SandboxLimits, command: str) -> list[str]:
+    """One command in a SIF image, the repository copy bound at ``inside_workdir``."""
+    return [
+        binary, "exec", "--writable-tmpfs", "--cleanenv", "--containall", "--pid", "--ipc",
+        "--no-mount", "home,tmp,bind-paths", "--net", "--network", "none",
+        "--bind", f"{workdir}:{inside_workdir}", "--pwd", inside_workdir,
+        image, *limited_shell(limits), command,
+    ]
+
+
+def apptainer_copy_out_argv(binary: str, image: str, inside_workdir: str, target: Path) -> list[str]:
+    """Copy the image's ``inside_workdir`` (the task's repository) into the host folder ``target``."""
+    return [binary, "exec", "--containall", "--no-mount", "home,tmp,bind-paths",
+            "--bind", f"{target}:/sandbox-copy-out", image,
+            "cp", "-a", f"{inside_workdir}/.", "/sandbox-copy-out/"]
+
+
+def oci_start_argv(binary: str, image: str, name: str, workdir: Path, inside_workdir: str,
+                   limits: SandboxLimits) -> list[str]:
+    """Start the trajectory's long-lived container (idle until ``exec``)."""
+    return [
+        binary, "run", "-d", "--rm", "--name", name, "--network", "none", "--cap-drop", "ALL",
+        "--security-opt", "no-new-privileges", "--pids-limit", str(limits.processes),
+        "--memory", str(limits.memory_bytes), "--tmpfs", f"/tmp:size={limits.tmp_bytes}",
+        "-v", f"{workdir}:{inside_workdir}", "-w", inside_workdir,
+        "--entrypoint", "sleep", image, "infinity",
+    ]
+
+
+def oci_exec_argv(binary: str, name: str, inside_workdir: str, limits: SandboxLimits,
+                  command: str, timeout_s: float) -> list[str]:
+    """One command in the running container, killed inside at ``timeout_s``."""
+    return [binary, "exec", "-i", "-w", inside_workdir, name,
+            "timeout", "-s", "KILL", f"{timeout_s:g}", *limited_shell(limits), command]
+
+
+def oci_remove_argv(binary: str, name: str) -> list[str]:
+    """Remove the container and every process in it."""
+    return [binary, "rm", "-f", name]
+
+
+def oci_copy_out_argv(binary: str, container: str, inside_workdir: str, target: Path) -> list[str]:
+    """Copy ``inside_workdir`` of a created (not started) container into ``target``."""
+    return [binary, "cp", f"{container}:{inside_workdir}/.", str(target)]

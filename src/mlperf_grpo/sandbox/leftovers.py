@@ -1,0 +1,113 @@
+"""Ownership markers of sandbox folders, and removal of those whose run is dead. Torch-free.
+
+Each sandbox folder ``<root>/sbx-*`` holds ``owner.json``: the pid and the kernel start time
+of the process that made it (a reused pid has another start time), and the container it
+started, if any. A run killed by SIGKILL leaves its folders; the next run's
+:func:`cleanup_leftovers` removes them (its bubblewrap processes are gone already:
+``--die-with-parent``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+MARKER = "owner.json"
+PREFIX = "sbx-"
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), None if no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])
+
+
+def write_marker(folder: Path, container: str | None = None, runtime: str | None = None) -> None:
+    """Mark ``folder`` as owned by this process (and the container it runs, if any)."""
+    pid = os.getpid()
+    record = {"pid": pid, "start_time": process_start_time(pid), "container": container, "runtime": runtime}
+    (folder / MARKER).write_text(json.dumps(record))
+
+
+def owner_alive(folder: Path) -> bool:
+    """The process that made ``folder`` still runs (a folder without a readable marker is
+    taken as alive for a minute after it was made: it is being set up)."""
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return time.time() - folder.stat().st_mtime < 60
+    return process_start_time(int(record["pid"])) == record.get("start_time")
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` without following links; folders the sandboxed code made unreadable
+    (``chmod 000``) are opened up first (a non-root owner cannot otherwise list them)."""
+
+    def opened_up(function, failed, excinfo) -> None:
+        parent = os.path.dirname(failed)
+        for target in (parent, failed):
+            try:
+                if not os.path.islink(target):
+                    os.chmod(target, stat.S_IRWXU)
+            except OSError:
+                pass
+        try:
+            function(failed)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(failed, onerror=opened_up)
+
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, onerror=opened_up)
+
+
+def kill_processes_naming(text: str) -> int:
+    """SIGKILL every process whose command line contains ``text`` (a dead run's ``bwrap``,
+    which names its sandbox folder: killing it ends its pid namespace); returns how many."""
+    needle, killed = text.encode(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def cleanup_leftovers(root: Path) -> int:
+    """Remove the sandboxes under ``root`` whose owning process is dead: kill what still
+    runs there (a ``bwrap`` whose parent died before it could arm ``--die-with-parent``),
+    remove their containers and folders; returns how many sandboxes were removed. A
+    missing ``root`` has none."""
+    if not Path(root).is_dir():
+        return 0
+    removed = 0
+    for folder in sorted(Path(root).glob(f"{PREFIX}*")):
+        if not folder.is_dir() or folder.is_symlink() or owner_alive(folder):
+            continue
+        try:
+            record = json.loads((folder / MARKER).read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
+            subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60, check=False)
+        kill_processes_naming(f"{folder}/")
+        remove_tree(folder)
+        removed += 1
+    return removed
