@@ -166,7 +166,7 @@ def test_the_run_s_environment_and_this_package_are_not_shown(tmp_path, monkeypa
     monkeypatch.setenv("SECRET_TOKEN", "TOP-SECRET")
     src = Path(mlperf_grpo.__file__).resolve().parents[1]  # the package's folder made visible on purpose
     with Sandbox(make_repo(tmp_path / "repo"), LIMITS, tmp_path / "sandboxes", ro_paths=[src]) as box:
-        result = box.run(f"env; ls -A {src}/mlperf_grpo | wc -l; ls {src} | grep -c mlperf_grpo")
+        result = box.run(f"env; ls -A {src}/mlperf_grpo | wc -l; ls {src} | grep -cx mlperf_grpo")
         assert "TOP-SECRET" not in result.output and result.output.split()[-2:] == ["0", "1"], result.output
 
 
