@@ -137,7 +137,7 @@ def tiny_suite(split: str, root: Path | None = None) -> list[SweTask]:
     """
     sources = read_sources(split)
     folder = materialise(sources, (root or Path(tempfile.gettempdir())) / f"swe-tiny-{assets_digest()[:16]}" / split)
-    return [to_task(source, folder / source.name, _head(folder / source.name)) for source in sources]
+    return [to_task(source, split, folder / source.name, _head(folder / source.name)) for source in sources]
 
 
 def known_fix(task_id: str) -> tuple[Edit, ...]:
@@ -167,13 +167,13 @@ def task_id_of(source: TinySource) -> str:
     return f"swe-tiny__{source.name}"
 
 
-def to_task(source: TinySource, repo_dir: Path | None, base_commit: str | None) -> SweTask:
+def to_task(source: TinySource, split: str, repo_dir: Path | None, base_commit: str | None) -> SweTask:
     """The :class:`SweTask` of a task file whose repository is at ``repo_dir``."""
     tests = source.tests + (("r2e_tests/__init__.py", ""),)
     grading = Grading(test_files=tests, test_command=TEST_COMMAND, log_format="unittest",
-                      expected=tuple((name, "PASSED") for name in test_names(source)))
+                      expected=tuple(sorted((name, "PASSED") for name in test_names(source))))
     metadata = {"repo": f"swe-tiny/{source.name}", "base_commit": base_commit, "dataset_name": DATASET_NAME,
-                "repo_language": "Python"}
+                "split": split, "repo_language": "Python"}
     return SweTask(task_id_of(source), source.issue, repo_dir, None, grading, metadata)
 
 
