@@ -23,12 +23,11 @@ as a failure). Source: NeMo Gym ``responses_api_agents/swe_agents/app.py``
 
 from __future__ import annotations
 
-import os
+import io
 import shlex
-import shutil
-import stat
+import tarfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 from mlperf_grpo.tasks.swe.task import Grading, SweTask
 from mlperf_grpo.tasks.swe.test_logs import PARSERS
@@ -58,28 +57,27 @@ def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
     """Run ``task``'s hidden tests in ``sandbox`` (a :class:`mlperf_grpo.sandbox.Sandbox`
     after the trajectory's last turn) and score them (module docstring).
 
+    The hidden files reach the final state through the sandbox itself (one ``tar``
+    stream on a command's stdin), never by a host write under ``sandbox.workdir``, where
+    the agent may have planted links: ``r2e_tests/`` is removed first, so nothing the
+    agent left there runs.
+
     Args:
         task: the task; ``task.grading`` says what to write, run and compare.
-        sandbox: has ``workdir`` (host path of the repository copy) and
-            ``run(command, timeout_s) -> CommandResult``.
-        timeout_s: limit of the test run (the benchmark's 60 s).
+        sandbox: has ``run(command, timeout_s, input_bytes) -> CommandResult``.
+        timeout_s: limit of the test run (the benchmark's 60 s), and of the writing.
     """
     grading = task.grading
-    try:
-        write_hidden_files(Path(sandbox.workdir), grading.test_files)
-    except OSError as err:
-        return Grade(0.0, True, f"could not write the hidden tests into the sandbox: {err}", "")
-    if grading.test_patch is not None:
-        base = str(task.metadata.get("base_commit") or "HEAD")
-        failed = _apply_test_patch(Path(sandbox.workdir), sandbox, grading.test_patch, base, timeout_s)
-        if failed is not None:
-            return failed
+    failed = _install_hidden_files(task, sandbox, timeout_s)
+    if failed is not None:
+        return failed
     result = sandbox.run(grading.test_command, timeout_s=timeout_s)
     tail = result.output[-LOG_TAIL_CHARS:]
     if result.timed_out:
         return Grade(0.0, True, f"the test run timed out after {timeout_s:g} s", tail)
     if result.exit_code is None:
-        return Grade(0.0, True, "the test run was killed by a sandbox limit", tail)
+        why = getattr(result, "kill_reason", "") or "a sandbox limit"
+        return Grade(0.0, True, f"the test run was killed ({why})", tail)
     statuses = PARSERS[grading.log_format](result.output)
     passed, reason = compare(grading, statuses)
     return Grade(1.0 if passed else 0.0, False, reason, tail)
@@ -104,63 +102,45 @@ def compare(grading: Grading, statuses: dict[str, str]) -> tuple[bool, str]:
     return True, "passed"
 
 
-def write_hidden_files(workdir: Path, files: tuple[tuple[str, str], ...]) -> None:
-    """Write ``(relative path, text)`` files under ``workdir``, following no link the agent
-    may have planted: every parent folder that is a symlink or not a folder is replaced by
-    a new folder, and an existing file is unlinked before the new one is created.
+def hidden_files_tar(files: tuple[tuple[str, str], ...]) -> bytes:
+    """An uncompressed tar of ``(relative path, text)`` files (mode 0644, fixed mtime).
 
     Raises:
-        OSError: a path leaves ``workdir`` or cannot be written.
+        ValueError: a path that is absolute or climbs out with ``..``.
     """
-    for relative, text in files:
-        parts = PurePosixPath(relative).parts
-        if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
-            raise OSError(f"hidden test path {relative!r} is not inside the repository")
-        folder = workdir
-        for part in parts[:-1]:
-            folder = folder / part
-            _ensure_real_folder(folder)
-        target = folder / parts[-1]
-        _remove(target)
-        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for relative, text in files:
+            parts = PurePosixPath(relative).parts
+            if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
+                raise ValueError(f"hidden file path {relative!r} is not inside the repository")
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(relative)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
 
 
-def _ensure_real_folder(path: Path) -> None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        os.mkdir(path)
-        return
-    if stat.S_ISDIR(mode):
-        os.chmod(path, stat.S_IMODE(mode) | stat.S_IRWXU)  # the agent may have made it read-only
-        return
-    _remove(path)
-    os.mkdir(path)
-
-
-def _remove(path: Path) -> None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _apply_test_patch(workdir: Path, sandbox, test_patch: str, base: str, timeout_s: float) -> Grade | None:
-    """SWE-bench's order: reset the test files the patch touches to the base commit, then
-    ``git apply`` it. None when applied; else the 0-reward (or invalid) grade."""
-    write_hidden_files(workdir, ((TEST_PATCH_FILE, test_patch),))
-    touched = sorted({line[6:] for line in test_patch.splitlines() if line.startswith("+++ b/")})
-    reset = f"git checkout -q {shlex.quote(base)} -- {' '.join(shlex.quote(p) for p in touched)} 2>/dev/null; " if touched else ""
-    result = sandbox.run(f"{reset}git apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}", timeout_s=timeout_s)
+def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | None:
+    """Write the hidden test files (and apply a SWE-bench test patch) inside the sandbox.
+    None when done; else the grade that ends grading (0, or invalid when killed)."""
+    grading = task.grading
+    files = grading.test_files
+    steps = ["tar --no-same-owner -xf -"]
+    if grading.test_patch is not None:
+        files += ((TEST_PATCH_FILE, grading.test_patch),)
+        base = shlex.quote(str(task.metadata.get("base_commit") or "HEAD"))
+        touched = " ".join(shlex.quote(line[6:]) for line in grading.test_patch.splitlines() if line.startswith("+++ b/"))
+        if touched:  # SWE-bench's order: reset the files the patch touches to the base commit, then apply
+            steps.append(f"{{ git checkout -q {base} -- {touched} 2>/dev/null; true; }}")
+        steps.append(f"git apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
+    stale = " r2e_tests" if any(path.startswith("r2e_tests/") for path, _ in files) else ""
+    command = f"chmod u+w . 2>/dev/null; rm -rf -- {TEST_PATCH_FILE}{stale}; " + " && ".join(steps)
+    result = sandbox.run(command, timeout_s=timeout_s, input_bytes=hidden_files_tar(files))
+    if result.exit_code == 0:
+        return None
     tail = result.output[-LOG_TAIL_CHARS:]
-    if result.timed_out or result.exit_code is None:
-        return Grade(0.0, True, "applying the test patch timed out or was killed", tail)
-    if result.exit_code != 0:
-        return Grade(0.0, False, "the hidden test patch does not apply to the final state", tail)
-    return None
+    if result.exit_code is None:
+        return Grade(0.0, True, "writing the hidden tests timed out or was killed", tail)
+    what = "the hidden test patch does not apply" if grading.test_patch is not None else "the hidden tests cannot be written"
+    return Grade(0.0, False, f"{what} in the final state", tail)
