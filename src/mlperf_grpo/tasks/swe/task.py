@@ -9,7 +9,8 @@ follow the rows the benchmark reads: R2E-Gym (``expected_output_json``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -53,3 +54,16 @@ class SweTask:
     grading: Grading
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
     """Row fields kept for logs and prompts (``repo``, ``base_commit``, ``dataset_name``, ...)."""
+
+    @property
+    def prompt(self) -> str:
+        """The issue text: what a :class:`~mlperf_grpo.tasks.base.Task`'s ``prompt`` is to
+        code that fingerprints tasks (``eval_settings``: ids, prompts, answers)."""
+        return self.problem_statement
+
+    @property
+    def answer(self) -> str:
+        """The grading as canonical JSON (test files, command, expected outcome): a
+        :class:`~mlperf_grpo.tasks.base.Task`'s ``answer`` for fingerprints, so an edited
+        hidden test or expected status changes the validation tasks' hash."""
+        return json.dumps(asdict(self.grading), sort_keys=True, ensure_ascii=False)
