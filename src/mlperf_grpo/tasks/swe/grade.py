@@ -37,6 +37,8 @@ LOG_TAIL_CHARS = 2000
 PASSING = ("PASSED", "XFAIL")
 """Statuses SWE-bench counts as a pass (``swebench.harness.grading.test_passed``)."""
 TEST_PATCH_FILE = ".hidden_test_patch.diff"
+GIT = "GIT_CONFIG_NOSYSTEM=1 git"
+"""git as the grader runs it: the machine's ``/etc/gitconfig`` has no say in grading."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,8 @@ def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | N
         base = shlex.quote(str(task.metadata.get("base_commit") or "HEAD"))
         touched = " ".join(shlex.quote(line[6:]) for line in grading.test_patch.splitlines() if line.startswith("+++ b/"))
         if touched:  # SWE-bench's order: reset the files the patch touches to the base commit, then apply
-            steps.append(f"{{ git checkout -q {base} -- {touched} 2>/dev/null; true; }}")
-        steps.append(f"git apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
+            steps.append(f"{{ {GIT} checkout -q {base} -- {touched} 2>/dev/null; true; }}")
+        steps.append(f"{GIT} apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
     stale = " r2e_tests" if any(path.startswith("r2e_tests/") for path, _ in files) else ""
     command = f"chmod u+w . 2>/dev/null; rm -rf -- {TEST_PATCH_FILE}{stale}; " + " && ".join(steps)
     result = sandbox.run(command, timeout_s=timeout_s, input_bytes=hidden_files_tar(files))
