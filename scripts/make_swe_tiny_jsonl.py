@@ -22,14 +22,15 @@ from mlperf_grpo.tasks.swe.nemo_gym import nemo_gym_row
 from mlperf_grpo.tasks.swe.tiny import SPLITS, tiny_suite
 
 
-def write(output: Path) -> dict[str, Path]:
-    """Write both splits' JSONL files and repositories under ``output``; ``{split: file}``."""
+def write(output: Path, cache: Path | None = None) -> dict[str, Path]:
+    """Write both splits' JSONL files and repositories under ``output``; ``{split: file}``.
+    cache: where the suite is materialised first (default: a temporary folder)."""
     output.mkdir(parents=True, exist_ok=True)
     files = {}
     with tempfile.TemporaryDirectory() as scratch:
         for split in SPLITS:
             rows = []
-            for task in tiny_suite(split, root=Path(scratch)):
+            for task in tiny_suite(split, root=cache or Path(scratch)):
                 relative = f"repos/{split}/{task.repo_dir.name}"
                 shutil.rmtree(output / relative, ignore_errors=True)
                 shutil.copytree(task.repo_dir, output / relative, symlinks=True)

@@ -87,10 +87,11 @@ def test_what_the_agent_leaves_in_r2e_tests_does_not_count(suite, tmp_path):
     task = next(t for t in suite if t.task_id == "swe-tiny__05_fizzbuzz")
     fake = ("import unittest\n\n\nclass FizzBuzzTest(unittest.TestCase):\n    def test_fifteen(self):\n        pass\n\n"
             "    def test_three_and_five(self):\n        pass\n\n    def test_number(self):\n        pass\n")
-    planted = f"mkdir -p r2e_tests && printf '' > r2e_tests/__init__.py && cat > r2e_tests/test_fizz.py <<'EOF'\n{fake}EOF"
+    planted = ("mkdir -p r2e_tests && printf '' > r2e_tests/__init__.py && "
+               f"cat > r2e_tests/test_fizz.py <<'EOF'\n{fake}EOF")
     assert _grade(task, tmp_path, setup=planted).reward == 0.0  # the planted tests are replaced by the hidden ones
-    extra = "mkdir -p r2e_tests && printf 'import unittest\\nclass X(unittest.TestCase):\\n    def test_x(self): pass\\n'" \
-            " > r2e_tests/test_extra.py"
+    extra = ("mkdir -p r2e_tests && printf 'import unittest\\nclass X(unittest.TestCase):\\n"
+             "    def test_x(self): pass\\n' > r2e_tests/test_x.py")
     assert _grade(task, tmp_path, known_fix(task.task_id), setup=extra).reward == 1.0  # stale files are removed
 
 
@@ -125,7 +126,8 @@ def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_pa
     task = SweTask("calc__1", "add subtracts", repo, None, grading)
     fix = Edit("calc.py", "a - b", "a + b")
     broken, fixed = _grade(task, tmp_path / "s"), _grade(task, tmp_path / "s", (fix,))
-    assert (broken.reward, broken.invalid) == (0.0, False) and "FAIL_TO_PASS tests/test_calc.py::test_add" in broken.reason
+    assert (broken.reward, broken.invalid) == (0.0, False)
+    assert broken.reason == "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"
     assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
     garbled = replace(task, grading=replace(grading, test_patch=patch.replace("@@ -0,0 +1,7 @@", "@@ -0,0 +1,9 @@")))
     assert _grade(garbled, tmp_path / "s", (fix,)).reason.startswith("the hidden test patch does not apply")

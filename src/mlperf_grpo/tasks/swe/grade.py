@@ -132,7 +132,7 @@ def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | N
     if grading.test_patch is not None:
         files += ((TEST_PATCH_FILE, grading.test_patch),)
         base = shlex.quote(str(task.metadata.get("base_commit") or "HEAD"))
-        touched = " ".join(shlex.quote(line[6:]) for line in grading.test_patch.splitlines() if line.startswith("+++ b/"))
+        touched = " ".join(shlex.quote(path) for path in patched_files(grading.test_patch))
         if touched:  # SWE-bench's order: reset the files the patch touches to the base commit, then apply
             steps.append(f"{{ {GIT} checkout -q {base} -- {touched} 2>/dev/null; true; }}")
         steps.append(f"{GIT} apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
@@ -144,5 +144,11 @@ def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | N
     tail = result.output[-LOG_TAIL_CHARS:]
     if result.exit_code is None:
         return Grade(0.0, True, "writing the hidden tests timed out or was killed", tail)
-    what = "the hidden test patch does not apply" if grading.test_patch is not None else "the hidden tests cannot be written"
-    return Grade(0.0, False, f"{what} in the final state", tail)
+    if grading.test_patch is None:
+        return Grade(0.0, False, "the hidden tests cannot be written in the final state", tail)
+    return Grade(0.0, False, "the hidden test patch does not apply in the final state", tail)
+
+
+def patched_files(patch: str) -> list[str]:
+    """The files a unified diff writes (its ``+++ b/<path>`` lines), sorted."""
+    return sorted({line[6:] for line in patch.splitlines() if line.startswith("+++ b/")})

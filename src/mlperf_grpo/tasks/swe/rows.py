@@ -12,17 +12,19 @@ Two row shapes, told apart per row:
 
 Fields read from the task (``instance``):
 
-| field | use |
-|---|---|
-| ``instance_id`` (else ``repo_name`` + ``commit_hash``) | the task id (pass@k groups by it) |
-| ``problem_statement`` | the issue text |
-| ``expected_output_json`` (R2E-Gym) | the expected ``{test: status}``; rule of :mod:`.grade` |
-| ``execution_result_content.test_file_names`` / ``test_file_codes`` (R2E-Gym) | hidden tests, written to ``r2e_tests/<name>`` |
-| ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``test_patch`` (SWE-bench / SWE-Gym) | tests that must pass; the diff adding them |
-| ``container_formatter`` (``{instance_id}`` filled in), ``docker_image``, ``image_name``, ``image`` | the container image, first present |
-| ``base_commit``, ``repo``, ``repo_name``, ``dataset_name``, ``split``, ``repo_language`` | kept in ``metadata`` |
-| ``repo_dir`` (ours) | a local copy of the repository at its base commit (relative: to the file's folder) |
-| ``test_command``, ``log_format`` (ours) | override the test command and log reader |
+- ``instance_id`` (else ``repo_name`` + ``commit_hash``): the task id (pass@k groups by it);
+- ``problem_statement``: the issue text;
+- R2E-Gym: ``expected_output_json`` (the expected ``{test: status}``, :mod:`.grade`'s rule)
+  and ``execution_result_content``'s ``test_file_names`` / ``test_file_codes`` (the hidden
+  tests, written to ``r2e_tests/<name>``);
+- SWE-bench / SWE-Gym: ``FAIL_TO_PASS``, ``PASS_TO_PASS`` (tests that must pass) and
+  ``test_patch`` (the diff adding them);
+- the image, the first present of ``container_formatter`` (``{instance_id}`` filled in),
+  ``docker_image``, ``image_name``, ``image``;
+- kept in ``metadata``: ``repo``, ``repo_name``, ``base_commit``, ``dataset_name``,
+  ``split``, ``repo_language``, ``commit_hash``, ``version``;
+- ours: ``repo_dir`` (a local copy of the repository at its base commit; relative to the
+  file's folder), ``test_command`` and ``log_format`` (override the defaults below).
 
 Default test commands: R2E-Gym's ``tests_cmd``
 (``src/r2egym/repo_analysis/repo_analysis_args.py``: ``.venv/bin/python -W ignore -m
@@ -40,6 +42,7 @@ from pathlib import Path
 
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.jsonl import raw_rows
+from mlperf_grpo.tasks.swe.grade import patched_files
 from mlperf_grpo.tasks.swe.task import Grading, SweTask
 from mlperf_grpo.tasks.swe.test_logs import PARSERS
 
@@ -98,8 +101,9 @@ def _task(row: object, where: str, folder: Path) -> SweTask:
     statement = instance.get("problem_statement")
     if not isinstance(statement, str) or not statement.strip():
         raise TaskError(f"{where}: missing key 'problem_statement' (the issue text, a non-empty string)")
+    metadata = {key: instance[key] for key in METADATA_KEYS if instance.get(key) not in (None, "")}
     return SweTask(task_id, statement, _repo_dir(instance, where, folder), _image(instance, task_id),
-                   _grading(instance, where), {k: instance[k] for k in METADATA_KEYS if instance.get(k) not in (None, "")})
+                   _grading(instance, where), metadata)
 
 
 def _grading(instance: dict, where: str) -> Grading:
@@ -124,8 +128,7 @@ def _grading(instance: dict, where: str) -> Grading:
             raise TaskError(f"{where}: missing key 'test_patch' (the diff adding the hidden tests FAIL_TO_PASS names)")
         if not fail_to_pass:
             raise TaskError(f"{where}: key 'FAIL_TO_PASS' is empty; a SWE-bench row names at least one test")
-        touched = sorted({line[6:] for line in patch.splitlines() if line.startswith("+++ b/")})
-        default = "python -m pytest -rA " + " ".join(shlex.quote(p) for p in touched)
+        default = "python -m pytest -rA " + " ".join(shlex.quote(p) for p in patched_files(patch))
         return Grading((), command or default, log_format or "pytest-swebench", fail_to_pass=fail_to_pass,
                        pass_to_pass=pass_to_pass, test_patch=patch)
     raise TaskError(f"{where}: missing key 'expected_output_json' (R2E-Gym) or 'FAIL_TO_PASS' + 'test_patch' "
