@@ -11,7 +11,7 @@ Statuses are pytest's words: ``PASSED``, ``FAILED``, ``ERROR``, ``SKIPPED``, ``X
   ANSI colour codes are removed first, as R2E-Gym's ``run_tests`` does.
 - ``pytest-swebench``: SWE-bench's ``parse_log_pytest``
   (``swebench/harness/log_parsers``): a line starting with a status word names the test
-  by its second field, the full node id (``tests/test_a.py::test_b[1]``).
+  by its second field, the full node id (``pkg/test_a.py::test_b[1]``).
 - ``unittest``: ``python -m unittest -v`` (the tiny suite, so a sandbox needs nothing but
   ``python3``): ``name (module.Class.name) ... ok`` -> ``module.Class.name: PASSED``;
   ``FAIL`` -> FAILED, ``ERROR`` -> ERROR, ``skipped ...`` -> SKIPPED, ``expected
