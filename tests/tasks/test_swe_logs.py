@@ -1,9 +1,15 @@
-"""tasks/swe/test_logs.py and grade.compare on hand-written logs: each reader gives the
-per-test statuses its reference gives, and each rule compares them as its reference does."""
+"""tasks/swe/test_logs.py, grade.compare and the hidden files' archive on hand-written
+input: each reader gives the per-test statuses its reference gives, and each rule
+compares them as its reference does."""
 
 from __future__ import annotations
 
-from mlperf_grpo.tasks.swe.grade import compare
+import io
+import tarfile
+
+import pytest
+
+from mlperf_grpo.tasks.swe.grade import compare, hidden_files_tar
 from mlperf_grpo.tasks.swe.task import Grading
 from mlperf_grpo.tasks.swe.test_logs import parse_pytest_r2e, parse_pytest_swebench, parse_unittest
 
@@ -90,3 +96,12 @@ def test_swe_bench_rule_needs_every_named_test_passed_or_xfail():
     assert compare(grading, {"t::a": "PASSED", "t::b": "XFAIL", "t::other": "FAILED"}) == (True, "passed")
     assert compare(grading, {"t::a": "FAILED", "t::b": "PASSED"}) == (False, "FAIL_TO_PASS t::a: FAILED")
     assert compare(grading, {"t::a": "PASSED"}) == (False, "PASS_TO_PASS t::b: did not run")
+
+
+def test_hidden_files_stay_inside_the_repository():
+    archive = tarfile.open(fileobj=io.BytesIO(hidden_files_tar((("r2e_tests/test_a.py", "x = 1\n"),))))
+    member = archive.getmember("r2e_tests/test_a.py")
+    assert (member.mode, member.mtime, archive.extractfile(member).read()) == (0o644, 0, b"x = 1\n")
+    for bad in ("/etc/passwd", "../outside.py", "r2e_tests/../../x.py", ""):
+        with pytest.raises(ValueError, match="is not inside the repository"):
+            hidden_files_tar(((bad, ""),))
