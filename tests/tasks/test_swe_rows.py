@@ -86,6 +86,17 @@ def test_a_raw_r2e_gym_row(tmp_path):
     assert task.grading.test_command == R2E_ORANGE3_TEST_COMMAND
 
 
+def test_raw_r2e_gym_rows_from_a_local_parquet_dataset(tmp_path):
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    raw = {k: v for k, v in r2e_instance().items() if k not in ("instance_id", "container_formatter", "FAIL_TO_PASS",
+                                                                  "PASS_TO_PASS")}
+    parquet.write_table(pyarrow.Table.from_pylist([raw]), tmp_path / "train-00000-of-00001.parquet")
+    task = load_swe_rows(tmp_path / "train-00000-of-00001.parquet")[0]
+    assert task.task_id == f"pandas__{COMMIT}" and task.grading.test_files == (("r2e_tests/test_1.py", TEST_CODE),)
+
+
 def test_a_swe_bench_row(tmp_path):
     task = load_swe_rows(write_rows(tmp_path / "swe.jsonl", [swe_bench_row()]))[0]
     grading = task.grading
