@@ -39,8 +39,9 @@ def _fixed_files(task: SweTask, edits: tuple[Edit, ...]) -> dict[str, str]:
     return texts
 
 
-def _grade(task: SweTask, root: Path, edits: tuple[Edit, ...] = (), timeout_s: float = TIMEOUT_S, setup: str = ""):
-    with Sandbox(task.repo_dir, SandboxLimits(), root) as sandbox:
+def _grade(task: SweTask, root: Path, edits: tuple[Edit, ...] = (), timeout_s: float = TIMEOUT_S, setup: str = "",
+           limits: SandboxLimits = SandboxLimits()):
+    with Sandbox(task.repo_dir, limits, root) as sandbox:
         for path, text in _fixed_files(task, edits).items():
             assert sandbox.write_file(path, text.encode()).exit_code == 0
         if setup:
@@ -131,3 +132,16 @@ def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_pa
     assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
     garbled = replace(task, grading=replace(grading, test_patch=patch.replace("@@ -0,0 +1,7 @@", "@@ -0,0 +1,9 @@")))
     assert _grade(garbled, tmp_path / "s", (fix,)).reason.startswith("the hidden test patch does not apply")
+
+
+def test_a_long_pytest_log_is_read_from_its_summary_at_the_end(tmp_path):
+    require_bwrap()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    noisy = "from calc import add\n\n\ndef test_add():\n    print('x' * 20000)\n    assert add(2, 3) == 5\n"
+    grading = Grading((("r2e_tests/test_1.py", noisy),), f"{sys.executable} -m pytest -rA -p no:cacheprovider r2e_tests",
+                      "pytest-r2e", expected=(("test_add", "PASSED"),))
+    task = SweTask("calc__2", "add", repo, None, grading)
+    result = _grade(task, tmp_path / "s", limits=SandboxLimits(output_bytes=4096))  # the -rA output is ~20 kB
+    assert (result.reward, result.reason) == (1.0, "passed"), result.log_tail

@@ -73,7 +73,7 @@ def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
     failed = _install_hidden_files(task, sandbox, timeout_s)
     if failed is not None:
         return failed
-    result = sandbox.run(grading.test_command, timeout_s=timeout_s)
+    result = sandbox.run(test_run_command(grading, sandbox), timeout_s=timeout_s)
     tail = result.output[-LOG_TAIL_CHARS:]
     if result.timed_out:
         return Grade(0.0, True, f"the test run timed out after {timeout_s:g} s", tail)
@@ -83,6 +83,19 @@ def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
     statuses = PARSERS[grading.log_format](result.output)
     passed, reason = compare(grading, statuses)
     return Grade(1.0 if passed else 0.0, False, reason, tail)
+
+
+def test_run_command(grading: Grading, sandbox) -> str:
+    """The test command as run: pytest logs are read from their end (the ``-rA`` summary),
+    so their output goes to a file in the command's private ``/tmp`` and only its last
+    ``limits.output_bytes`` come back (a sandbox keeps the head of longer output);
+    unittest's per-test lines come first and are read as printed."""
+    limits = getattr(sandbox, "limits", None)
+    if not grading.log_format.startswith("pytest") or limits is None:
+        return grading.test_command
+    log = "/tmp/hidden_tests.log"
+    return (f"( {grading.test_command}\n) > {log} 2>&1; status=$?; "
+            f"tail -c {int(limits.output_bytes)} {log}; exit $status")
 
 
 def compare(grading: Grading, statuses: dict[str, str]) -> tuple[bool, str]:
