@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -38,6 +39,14 @@ def test_materialised_repositories_are_the_same_everywhere(tmp_path):
             assert a.metadata["base_commit"] == b.metadata["base_commit"] and len(a.metadata["base_commit"]) == 40
     assert tiny_suite("validation", tmp_path / "a")[0].repo_dir == first[0].repo_dir  # made once, then reused
     assert tasks_digest(first) == tasks_digest(second)
+
+
+def test_concurrent_first_uses_share_one_materialised_suite(tmp_path):
+    with ThreadPoolExecutor(4) as pool:
+        suites = list(pool.map(lambda _: tiny_suite("validation", tmp_path), range(4)))
+    assert all(suite == suites[0] for suite in suites)
+    made = [p.name for p in next(tmp_path.iterdir()).iterdir()]
+    assert made == ["validation"]  # the losers' staging folders are gone
 
 
 def test_a_malformed_task_file_is_one_line(tmp_path):
