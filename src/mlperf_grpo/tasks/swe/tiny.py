@@ -23,6 +23,7 @@ folder named by the assets' hash, a git repository with one fixed-date commit wh
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import os
 import shutil
@@ -146,11 +147,12 @@ def known_fix(task_id: str) -> tuple[Edit, ...]:
     Raises:
         KeyError: ``task_id`` is not a tiny-suite task.
     """
-    for split in SPLITS:
-        for source in read_sources(split):
-            if task_id_of(source) == task_id:
-                return source.fix
-    raise KeyError(task_id)
+    return _fixes()[task_id]
+
+
+@functools.lru_cache(maxsize=1)
+def _fixes() -> dict[str, tuple[Edit, ...]]:
+    return {task_id_of(source): source.fix for split in SPLITS for source in read_sources(split)}
 
 
 def apply_edits(workdir: Path, edits: tuple[Edit, ...]) -> None:
