@@ -12,6 +12,7 @@ from mlperf_grpo.config_sections import TaskConfig
 from mlperf_grpo.eval_settings import tasks_digest
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.swe import PromptTemplates, agent_messages, known_fix, load_templates, tiny_suite
+from mlperf_grpo.tasks.swe.prompt import STYLES
 from mlperf_grpo.tasks.swe.tiny import parse_source, read_sources
 
 
@@ -66,27 +67,38 @@ def test_prompts_carry_the_issue_and_the_workspace(tmp_path):
     for style in ("reference", "compact"):
         system, user = agent_messages(task, "/work", style)
         assert system["role"] == "system" and user["role"] == "user"
-        assert task.problem_statement in user["content"] and "/work" in user["content"]
-        assert f"<issue_details>\n{task.problem_statement}\n</issue_details>" in user["content"]
-    assert "a Python repository" in agent_messages(task)[1]["content"]
+        assert f"<issue_description>\n{task.problem_statement}\n</issue_description>" in user["content"]
+        assert "/work" in user["content"] and "{{" not in user["content"] + system["content"]
+    reference = agent_messages(task)[1]["content"]
+    assert "a Python code repository" in reference and f"base commit {task.metadata['base_commit']}" in reference
+    assert not STYLES["reference"].is_reference  # our wording, not the reference's bytes
     with pytest.raises(TaskError, match="unknown swe prompt style"):
         agent_messages(task, templates="long")
 
 
-def test_the_references_own_template_files_render_unchanged(tmp_path):
+def test_template_files_render_unchanged_with_their_includes(tmp_path):
     task = tiny_suite("validation", tmp_path / "s")[0]
-    (tmp_path / "system_prompt.j2").write_text("You are OpenHands agent.\n")
-    (tmp_path / "user_prompt.j2").write_text(
-        "{% set language = instance.repo_language | default('') %}I've uploaded a {{ language }} repository in "
-        "{{ workspace_path }}.\n<issue_details>\n{{ instance.problem_statement }}\n</issue_details>\n")
-    templates = load_templates(tmp_path / "system_prompt.j2", tmp_path / "user_prompt.j2")
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "includes").mkdir()
+    (tmp_path / "prompts" / "system_prompt.j2").write_text(
+        "You are an agent.\n<RISK>\n{% include 'security_risk_assessment.j2' %}\n</RISK>\n")
+    (tmp_path / "includes" / "security_risk_assessment.j2").write_text("Rate each action's risk.")
+    (tmp_path / "prompts" / "user_prompt.j2").write_text(
+        "{% set language = instance.repo_language | default('python') %}I've uploaded a {{ language }} code "
+        "repository in {{ workspace_path }}.\n"
+        "<issue_description>\n{{ instance.problem_statement }}\n</issue_description>\n")
+    system_path, user_path = tmp_path / "prompts" / "system_prompt.j2", tmp_path / "prompts" / "user_prompt.j2"
+    templates = load_templates(system_path, user_path, (tmp_path / "includes",))
     system, user = agent_messages(task, templates=templates)
-    assert system["content"] == "You are OpenHands agent."
-    assert user["content"].startswith("I've uploaded a Python repository in /testbed.\n<issue_details>\n")
+    assert system["content"] == "You are an agent.\n<RISK>\nRate each action's risk.\n</RISK>"
+    assert user["content"].startswith("I've uploaded a Python code repository in /testbed.\n<issue_description>\n")
+    assert not templates.is_reference
+    with pytest.raises(TaskError, match="TemplateNotFound"):
+        agent_messages(task, templates=load_templates(system_path, user_path))  # the include's folder is missing
     with pytest.raises(TaskError, match="does not render"):
         agent_messages(task, templates=PromptTemplates("{{ x", "y"))
     with pytest.raises(TaskError, match="cannot read swe prompt template"):
-        load_templates(tmp_path / "missing.j2", tmp_path / "user_prompt.j2")
+        load_templates(tmp_path / "missing.j2", user_path)
 
 
 @pytest.mark.parametrize(("keys", "message"), [
