@@ -58,6 +58,9 @@ def test_a_malformed_task_file_is_one_line(tmp_path):
     bad.write_text("=== issue\nx\n=== patch a.py\n")
     with pytest.raises(TaskError, match="bad section '=== patch a.py'"):
         parse_source(bad)
+    bad.write_text("=== issue\nx\n=== file ../a.py\n")
+    with pytest.raises(TaskError, match="must stay inside the repository"):
+        parse_source(bad)
     with pytest.raises(TaskError, match="splits train, validation"):
         read_sources("test")
 

@@ -102,6 +102,8 @@ def parse_source(path: Path) -> TinySource:
     issue, files, tests, fix = None, [], [], []
     for index, (kind, target, lines) in enumerate(sections):
         text = "\n".join(lines).rstrip("\n") + "\n"
+        if target.startswith("/") or ".." in target.split("/"):
+            raise TaskError(f"{path}: section path {target!r} must stay inside the repository")
         if kind == "issue":
             issue = text.strip()
         elif kind in ("file", "test") and target:
@@ -110,14 +112,14 @@ def parse_source(path: Path) -> TinySource:
             new = "\n".join(sections[index + 1][2]).rstrip("\n") + "\n"
             fix.append(Edit(target, text, new))
         elif kind != "into":
-            raise TaskError(f"{path}: bad section '=== {kind} {target}'".rstrip() + " (issue, file PATH, test PATH, "
-                            "fix PATH + into)")
+            header = f"=== {kind} {target}".strip()
+            raise TaskError(f"{path}: bad section {header!r}; sections are issue, file PATH, test PATH, fix PATH + into")
     if issue is None or not files or not tests or not fix:
         raise TaskError(f"{path}: a task needs an issue, files, hidden tests and a fix")
     return TinySource(path.stem, issue, tuple(files), tuple(tests), tuple(fix))
 
 
-def test_names(source: TinySource) -> list[str]:
+def hidden_test_names(source: TinySource) -> list[str]:
     """The unittest ids of ``source``'s hidden tests (``r2e_tests.test_x.Class.test_y``)."""
     names = []
     for path, text in source.tests:
@@ -173,7 +175,7 @@ def to_task(source: TinySource, split: str, repo_dir: Path | None, base_commit: 
     """The :class:`SweTask` of a task file whose repository is at ``repo_dir``."""
     tests = source.tests + (("r2e_tests/__init__.py", ""),)
     grading = Grading(test_files=tests, test_command=TEST_COMMAND, log_format="unittest",
-                      expected=tuple(sorted((name, "PASSED") for name in test_names(source))))
+                      expected=tuple(sorted((name, "PASSED") for name in hidden_test_names(source))))
     metadata = {"repo": f"swe-tiny/{source.name}", "base_commit": base_commit, "dataset_name": DATASET_NAME,
                 "split": split, "repo_language": "Python"}
     return SweTask(task_id_of(source), source.issue, repo_dir, None, grading, metadata)
