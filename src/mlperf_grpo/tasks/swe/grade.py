@@ -3,7 +3,7 @@
 After the last turn, :func:`grade` writes the task's hidden test files into the
 trajectory's own sandbox (replacing whatever the agent left at those paths), runs the
 test command there under ``timeout_s`` (the benchmark: 60 s), reads the log per test
-(:mod:`.test_logs`) and compares:
+(:mod:`.log_parsers`) and compares:
 
 - R2E-Gym rows (``expected_output_json``): reward 1 when the parsed ``{test: status}``
   equals the expected one exactly: same number of tests, each name (cut at `` - ``)
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from mlperf_grpo.tasks.swe.task import Grading, SweTask
-from mlperf_grpo.tasks.swe.test_logs import PARSERS
+from mlperf_grpo.tasks.swe.log_parsers import PARSERS
 
 LOG_TAIL_CHARS = 2000
 """Characters of the test log kept in :class:`Grade` (the end, where the summary is)."""

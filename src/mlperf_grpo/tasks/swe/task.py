@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 LogFormat = Literal["unittest", "pytest-r2e", "pytest-swebench"]
-"""How a test log is read into ``{test name: status}`` (:mod:`.test_logs`)."""
+"""How a test log is read into ``{test name: status}`` (:mod:`.log_parsers`)."""
 
 
 @dataclass(frozen=True)

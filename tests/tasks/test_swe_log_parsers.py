@@ -1,4 +1,4 @@
-"""tasks/swe/test_logs.py, grade.compare and the hidden files' archive on hand-written
+"""tasks/swe/log_parsers.py, grade.compare and the hidden files' archive on hand-written
 input: each reader gives the per-test statuses its reference gives, and each rule
 compares them as its reference does."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from mlperf_grpo.tasks.swe.grade import compare, hidden_files_tar
 from mlperf_grpo.tasks.swe.task import Grading
-from mlperf_grpo.tasks.swe.test_logs import parse_pytest_r2e, parse_pytest_swebench, parse_unittest
+from mlperf_grpo.tasks.swe.log_parsers import parse_pytest_r2e, parse_pytest_swebench, parse_unittest
 
 UNITTEST_311 = """\
 test_above_range (r2e_tests.test_bounds.ClampTest.test_above_range) ... ok
