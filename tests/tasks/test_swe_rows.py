@@ -178,7 +178,7 @@ def test_the_tiny_suite_round_trips_through_nemo_gym_jsonl(tiny_jsonl):
 
 
 def test_task_name_swe_reads_the_files_through_load_suite(tiny_jsonl):
-    from mlperf_grpo.config_sections import TaskConfig
+    from mlperf_grpo.config.sections import TaskConfig
 
     files, cache = tiny_jsonl
     config = type("Config", (), {"task": TaskConfig(name="swe", train_path=str(files["train"]),

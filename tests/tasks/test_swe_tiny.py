@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from mlperf_grpo.config_sections import TaskConfig
-from mlperf_grpo.eval_settings import tasks_digest
+from mlperf_grpo.config.sections import TaskConfig
+from mlperf_grpo.evaluate.settings import tasks_digest
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.swe import PromptTemplates, agent_messages, known_fix, load_templates, tiny_suite
 from mlperf_grpo.tasks.swe.prompt import STYLES

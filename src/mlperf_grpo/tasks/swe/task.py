@@ -58,7 +58,7 @@ class SweTask:
     @property
     def prompt(self) -> str:
         """The issue text: what a :class:`~mlperf_grpo.tasks.base.Task`'s ``prompt`` is to
-        code that fingerprints tasks (``eval_settings``: ids, prompts, answers)."""
+        code that fingerprints tasks (``evaluate/settings.py``: ids, prompts, answers)."""
         return self.problem_statement
 
     @property
