@@ -189,3 +189,16 @@ def test_task_name_swe_reads_the_files_through_load_suite(tiny_jsonl):
     assert len(validation_tasks(suite, 12)) == 12
     with pytest.raises(TaskError, match="set validation.num_tasks to 12"):
         validation_tasks(suite, 251)
+
+
+def test_a_bad_swe_row_stops_train_before_anything_is_written(tmp_path, capsys):
+    from mlperf_grpo.cli import main
+
+    write_rows(tmp_path / "rows.jsonl", [_without(swe_bench_row(), "test_patch")])
+    config = tmp_path / "c.yaml"
+    config.write_text("task: {name: swe, train_path: rows.jsonl, validation_path: rows.jsonl, num_train_tasks: 1}\n"
+                      "validation: {num_tasks: 1}\n")
+    assert main(["train", "--config", str(config), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rows.jsonl:1 (astropy__astropy-12907): missing key 'test_patch'" in err, err
+    assert not (tmp_path / "run").exists()
