@@ -1,6 +1,6 @@
 """The agent's opening chat: a system message and the task as a user message.
 
-The reference (NeMo-RL's Qwen3.5 benchmark README, "NeMo Gym and OpenHands
+The reference (mlcommons/training ``llm_moe_grpo/README.md``, "NeMo Gym and OpenHands
 configuration") runs OpenHands' ``CodeActAgent`` through NeMo Gym with the prompt pair
 ``responses_api_agents/swe_agents/prompts/openhands/{system,user}_prompt.j2`` of NeMo Gym
 revision ``610a08ab5fe9f8f5fb5fff36b170429ea67f0f92``, to be used byte for byte
@@ -38,7 +38,7 @@ WORKSPACE_PATH = "/testbed"
 """Where the repository is inside the sandbox (R2E-Gym images; ``sandbox.inside_workdir``)."""
 REFERENCE_SHA256 = {"system": "8aff26bf83a11605ca9bab0336804d56d202f1555b0a073d21db21e4e41b8b9a",
                     "user": "0b0489b934d2c229c439b7af2f588fe404a6327be9da3c12d4c7c9efd3cf1c03"}
-"""SHA-256 of the reference's ``system_prompt.j2`` and ``user_prompt.j2`` (NeMo-RL README)."""
+"""SHA-256 of the reference's ``system_prompt.j2`` and ``user_prompt.j2`` (``llm_moe_grpo/README.md``)."""
 
 
 @dataclass(frozen=True)
