@@ -14,6 +14,7 @@ from pydantic import model_validator
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.sections import (
+    AgentConfig,
     CheckpointConfig,
     DistributedConfig,
     GRPOConfig,
@@ -35,6 +36,7 @@ class RunConfig(Strict):
     submission: SubmissionConfig = SubmissionConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    agent: AgentConfig = AgentConfig()
     grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     validation: ValidationConfig = ValidationConfig()
@@ -114,6 +116,15 @@ class RunConfig(Strict):
                 "are taken after top-p truncation, which the GRPO ratio's recomputation does not apply; set "
                 "grpo.rollout_top_p: 1.0 (the closed value) or inference.engine: hf"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_engine_generates_from_token_ids(self) -> "RunConfig":
+        # the agent loop keeps each conversation as token ids (agent/loop.py); only the hf
+        # engine generates from ids today (HFEngine.generate_ids)
+        if self.task.name == "swe" and self.inference.engine != "hf":
+            raise ValueError(f"task.name swe needs inference.engine: hf (the agent generates from token ids; the "
+                             f"{self.inference.engine} engine cannot yet)")
         return self
 
     @model_validator(mode="after")
