@@ -119,15 +119,6 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _agent_engine_generates_from_token_ids(self) -> "RunConfig":
-        # the agent loop keeps each conversation as token ids (agent/loop.py); only the hf
-        # engine generates from ids today (HFEngine.generate_ids)
-        if self.task.name == "swe" and self.inference.engine != "hf":
-            raise ValueError(f"task.name swe needs inference.engine: hf (the agent generates from token ids; the "
-                             f"{self.inference.engine} engine cannot yet)")
-        return self
-
-    @model_validator(mode="after")
     def _reaches_first_eval_step(self) -> "RunConfig":
         # (closed configs get this in their list of closed-rule violations instead)
         if self.division == "open" and self.grpo.max_steps < self.first_eval_step:
