@@ -16,9 +16,9 @@ from mlperf_grpo.agent.swe_session import SweSession, SweSessionSettings
 from mlperf_grpo.agent.tools import TOOL_SCHEMAS
 from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.sandbox import SandboxLimits, backend_name, cleanup_leftovers
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers
 from mlperf_grpo.tasks.swe import SweTask
-from mlperf_grpo.tasks.swe.prompt import agent_messages
+from mlperf_grpo.tasks.swe.prompt import agent_messages, load_templates
 
 TEMPLATE_KWARGS = {"enable_thinking": False}
 """The reference runs the agent with thinking off (DESIGN.md, "The benchmark's workload")."""
@@ -44,6 +44,7 @@ class AgentRunner:
 
     Raises:
         ConfigError: no sandbox runtime on this machine (``sandbox.backend_name``).
+        TaskError: ``agent.prompt_files`` that cannot be read.
     """
 
     def __init__(self, agent) -> None:
@@ -57,7 +58,9 @@ class AgentRunner:
         self.session = SweSessionSettings(SandboxLimits(command_timeout_s=agent.command_timeout_s), agent.test_timeout_s,
                                           root)
         self.tools = [s for s in TOOL_SCHEMAS if s["function"]["name"] in agent.tools]
-        self._messages = partial(agent_messages, templates=agent.prompt_style)
+        templates = agent.prompt_style if agent.prompt_files is None else load_templates(
+            Path(agent.prompt_files[0]), Path(agent.prompt_files[1]), tuple(Path(f) for f in agent.prompt_files[2:]))
+        self._messages = partial(agent_messages, workspace_path=INSIDE_WORKDIR, templates=templates)
         self._chat: dict[int, ChatTokens] = {}
 
     def chat(self, tokenizer) -> ChatTokens:

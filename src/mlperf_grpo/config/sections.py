@@ -142,8 +142,13 @@ class AgentConfig(Strict):
     tools: list[Literal["execute_bash", "str_replace_editor", "finish"]] = ["execute_bash", "str_replace_editor", "finish"]
     """The tools the model is shown and may call."""
     prompt_style: Literal["reference", "compact"] = "reference"
-    """``reference``: the reference agent's system and user prompts; ``compact``: a short
-    prompt for small models (``tasks/swe/prompt.py``)."""
+    """``reference``: the reference agent's system and user prompts' structure; ``compact``: a
+    short prompt for small models (``tasks/swe/prompt.py``)."""
+    prompt_files: list[str] | None = Field(None, min_length=2)
+    """The prompts as Jinja2 files instead of ``prompt_style``: ``[system, user, include
+    folders...]`` (the reference's ``system_prompt.j2``, ``user_prompt.j2`` and the folder
+    of OpenHands' ``security_risk_assessment.j2``), rendered unchanged; relative paths are
+    read from the config file's folder."""
     tool_threads: int = Field(8, gt=0)
     """Tool calls, sandbox start-ups and gradings run at once (a thread pool beside decoding)."""
     sandbox_root: str | None = Field(None, min_length=1)

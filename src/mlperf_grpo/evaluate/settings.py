@@ -33,7 +33,8 @@ from mlperf_grpo.tasks import Task
 AGENT_KEYS = ("max_turns", "max_context_tokens", "max_new_tokens_per_turn", "trajectory_timeout_s", "command_timeout_s",
               "test_timeout_s", "max_observation_chars", "tools", "prompt_style")
 """``task.name: swe``: the ``agent`` keys that are part of the identity (not ``tool_threads``
-or ``sandbox_root``: how fast and where, not what)."""
+or ``sandbox_root``: how fast and where, not what; not ``prompt_files``: their paths may
+move with a run, and their content is not fingerprinted yet)."""
 
 TASKS_KEY = "validation tasks (sha256 of ids, prompts, answers)"
 """The key of the validation tasks' digest in the record."""
