@@ -39,3 +39,26 @@ def test_the_agents_limits_are_part_of_a_swe_evaluations_identity():
     assert "agent.max_turns is 5" in settings_difference(recorded, evaluation_settings(changed, []))
     assert settings_difference(recorded, evaluation_settings(faster, [])) is None
     assert not any(k.startswith("agent.") for k in evaluation_settings(RunConfig(), []))  # other tasks: unchanged
+
+
+def test_prompt_files_are_read_from_the_config_files_folder_and_rendered(tmp_path):
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.config.load import load_config
+    from mlperf_grpo.tasks.swe import tiny_suite
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "system.j2").write_text("You fix bugs in {{ workspace_path }}. {% include 'rules.j2' %}")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "rules.j2").write_text("Never ask for help.")
+    (tmp_path / "prompts" / "user.j2").write_text("Issue {{ instance.instance_id }}: {{ instance.problem_statement }}")
+    path = tmp_path / "run.yaml"
+    path.write_text("task: {name: swe, suite: tiny, num_train_tasks: 24}\nvalidation: {num_tasks: 12}\n"
+                    "agent: {prompt_files: [prompts/system.j2, prompts/user.j2, shared], "
+                    f"sandbox_root: {tmp_path / 'sandboxes'}}}\n")
+    config = load_config(path)
+    assert config.agent.prompt_files[0] == str(tmp_path / "prompts" / "system.j2")
+    runner = AgentRunner(config.agent)
+    task = tiny_suite("validation")[0]
+    system, user = runner._messages(task)
+    assert system == {"role": "system", "content": "You fix bugs in /testbed. Never ask for help."}
+    assert user["content"] == f"Issue {task.task_id}: {task.problem_statement}".strip()
