@@ -87,10 +87,12 @@ class TaskConfig(Strict):
     ``arithmetic``: the built-in task. ``jsonl``: rows of ``train_path`` and
     ``validation_path`` (JSON lines; fields named by ``id_field``, ``prompt_field``,
     ``answer_field``; optional ``messages``), rewarded by the free-text final-answer rule.
-    ``python``: ``entry_point`` ``"pkg.module:factory"`` returns a task suite.
+    ``python``: ``entry_point`` ``"pkg.module:factory"`` returns a task suite. ``swe``:
+    software-repair tasks for the agent loop (``tasks/swe``): ``suite: tiny`` (shipped) or
+    ``train_path`` and ``validation_path`` (NeMo Gym / R2E-Gym / SWE-bench JSONL rows).
     """
 
-    name: Literal["arithmetic", "jsonl", "python"] = "arithmetic"
+    name: Literal["arithmetic", "jsonl", "python", "swe"] = "arithmetic"
     num_train_tasks: int = Field(4096, gt=0)
     """Size of the training prompt pool (logged as ``train_samples``)."""
     train_path: str | None = Field(None, min_length=1)
@@ -106,14 +108,20 @@ class TaskConfig(Strict):
     ``\\boxed{}``, ...: ``tasks/verify.py``) is the gold answer."""
     entry_point: str | None = Field(None, min_length=1)
     """``python``: ``"package.module:factory"``; ``factory()`` returns a task suite."""
+    suite: Literal["tiny"] | None = None
+    """``swe``: ``tiny``, the shipped suite of 24 training and 12 validation tasks
+    (``assets/swe_tiny``), instead of ``train_path`` and ``validation_path``."""
 
     @model_validator(mode="after")
     def _fields_of_the_kind(self) -> "TaskConfig":
-        needed = {"arithmetic": (), "jsonl": ("train_path", "validation_path"), "python": ("entry_point",)}[self.name]
+        files = ("train_path", "validation_path")
+        swe = ("suite",) if self.suite is not None else files
+        needed = {"arithmetic": (), "jsonl": files, "python": ("entry_point",), "swe": swe}[self.name]
         for key in needed:
             if getattr(self, key) is None:
-                raise ValueError(f"task.name {self.name} needs task.{key}")
-        for key in {"train_path", "validation_path", "entry_point"} - set(needed):
+                alternative = " (or task.suite: tiny)" if self.name == "swe" else ""
+                raise ValueError(f"task.name {self.name} needs task.{key}{alternative}")
+        for key in {"train_path", "validation_path", "entry_point", "suite"} - set(needed):
             if getattr(self, key) is not None:
                 raise ValueError(f"task.{key} is not used by task.name {self.name}; remove it")
         return self

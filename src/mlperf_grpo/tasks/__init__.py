@@ -26,6 +26,10 @@ def load_suite(config) -> TaskSuite:
     task = config.task
     if task.name in SUITES:
         return SUITES[task.name]
+    if task.name == "swe":
+        from mlperf_grpo.tasks.swe.suite import load_swe_suite
+
+        return load_swe_suite(task.suite, task.train_path, task.validation_path)
     if task.name == "jsonl":
         from mlperf_grpo.tasks.jsonl import JsonlSuite
 
@@ -106,8 +110,11 @@ def load_validation_set(config) -> ValidationSet:
 
 
 def _checked(tasks: object, num_tasks: int, what: str, key: str) -> list[Task]:
-    if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
-        raise TaskError(f"the task suite's {what}() must return a list of mlperf_grpo.tasks.Task")
+    from mlperf_grpo.tasks.swe.task import SweTask
+
+    if not isinstance(tasks, list) or not all(isinstance(t, (Task, SweTask)) for t in tasks):
+        raise TaskError(f"the task suite's {what}() must return a list of mlperf_grpo.tasks.Task "
+                        "(or, for task.name swe, mlperf_grpo.tasks.swe.SweTask)")
     if len(tasks) != num_tasks:
         raise TaskError(f"the task suite's {what}() returned {len(tasks)} tasks; {key} is {num_tasks}")
     ids = [t.task_id for t in tasks]

@@ -51,7 +51,7 @@ def read_rows(path: Path, id_field: str | None, prompt_field: str, answer_field:
     """
     rows: list[tuple[Task, list | None]] = []
     seen: set[str] = set()
-    for number, where, row in _raw_rows(path):
+    for number, where, row in raw_rows(path):
         if not isinstance(row, dict):
             raise TaskError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
         fields = [f for f in (id_field, prompt_field, answer_field) if f is not None]
@@ -82,7 +82,7 @@ def read_rows(path: Path, id_field: str | None, prompt_field: str, answer_field:
     return rows
 
 
-def _raw_rows(path: Path) -> list[tuple[int, str, object]]:
+def raw_rows(path: Path) -> list[tuple[int, str, object]]:
     """``(number, where, row)`` per row: JSON lines (blank lines skipped, ``where`` is
     ``file:line``), or the rows of a local ``datasets`` dataset (``where`` is ``path row n``).
 

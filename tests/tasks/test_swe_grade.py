@@ -1,0 +1,147 @@
+"""tasks/swe/grade.py in real bubblewrap sandboxes: the known fix of every tiny task gets
+reward 1, no change gets 0, a hanging test run is an invalid sample, and what the agent
+leaves where the hidden tests go does not count."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import require_bwrap
+
+from mlperf_grpo.sandbox import Sandbox, SandboxLimits
+from mlperf_grpo.tasks.swe import Edit, Grading, SweTask, grade, known_fix, tiny_suite
+
+TIMEOUT_S = 60.0  # the benchmark's test timeout; a passing tiny run takes well under a second
+WORKERS = 4
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> list[SweTask]:
+    require_bwrap()
+    root = tmp_path_factory.mktemp("swe-tiny")
+    return tiny_suite("train", root) + tiny_suite("validation", root)
+
+
+def _fixed_files(task: SweTask, edits: tuple[Edit, ...]) -> dict[str, str]:
+    """The edited files' text, computed from the pristine repository (never from a sandbox)."""
+    texts: dict[str, str] = {}
+    for edit in edits:
+        text = texts.get(edit.path) or (task.repo_dir / edit.path).read_text(encoding="utf-8")
+        assert text.count(edit.old) == 1, (task.task_id, edit.path)
+        texts[edit.path] = text.replace(edit.old, edit.new)
+    return texts
+
+
+def _grade(task: SweTask, root: Path, edits: tuple[Edit, ...] = (), timeout_s: float = TIMEOUT_S, setup: str = "",
+           limits: SandboxLimits = SandboxLimits()):
+    with Sandbox(task.repo_dir, limits, root) as sandbox:
+        for path, text in _fixed_files(task, edits).items():
+            assert sandbox.write_file(path, text.encode()).exit_code == 0
+        if setup:
+            assert sandbox.run(setup).exit_code == 0
+        return grade(task, sandbox, timeout_s)
+
+
+def test_known_fix_gets_1_and_no_change_gets_0_on_every_tiny_task(suite, tmp_path):
+    jobs = [(task, fix) for task in suite for fix in (False, True)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(WORKERS) as pool:
+        grades = list(pool.map(lambda job: _grade(job[0], tmp_path, known_fix(job[0].task_id) if job[1] else ()), jobs))
+    seconds = time.monotonic() - started
+    for (task, fix), result in zip(jobs, grades):
+        assert not result.invalid, (task.task_id, result.reason, result.log_tail)
+        assert result.reward == (1.0 if fix else 0.0), (task.task_id, fix, result.reason, result.log_tail)
+        assert (result.reason == "passed") == fix
+    assert seconds < 120, f"grading {len(jobs)} tiny trajectories took {seconds:.1f} s"
+    assert list(tmp_path.iterdir()) == []  # every sandbox removed
+
+
+def test_a_test_run_that_hangs_is_an_invalid_sample(suite, tmp_path):
+    task = suite[0]
+    sleeping = "import time\nimport unittest\n\n\nclass Slow(unittest.TestCase):\n    def test_sleeps(self):\n" \
+               "        time.sleep(600)\n"
+    hanging = replace(task, grading=replace(task.grading, test_files=(("r2e_tests/test_slow.py", sleeping),
+                                                                      ("r2e_tests/__init__.py", "")),
+                                            expected=(("r2e_tests.test_slow.Slow.test_sleeps", "PASSED"),)))
+    started = time.monotonic()
+    result = _grade(hanging, tmp_path, timeout_s=1.5)
+    assert time.monotonic() - started < 30
+    assert result.invalid and result.reward == 0.0
+    assert result.reason == "the test run timed out after 1.5 s"
+
+
+def test_a_fix_that_loops_forever_is_an_invalid_sample(suite, tmp_path):
+    task = next(t for t in suite if t.task_id == "swe-tiny__01_clamp")
+    looping = Edit("numtools/bounds.py", "    return max(high, min(low, value))\n", "    while True:\n        pass\n")
+    result = _grade(task, tmp_path, (looping,), timeout_s=1.5)
+    assert result.invalid and "timed out" in result.reason
+
+
+def test_what_the_agent_leaves_in_r2e_tests_does_not_count(suite, tmp_path):
+    task = next(t for t in suite if t.task_id == "swe-tiny__05_fizzbuzz")
+    fake = ("import unittest\n\n\nclass FizzBuzzTest(unittest.TestCase):\n    def test_fifteen(self):\n        pass\n\n"
+            "    def test_three_and_five(self):\n        pass\n\n    def test_number(self):\n        pass\n")
+    planted = ("mkdir -p r2e_tests && printf '' > r2e_tests/__init__.py && "
+               f"cat > r2e_tests/test_fizz.py <<'EOF'\n{fake}EOF")
+    assert _grade(task, tmp_path, setup=planted).reward == 0.0  # the planted tests are replaced by the hidden ones
+    extra = ("mkdir -p r2e_tests && printf 'import unittest\\nclass X(unittest.TestCase):\\n"
+             "    def test_x(self): pass\\n' > r2e_tests/test_x.py")
+    assert _grade(task, tmp_path, known_fix(task.task_id), setup=extra).reward == 1.0  # stale files are removed
+
+
+def test_a_planted_link_where_the_hidden_tests_go_changes_nothing_outside(suite, tmp_path):
+    task = next(t for t in suite if t.task_id == "swe-tiny__08_fahrenheit")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine\n")
+    result = _grade(task, tmp_path / "sandboxes", known_fix(task.task_id), setup=f"ln -s {outside} r2e_tests")
+    assert result.reward == 1.0
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+    assert (outside / "keep.txt").read_text() == "mine\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
+    require_bwrap()
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "tests" / "__init__.py").write_text("")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
+             "+++ b/tests/test_calc.py\n@@ -0,0 +1,7 @@\n+from calc import add\n+\n+\n+def test_add():\n"
+             "+    assert add(2, 3) == 5\n+\n+def test_zero(): assert add(0, 0) == 0\n")
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
+                      test_patch=patch)
+    task = SweTask("calc__1", "add subtracts", repo, None, grading)
+    fix = Edit("calc.py", "a - b", "a + b")
+    broken, fixed = _grade(task, tmp_path / "s"), _grade(task, tmp_path / "s", (fix,))
+    assert (broken.reward, broken.invalid) == (0.0, False)
+    assert broken.reason == "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"
+    assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
+    garbled = replace(task, grading=replace(grading, test_patch=patch.replace("@@ -0,0 +1,7 @@", "@@ -0,0 +1,9 @@")))
+    assert _grade(garbled, tmp_path / "s", (fix,)).reason.startswith("the hidden test patch does not apply")
+
+
+def test_a_long_pytest_log_is_read_from_its_summary_at_the_end(tmp_path):
+    require_bwrap()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    noisy = "from calc import add\n\n\ndef test_add():\n    print('x' * 20000)\n    assert add(2, 3) == 5\n"
+    grading = Grading((("r2e_tests/test_1.py", noisy),), f"{sys.executable} -m pytest -rA -p no:cacheprovider r2e_tests",
+                      "pytest-r2e", expected=(("test_add", "PASSED"),))
+    task = SweTask("calc__2", "add", repo, None, grading)
+    result = _grade(task, tmp_path / "s", limits=SandboxLimits(output_bytes=4096))  # the -rA output is ~20 kB
+    assert (result.reward, result.reason) == (1.0, "passed"), result.log_tail
