@@ -12,8 +12,9 @@ Scheduling: every trajectory whose turn is due is decoded in one engine call; a
 trajectory waiting for its tools (or its sandbox's start, or its grading) is not, and
 waiting never blocks the others: the loop blocks only when no trajectory is due
 (that time is the engine's *idle* time, :attr:`RolloutStats.engine_idle_s`).
-Not done: keeping a row's KV cache across its turns (each turn re-prefills its
-conversation; the slot decoder would keep it).
+KV cache across turns: vLLM's prefix cache reuses a conversation's earlier turns; the
+``hf`` engine re-prefills the whole conversation each turn (keeping a row's KV in the
+slot decoder across turns is not written).
 
 A turn without any tool call gets the user message OpenHands' CodeAct agent sends in
 headless runs (``codeact_user_response``: :data:`CONTINUE_MESSAGE`), as the reference's
