@@ -81,6 +81,24 @@ Also fixed there and in our trainer: token-level loss, no KL penalty, no dual cl
 token-level (not sequence-level) importance ratios, dynamic sampling off, no advantage
 clipping, reward shaping and scaling off."""
 
+REFERENCE_AGENT: dict[str, object] = {
+    "max_turns": 30,
+    "max_context_tokens": MAX_SEQUENCE_LENGTH,
+    "max_new_tokens_per_turn": None,
+    "trajectory_timeout_s": 1800.0,
+    "command_timeout_s": 60.0,
+    "test_timeout_s": 60.0,
+    "tools": ["execute_bash", "str_replace_editor", "finish"],
+}
+"""Closed division, ``task.name: swe``: the reference agent's limits as ``agent.<key>``
+values. Source: the benchmark's reference README (mlcommons/training PR #904/#906,
+NeMo-RL ``mlperf-training-qwen35`` line; DESIGN.md "The benchmark's workload"): up to 30
+turns, context and max generation 65,536 tokens (so a turn may generate up to the
+context: ``max_new_tokens_per_turn`` null), timeouts 1,800 s a trajectory, 60 s a
+command, 60 s the tests; the tools of OpenHands' CodeAct agent as NeMo Gym runs it
+(``agent/tools.py``). The observation truncation (``agent.max_observation_chars``) is not
+fixed here: its reference value was not found."""
+
 REFERENCE_SAMPLES_TO_CONVERGE = {256: 4608, 512: 5120, 1024: 7168}
 """Reference convergence (samples) of the RCPs of ruleset 6.1.0, from DESIGN.md."""
 
@@ -231,6 +249,8 @@ def _fixed_rules(config) -> list[tuple[str, object, object, str]]:
         ("validation.generations_per_task", v.generations_per_task, EVAL_GENERATIONS_PER_TASK, "fixed: pass@4"),
         ("validation.temperature", v.temperature, VALIDATION_TEMPERATURE, "fixed: validation rollouts"),
         ("validation.top_p", v.top_p, VALIDATION_TOP_P, "fixed: validation rollouts"),
+        *((f"agent.{key}", getattr(config.agent, key), value, "reference agent")
+          for key, value in REFERENCE_AGENT.items() if config.task.name == "swe"),
     ]
 
 
@@ -321,6 +341,7 @@ def closed_plan(global_batch_size: int, num_later_evals: int = 5) -> dict[str, o
         "init_checkpoint_step": INIT_CHECKPOINT_STEP,
         "target": f"eval_accuracy > {TARGET_ACCURACY}",
         **REFERENCE_ALGORITHM,
+        **{f"agent_{key}": value for key, value in REFERENCE_AGENT.items()},
         "reference_algorithm_source": f"NVIDIA-NeMo/RL mlperf-training-qwen35-main {REFERENCE_RECIPE_FILE}",
         "reference_algorithm_keys": dict(REFERENCE_ALGORITHM_KEYS),
         "runs_per_submission": 3,

@@ -16,6 +16,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.mark.parametrize("script, arguments, named", [
     ("attention_backends.py", ["--rows", "0"], "--rows"),
+    ("agent.py", ["--trajectories", "0", "--tool-threads", "0"], "--trajectories 0, --tool-threads 0"),
+    ("agent.py", ["--params", "inf"], "--params inf"),
     ("attention_backends.py", ["--params", "-5"], "--params"),
     ("evaluate.py", ["--checkpoints", "0", "--tasks", "-3"], "--checkpoints 0, --tasks -3"),
     ("evaluate.py", ["--top-p-candidates", "-1"], "--top-p-candidates -1"),

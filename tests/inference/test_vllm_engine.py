@@ -98,6 +98,17 @@ def test_completions_follow_prompt_order_and_do_not_depend_on_the_batch(engine):
     assert subset == full[::-2]
 
 
+def test_generate_ids_takes_the_ids_as_they_are_and_equals_generate(engine):
+    """The agent's entry (a conversation's ids, never re-tokenised): the same completions
+    as :meth:`generate` of the texts; a longer conversation sharing that prefix (a next
+    turn, its earlier KV from the prefix cache) samples from exactly the ids given."""
+    params = SamplingParams(1.0, 1.0, 6)
+    ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert engine.generate_ids(ids, params, SEEDS) == engine.generate(PROMPTS, params, SEEDS)
+    turn = [i + c.token_ids for i, c in zip(ids, engine.generate_ids(ids, params, SEEDS))]
+    assert [c.prompt_token_ids for c in engine.generate_ids(turn, params, SEEDS)] == turn
+
+
 def test_eos_ends_a_completion_and_max_new_tokens_bounds_it(engine):
     eos = engine.tokenizer.eos_token_id
     for n in (1, 3):

@@ -128,15 +128,19 @@ def load_config(path: str | Path | None) -> RunConfig:
 
 
 def _paths_from(config: RunConfig, folder: Path) -> RunConfig:
-    """``config`` with relative task data paths made absolute against ``folder``."""
+    """``config`` with relative task data paths (and the agent's prompt files) made absolute against ``folder``."""
     updates = {}
     for key in ("train_path", "validation_path"):
         value = getattr(config.task, key)
         if value is not None and not Path(value).is_absolute():
             updates[key] = str((folder / value).resolve())
-    if not updates:
-        return config
-    return config.model_copy(update={"task": config.task.model_copy(update=updates)})
+    if updates:
+        config = config.model_copy(update={"task": config.task.model_copy(update=updates)})
+    files = config.agent.prompt_files
+    if files is not None and any(not Path(f).is_absolute() for f in files):
+        files = [str((folder / f).resolve()) for f in files]
+        config = config.model_copy(update={"agent": config.agent.model_copy(update={"prompt_files": files})})
+    return config
 
 
 def dump_config(config: RunConfig) -> str:

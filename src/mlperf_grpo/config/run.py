@@ -14,6 +14,7 @@ from pydantic import model_validator
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.sections import (
+    AgentConfig,
     CheckpointConfig,
     DistributedConfig,
     GRPOConfig,
@@ -35,6 +36,7 @@ class RunConfig(Strict):
     submission: SubmissionConfig = SubmissionConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    agent: AgentConfig = AgentConfig()
     grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     validation: ValidationConfig = ValidationConfig()

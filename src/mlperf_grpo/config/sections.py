@@ -127,6 +127,43 @@ class TaskConfig(Strict):
         return self
 
 
+class AgentConfig(Strict):
+    """The agent loop of ``task.name: swe`` (``agent/loop.py``). Under the closed division
+    these equal the reference agent's (:data:`mlperf_grpo.rules.REFERENCE_AGENT`, sources there)."""
+
+    max_turns: int = Field(30, gt=0)
+    """Model turns before the trajectory ends (``max_turns``); then it is graded."""
+    max_context_tokens: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
+    """The whole conversation's token limit; a trajectory that reaches it ends ``context``
+    and is *overlong* (``grpo.overlong_filtering`` drops it from the loss)."""
+    max_new_tokens_per_turn: int | None = Field(None, gt=0)
+    """Tokens one turn may sample; null: up to the context (the reference). A turn cut by
+    this cap is closed by the environment (``<|im_end|>``, not trained on)."""
+    trajectory_timeout_s: float = Field(1800.0, gt=0)
+    """Wall-clock limit of one trajectory; past it the trajectory is an invalid sample."""
+    command_timeout_s: float = Field(60.0, gt=0)
+    """One tool command's limit in the sandbox (its process tree is killed)."""
+    test_timeout_s: float = Field(60.0, gt=0)
+    """The hidden tests' run; past it the sample is invalid."""
+    max_observation_chars: int = Field(30000, gt=0)
+    """A tool output longer than this is clipped (head and tail kept, a marker between)."""
+    tools: list[Literal["execute_bash", "str_replace_editor", "finish"]] = ["execute_bash", "str_replace_editor", "finish"]
+    """The tools the model is shown and may call."""
+    prompt_style: Literal["reference", "compact"] = "reference"
+    """``reference``: the reference agent's system and user prompts' structure; ``compact``: a
+    short prompt for small models (``tasks/swe/prompt.py``)."""
+    prompt_files: list[str] | None = Field(None, min_length=2)
+    """The prompts as Jinja2 files instead of ``prompt_style``: ``[system, user, include
+    folders...]`` (the reference's ``system_prompt.j2``, ``user_prompt.j2`` and the folder
+    of OpenHands' ``security_risk_assessment.j2``), rendered unchanged; relative paths are
+    read from the config file's folder."""
+    tool_threads: int = Field(8, gt=0)
+    """Tool calls, sandbox start-ups and gradings run at once (a thread pool beside decoding)."""
+    sandbox_root: str | None = Field(None, min_length=1)
+    """Folder the sandboxes are made in; null: ``$TMPDIR/mlperf-grpo-sandboxes``. Leftovers of
+    killed runs there are removed at start-up."""
+
+
 class GRPOConfig(Strict):
     """Rollout and loss settings of the GRPO trainer."""
 

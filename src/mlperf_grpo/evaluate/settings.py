@@ -11,7 +11,8 @@ Part of the identity: ``seed`` (it seeds every validation completion), the valid
 settings (``num_tasks``, ``generations_per_task``, ``temperature``, ``top_p``),
 ``grpo.max_new_tokens`` (the completions' length), the task
 (``task.name`` and ``task.entry_point``, which choose the reward) and the validation
-tasks themselves (a sha256 of their ids, prompts and answers: the task files' content).
+tasks themselves (a sha256 of their ids, prompts and answers: the task files' content);
+for ``task.name: swe`` also the agent's limits, tools and prompt (:data:`AGENT_KEYS`).
 Not part of it: ``validation.target_accuracy`` (it decides the verdict, not what is
 measured, and every config accepts only the rules' target, ``rules.TARGET_ACCURACY``);
 and, since they change how fast, not what, is evaluated: ``validation.workers``,
@@ -28,6 +29,12 @@ import json
 
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.tasks import Task
+
+AGENT_KEYS = ("max_turns", "max_context_tokens", "max_new_tokens_per_turn", "trajectory_timeout_s", "command_timeout_s",
+              "test_timeout_s", "max_observation_chars", "tools", "prompt_style")
+"""``task.name: swe``: the ``agent`` keys that are part of the identity (not ``tool_threads``
+or ``sandbox_root``: how fast and where, not what; not ``prompt_files``: their paths may
+move with a run, and their content is not fingerprinted yet)."""
 
 TASKS_KEY = "validation tasks (sha256 of ids, prompts, answers)"
 """The key of the validation tasks' digest in the record."""
@@ -60,6 +67,8 @@ def evaluation_settings(config: RunConfig, validation_tasks: list[Task]) -> dict
     docstring), plus :data:`TASKS_KEY` -> :func:`tasks_digest` of ``validation_tasks``."""
     keys = ("seed", "validation.num_tasks", "validation.generations_per_task", "validation.temperature",
             "validation.top_p", "grpo.max_new_tokens", "task.name", "task.entry_point")
+    if config.task.name == "swe":  # the agent's limits and tools decide what a trajectory can do
+        keys += tuple(f"agent.{key}" for key in AGENT_KEYS)
     return {**{key: _config_value(config, key) for key in keys}, TASKS_KEY: tasks_digest(validation_tasks)}
 
 

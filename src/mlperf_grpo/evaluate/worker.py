@@ -29,7 +29,7 @@ from mlperf_grpo.evaluate.commit import EvalPlan, StepOrderCommitter, unlogged_r
 from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, die_with_launcher, rank_queue
 from mlperf_grpo.evaluate.prefetch import CheckpointPrefetcher
 from mlperf_grpo.evaluate.series import EvalJob, RunSeries, SeriesProblem, SeriesSource, read_error, series_by_step
-from mlperf_grpo.evaluate.validator import validate
+from mlperf_grpo.evaluate.validator import validate_suite
 from mlperf_grpo.evaluate.worker_errors import WORKER_ERRORS, RankFailedError
 from mlperf_grpo.evaluate.worker_group import (
     SoloWorker,
@@ -42,6 +42,7 @@ from mlperf_grpo.inference.base import InferenceEngine, SamplingParams
 from mlperf_grpo.inference.factory import build_engine
 from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
+from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.scoring import REWARD_WORKERS, VerifierError, score
 
 RANK_MODULE = __name__
@@ -84,7 +85,8 @@ def evaluate_claimed(queue: WorkQueue, job: EvalJob, checkpoints: dict[int, Chec
                 checked = source.verify(worker_engine, item.checkpoint, item.weights)
                 prefetcher.release(item)
                 generation_start_s = time.perf_counter()
-                accuracy, results = validate(worker_engine, tasks, suite.reward, v.generations_per_task, params, seed=config.seed)
+                accuracy, results = validate_suite(worker_engine, suite, tasks, v.generations_per_task, params, config.seed,
+                                                   config.agent)
                 generation_stop_s = time.perf_counter()
                 if group.leader:
                     write_results(run, item.checkpoint.step, results, params, config.seed, worker_engine.describe(), checked,
@@ -164,7 +166,8 @@ def start_engine(run: RunDir, config: RunConfig, validation: ValidationSet, laun
         prompts = [tasks[i % len(tasks)].prompt for i in range(rows)]
         completion = engine.generate(prompts, SamplingParams(v.temperature, v.top_p, 2), seeds=list(range(rows)))[0]
         try:
-            score(suite.reward, [(completion.text, tasks[0])] * REWARD_WORKERS)  # the rewards are discarded
+            if not is_agentic(suite):  # an agent's rewards are graded in sandboxes, no reward workers
+                score(suite.reward, [(completion.text, tasks[0])] * REWARD_WORKERS)  # the rewards are discarded
         except VerifierError:
             pass  # a broken reward fails the first checkpoint's validation, in step order, as without warm-up
         if _engine_on_cuda(engine):

@@ -111,6 +111,10 @@ class InferenceEngine(Protocol):
         seed and weights give the same completion whatever else is in the batch.
         """
 
+    def generate_ids(self, prompt_token_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """:meth:`generate` for prompts given as token ids (unpadded), used as they are: the
+        agent's conversations (``agent/loop.py``), never re-tokenised between turns."""
+
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors
         with these names (policy names), in the engine's dtype."""

@@ -218,13 +218,20 @@ class VLLMEngine:
     def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """Sample one completion per prompt, row ``i`` with ``seeds[i]``; see the module
         docstring for what ``logprobs`` holds."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        return self.generate_ids(encode_prompts(self.tokenizer, prompts), params, seeds)
+
+    def generate_ids(self, prompt_token_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """:meth:`generate` for prompts given as token ids (the agent's conversations: vLLM's
+        prefix cache then reuses the KV of a conversation's earlier turns)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(prompt_token_ids)} prompts but {len(seeds)} seeds")
         tok = self.tokenizer
-        prompt_ids = encode_prompts(tok, prompts)
+        prompt_ids = prompt_token_ids
         requests = [
             VSamplingParams(
                 temperature=params.temperature,

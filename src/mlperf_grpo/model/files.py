@@ -15,6 +15,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from mlperf_grpo.config.sections import BUILTIN_MODEL
 from mlperf_grpo.errors import ModelLoadError
+from mlperf_grpo.model import random_init
 
 ASSETS = Path(__file__).parents[1] / "assets"
 """The shipped model directories (``builtin:NAME``)."""
@@ -41,14 +42,16 @@ def error_reason(err: BaseException) -> str:
 def resolve_model_path(path: str) -> Path:
     """``builtin:NAME`` -> the shipped ``assets/NAME`` directory; anything else is a local path.
 
-    Shipped: ``arithmetic-tiny`` (the default) and ``arithmetic-tiny-closed`` (its
-    starting weights for closed-division runs, README "Closed division and plan").
+    Shipped: ``arithmetic-tiny`` (the default), ``arithmetic-tiny-closed`` (its
+    starting weights for closed-division runs, README "Closed division and plan") and
+    ``swe-tiny`` (the agentic suite's byte-level model, random init). A directory with
+    ``random_init.json`` and no weights resolves to its cached random-init copy
+    (:mod:`mlperf_grpo.model.random_init`).
     """
     if path == BUILTIN_MODEL:
         return BUILTIN_MODEL_DIR
-    if path.startswith(BUILTIN_PREFIX):
-        return ASSETS / path.removeprefix(BUILTIN_PREFIX)
-    return Path(path)
+    directory = ASSETS / path.removeprefix(BUILTIN_PREFIX) if path.startswith(BUILTIN_PREFIX) else Path(path)
+    return random_init.materialized(directory) if random_init.needs_random_init(directory) else directory
 
 
 def check_model_path(path: str) -> Path:

@@ -45,3 +45,10 @@ class TaskSuite(Protocol):
     def validation_tasks(self, num_tasks: int) -> list[Task]: ...
 
     def train_tasks(self, num_tasks: int, num_validation_tasks: int, seed: int) -> list[Task]: ...
+
+
+def is_agentic(suite: object) -> bool:
+    """True for a suite whose samples are agent trajectories graded in sandboxes
+    (``task.name: swe``, :class:`~mlperf_grpo.agent.suite.AgentSuite`, ``agentic = True``):
+    its ``reward`` is not called; the agent's grading gives each trajectory's reward."""
+    return bool(getattr(suite, "agentic", False))

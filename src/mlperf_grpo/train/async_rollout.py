@@ -87,12 +87,15 @@ class RolloutProducer:
             producer generates (a data-parallel rank's share; default all). Every
             producer draws the whole step's prompts, so the shares never overlap, and
             seeds follow the prompt's index in the step.
+        generate: what makes a step's ``[P][G]`` samples (``generate_rollouts``'s
+            signature): completions by default, agent trajectories for ``task.name: swe``
+            (:func:`~mlperf_grpo.train.trajectories.agent_generator`).
     Raises:
         ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
     """
 
     def __init__(self, engine: InferenceEngine, sampler: PromptSampler, settings: RolloutSettings, device: str = "cpu",
-                 prompt_share: slice = slice(None)) -> None:
+                 prompt_share: slice = slice(None), generate=generate_rollouts) -> None:
         if settings.max_trajectory_age_steps not in (0, 1):
             raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {settings.max_trajectory_age_steps}")
         self._engine = engine
@@ -105,6 +108,7 @@ class RolloutProducer:
         self._weights_version = 0
         self._cuda = device == "cuda"
         self._share = prompt_share
+        self._generate_fn = generate
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._pending: tuple[int, Future[Rollouts]] | None = None
 
@@ -175,7 +179,7 @@ class RolloutProducer:
 
     def _generate(self, step: int, tasks: list[Task], weights_version: int) -> Rollouts:
         start = time.perf_counter()
-        completions = generate_rollouts(
+        completions = self._generate_fn(
             self._engine, tasks, self._shape[1], self._params, self._seed, step, self._share.start or 0
         )
         return Rollouts(step, tasks, completions, weights_version, time.perf_counter() - start)

@@ -25,7 +25,7 @@ from mlperf_grpo.evaluate.commit import write_results
 from mlperf_grpo.evaluate.offline import EvalOutcome, read_outcome, write_summary
 from mlperf_grpo.evaluate.outcome import Evaluation
 from mlperf_grpo.evaluate.series import EvaluationError
-from mlperf_grpo.evaluate.validator import validate
+from mlperf_grpo.evaluate.validator import validate_suite
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.inference.factory import build_engine
 from mlperf_grpo.logs.mllog import MLLogWriter, now_ms, read_log
@@ -60,9 +60,8 @@ class InlineEvaluator:
         v, gbs = self.config.validation, self.config.global_batch_size
         start_ms = now_ms()
         self.engine.load_weights(policy.state_dict())  # refit
-        accuracy, results = validate(
-            self.engine, self.tasks, self.suite.reward, v.generations_per_task, self.params, seed=self.config.seed
-        )
+        accuracy, results = validate_suite(self.engine, self.suite, self.tasks, v.generations_per_task, self.params,
+                                           self.config.seed, self.config.agent)
         stop_ms = now_ms()
         write_results(self.run, step, results, self.params, seed=self.config.seed, engine=self.engine.describe())
         self.last_step, self.last_stop_ms = step, stop_ms

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mlperf_grpo import tasks
+from mlperf_grpo.agent.suite import AgentRunner
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.inference.factory import check_engine_available
@@ -21,6 +22,7 @@ from mlperf_grpo.model.check import check_model
 from mlperf_grpo.model.files import check_device, check_model_path
 from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.plan import memory as memory_plan
+from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
 
@@ -58,6 +60,8 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
         MemoryPlanError: T does not divide, or the layout's planned bytes exceed the
             device (:func:`check_planned_memory`).
         RunDirError: the output already holds a run.
+        ConfigError: ``task.name: swe`` on a machine without a sandbox runtime, or prompt
+            files that cannot be read.
     """
     suite = tasks.load_suite(config)
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
@@ -68,6 +72,8 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     check_linear_attention_kernels(config.model.path, config.model.device)
     check_planned_memory(config)
     check_engine_available(config)
+    if is_agentic(suite):
+        AgentRunner(config.agent)  # a sandbox runtime and readable prompt files, before the run directory exists
     if check_output:
         run.check_unused()
     return TrainingInputs(suite, train_pool, validation)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.sections import GRPOConfig
 from mlperf_grpo.inference.base import Completion
@@ -23,11 +24,11 @@ from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grpo import (
     PGLossOptions,
     clipped_pg_loss_sum,
-    group_advantages,
     seq_logprob_error_keep,
     token_logprobs,
 )
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
+from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
 
 COMPILED_WIDTH_MULTIPLE = 8
 """Micro-batch widths of a compiled policy are multiples of this (see :class:`OptimizeSettings`)."""
@@ -109,15 +110,24 @@ def training_batch(
     with ``overlong_filtering``, sample mask 0 for the truncated completions
     (:func:`~mlperf_grpo.train.rollout.truncated_completions`).
 
+    Agent trajectories (``task.name: swe``): an invalid sample is out of the baseline and
+    the loss, an overlong one (ended at the context limit) out of the loss only
+    (``train/trajectories.py``, which states the rules and their sources).
+
     As NeMo-RL's ``async_grpo_train``: the baseline takes every sample as valid (its
     ``GRPOAdvantageEstimator`` passes ``valid_mask = ones``), so a truncated completion
     still counts in its group's baseline and std; the filter only takes it out of the loss
     and the valid-token and valid-sequence counts.
     """
-    advantages = group_advantages(rewards, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
-                                  normalize_rewards=grpo.normalize_rewards)  # [P, G]
-    sample_mask = (~truncated_completions(completions, eos_token_ids)).float() if grpo.overlong_filtering else None
-    return build_batch(completions, rewards, advantages, pad_token_id, eos_token_ids, sample_mask)
+    valid = valid_samples(completions)  # [P, G]; an agent's invalid samples leave the baseline too
+    advantages = valid_group_advantages(rewards, valid, leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                                        normalize_rewards=grpo.normalize_rewards)  # [P, G]
+    agentic = bool(completions) and isinstance(completions[0][0], Trajectory)
+    keep = valid
+    if grpo.overlong_filtering:
+        overlong = overlong_trajectories(completions) if agentic else truncated_completions(completions, eos_token_ids)
+        keep = valid & ~overlong
+    return build_batch(completions, rewards, advantages, pad_token_id, eos_token_ids, keep.float())
 
 
 def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -7,17 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.inference.base import Completion, InferenceEngine, SamplingParams, completion_length, derive_seed
 from mlperf_grpo.tasks import Task
 
 
 class PromptSampler:
     """Draws prompts for each step: shuffled passes over the pool, seeded, no repeats
-    within a pass."""
+    within a pass; with ``shuffle`` False, passes in row order (the benchmark's
+    software-repair rows are a curriculum, not shuffled)."""
 
-    def __init__(self, tasks: list[Task], seed: int) -> None:
+    def __init__(self, tasks: list[Task], seed: int, shuffle: bool = True) -> None:
         self._tasks = list(tasks)
         self._rng = random.Random(seed)
+        self._shuffle = shuffle
         self._order: list[Task] = []
 
     def sample(self, num_prompts: int) -> list[Task]:
@@ -25,8 +28,8 @@ class PromptSampler:
         when one runs out)."""
         out = []
         while len(out) < num_prompts:
-            if not self._order:
-                self._order = self._rng.sample(self._tasks, len(self._tasks))
+            if not self._order:  # popped from the end
+                self._order = self._rng.sample(self._tasks, len(self._tasks)) if self._shuffle else self._tasks[::-1]
             out.append(self._order.pop())
         return out
 
@@ -133,7 +136,7 @@ def truncated_completions(completions: list[list[Completion]], eos_token_ids: li
 
 
 def build_batch(
-    completions: list[list[Completion]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int,
+    completions: list[list[Completion | Trajectory]], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int,
     eos_token_ids: list[int], sample_mask: torch.Tensor | None = None,
 ) -> RolloutBatch:
     """Pack ``[P][G]`` completions with their ``[P, G]`` rewards and advantages, and the
@@ -141,10 +144,14 @@ def build_batch(
 
     A completion ends at the first of any of ``eos_token_ids`` (the engine's: the
     tokenizer's and the generation config's), that token included: anything an engine
-    returned after it is neither trained on nor attended to.
+    returned after it is neither trained on nor attended to. An agent trajectory
+    (:class:`~mlperf_grpo.agent.trajectory.Trajectory`: many turns, each ending with an
+    EOS id) is one row whole: its ``completion_mask`` is 1 exactly on the tokens the engine
+    sampled (``sampled_mask``), 0 on the environment's and the chat template's.
     """
     flat = [c for group in completions for c in group]
-    lengths = [completion_length(c.token_ids, eos_token_ids) for c in flat]  # [B]
+    lengths = [len(c.token_ids) if isinstance(c, Trajectory) else completion_length(c.token_ids, eos_token_ids)
+               for c in flat]  # [B]
     width = max(len(c.prompt_token_ids) + t for c, t in zip(flat, lengths))
     b = len(flat)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
@@ -156,7 +163,8 @@ def build_batch(
         input_ids[i, : p + t] = torch.tensor(c.prompt_token_ids + c.token_ids[:t])
         attention_mask[i, : p + t] = 1
         # Token at sequence position p+j is predicted at position p+j-1 of the shifted view.
-        completion_mask[i, p - 1: p - 1 + t] = 1
+        completion_mask[i, p - 1: p - 1 + t] = torch.tensor(c.sampled_mask, dtype=torch.float32) if isinstance(
+            c, Trajectory) else 1
         rollout_logprobs[i, p - 1: p - 1 + t] = torch.tensor(c.logprobs[:t])
     return RolloutBatch(
         input_ids=input_ids,

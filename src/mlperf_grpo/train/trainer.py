@@ -42,6 +42,7 @@ import torch
 from mlperf_logging.mllog import constants as C  # noqa: N812
 from tqdm import tqdm
 
+from mlperf_grpo.agent.suite import AgentRunner
 from mlperf_grpo.checkpoint import CheckpointTiming
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.rundir import RunDir
@@ -63,7 +64,8 @@ from mlperf_grpo.train.inputs import TrainingInputs, check_training_inputs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training_batch
 from mlperf_grpo.train.outputs import InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests, RunOutput
-from mlperf_grpo.train.rollout import PromptSampler
+from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
+from mlperf_grpo.train.trajectories import agent_generator, is_agentic, trajectory_rewards
 
 
 @dataclass
@@ -190,7 +192,7 @@ class Trainer:
                 print(f"mlperf-grpo: {note}", file=sys.stderr)
             self.policy, self.engine = policy_and_engine(config, compiled)
             self.optimizer = adamw(config, self.policy)
-            self.sampler = PromptSampler(self.inputs.train_pool, config.seed)
+            self.sampler = PromptSampler(self.inputs.train_pool, config.seed, shuffle=not is_agentic(self.inputs.suite))
             self.settings = OptimizeSettings.of(config, compiled)
             self.log = self.output.create_log(config)
 
@@ -245,6 +247,7 @@ class Trainer:
         self.producer = RolloutProducer(
             self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
+            generate=agent_generator(AgentRunner(config.agent)) if is_agentic(self.inputs.suite) else generate_rollouts,
         )
         self.bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not self.show_progress)
         self.completed, self.completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
@@ -258,8 +261,11 @@ class Trainer:
         rollouts = self.producer.take(step)  # with age 1, also starts generating step + 1
         mine = rank_share(len(rollouts.tasks), self.engine.tp_rank, self.engine.tp_size)  # T > 1: 1/T of the group's
         prompts, completions = rollouts.tasks[mine], rollouts.completions[mine]
-        scored = score(self.inputs.suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
-        rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
+        if is_agentic(self.inputs.suite):  # graded in each trajectory's sandbox
+            rewards = trajectory_rewards(completions)  # [P/N, G] this rank's
+        else:
+            scored = score(self.inputs.suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
+            rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
         batch = training_batch(completions, rewards, g, self.engine.tokenizer.pad_token_id,
                                self.engine.eos_token_ids)  # a group never spans ranks
         train_start_s = time.perf_counter()

@@ -1,0 +1,77 @@
+"""The agent of ``task.name: swe`` for training rollouts and validation alike: from the
+config's ``agent`` section, one sandboxed trajectory per (task, seed), all in flight
+together (``agent/loop.py``). The tasks are the suite's
+:class:`~mlperf_grpo.tasks.swe.SweTask` rows (``tasks/swe/suite.py``)."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from mlperf_grpo.agent.chat import ChatTokens
+from mlperf_grpo.agent.loop import AgentSettings, RolloutStats, run_trajectories
+from mlperf_grpo.agent.swe_session import SweSession, SweSessionSettings
+from mlperf_grpo.agent.tools import TOOL_SCHEMAS
+from mlperf_grpo.agent.trajectory import Trajectory
+from mlperf_grpo.inference.base import SamplingParams
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers
+from mlperf_grpo.tasks.swe import SweTask
+from mlperf_grpo.tasks.swe.prompt import agent_messages, load_templates
+
+TEMPLATE_KWARGS = {"enable_thinking": False}
+"""The reference runs the agent with thinking off (DESIGN.md, "The benchmark's workload")."""
+
+
+@dataclass
+class AgentRun:
+    """The trajectories of one :meth:`AgentRunner.trajectories` call, in job order, and its stats."""
+
+    trajectories: list[Trajectory]
+    stats: RolloutStats
+
+
+def sandbox_root(agent) -> Path:
+    """``agent.sandbox_root``, or ``$TMPDIR/mlperf-grpo-sandboxes``."""
+    return Path(agent.sandbox_root) if agent.sandbox_root else Path(tempfile.gettempdir()) / "mlperf-grpo-sandboxes"
+
+
+class AgentRunner:
+    """Runs trajectories with the settings of a config's ``agent`` section
+    (:class:`~mlperf_grpo.config.sections.AgentConfig`). Construction removes leftover
+    sandboxes of killed runs under the sandbox root.
+
+    Raises:
+        ConfigError: no sandbox runtime on this machine (``sandbox.backend_name``).
+        TaskError: ``agent.prompt_files`` that cannot be read.
+    """
+
+    def __init__(self, agent) -> None:
+        backend_name()  # refuses a machine without a sandbox runtime, before anything runs
+        self.settings = AgentSettings(
+            max_turns=agent.max_turns, max_context_tokens=agent.max_context_tokens,
+            max_new_tokens_per_turn=agent.max_new_tokens_per_turn, trajectory_timeout_s=agent.trajectory_timeout_s,
+            max_observation_chars=agent.max_observation_chars, tool_threads=agent.tool_threads)
+        root = sandbox_root(agent)
+        cleanup_leftovers(root)  # sandboxes of runs that were killed
+        self.session = SweSessionSettings(SandboxLimits(command_timeout_s=agent.command_timeout_s), agent.test_timeout_s,
+                                          root)
+        self.tools = [s for s in TOOL_SCHEMAS if s["function"]["name"] in agent.tools]
+        templates = agent.prompt_style if agent.prompt_files is None else load_templates(
+            Path(agent.prompt_files[0]), Path(agent.prompt_files[1]), tuple(Path(f) for f in agent.prompt_files[2:]))
+        self._messages = partial(agent_messages, workspace_path=INSIDE_WORKDIR, templates=templates)
+        self._chat: dict[int, ChatTokens] = {}
+
+    def chat(self, tokenizer) -> ChatTokens:
+        """The chat format of ``tokenizer`` with these tools (built once per tokenizer)."""
+        if id(tokenizer) not in self._chat:
+            self._chat[id(tokenizer)] = ChatTokens(tokenizer, self.tools, template_kwargs=TEMPLATE_KWARGS)
+        return self._chat[id(tokenizer)]
+
+    def trajectories(self, engine, jobs: list[tuple[SweTask, int]], params: SamplingParams) -> AgentRun:
+        """One trajectory per ``(task, seed)`` of ``jobs`` with ``engine`` (its
+        ``generate_ids`` and ``tokenizer``), in job order."""
+        opened = [(t.task_id, seed, partial(SweSession, t, self.session, self._messages)) for t, seed in jobs]
+        trajectories, stats = run_trajectories(engine, self.chat(engine.tokenizer), opened, params, self.settings)
+        return AgentRun(trajectories, stats)

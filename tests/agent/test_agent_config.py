@@ -1,0 +1,64 @@
+"""The agent section: closed values are the reference agent's, plan prints them, they
+are part of a swe evaluation's identity."""
+
+from __future__ import annotations
+
+from mlperf_grpo import rules
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.sections import AgentConfig
+
+
+def test_the_defaults_are_the_reference_agents_values():
+    assert {key: getattr(AgentConfig(), key) for key in rules.REFERENCE_AGENT} == rules.REFERENCE_AGENT
+
+
+def test_a_swe_config_that_departs_from_the_reference_agent_is_a_closed_violation():
+    config = RunConfig.model_validate({"task": {"name": "swe", "suite": "tiny"},
+                                       "agent": {"max_turns": 3, "test_timeout_s": 120}})
+    found = {v.field: (v.given, v.required) for v in config.closed_violations()}
+    assert found["agent.max_turns"] == (3, 30) and found["agent.test_timeout_s"] == (120, 60.0)
+    assert "agent.trajectory_timeout_s" not in found
+    arithmetic = RunConfig.model_validate({"agent": {"max_turns": 3}})  # the agent is not used there
+    assert not any(v.field.startswith("agent.") for v in arithmetic.closed_violations())
+
+
+def test_plan_lists_the_reference_agent():
+    plan = rules.closed_plan(256)
+    assert plan["agent_max_turns"] == 30 and plan["agent_max_context_tokens"] == 65536
+    assert plan["agent_trajectory_timeout_s"] == 1800.0 and plan["agent_command_timeout_s"] == 60.0
+
+
+
+def test_the_agents_limits_are_part_of_a_swe_evaluations_identity():
+    from mlperf_grpo.evaluate.settings import evaluation_settings, settings_difference
+
+    trained = RunConfig.model_validate({"task": {"name": "swe", "suite": "tiny"}})
+    changed = RunConfig.model_validate({"task": {"name": "swe", "suite": "tiny"}, "agent": {"max_turns": 5}})
+    faster = RunConfig.model_validate({"task": {"name": "swe", "suite": "tiny"}, "agent": {"tool_threads": 32}})
+    recorded = evaluation_settings(trained, [])
+    assert "agent.max_turns is 5" in settings_difference(recorded, evaluation_settings(changed, []))
+    assert settings_difference(recorded, evaluation_settings(faster, [])) is None
+    assert not any(k.startswith("agent.") for k in evaluation_settings(RunConfig(), []))  # other tasks: unchanged
+
+
+def test_prompt_files_are_read_from_the_config_files_folder_and_rendered(tmp_path):
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.config.load import load_config
+    from mlperf_grpo.tasks.swe import tiny_suite
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "system.j2").write_text("You fix bugs in {{ workspace_path }}. {% include 'rules.j2' %}")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "rules.j2").write_text("Never ask for help.")
+    (tmp_path / "prompts" / "user.j2").write_text("Issue {{ instance.instance_id }}: {{ instance.problem_statement }}")
+    path = tmp_path / "run.yaml"
+    path.write_text("task: {name: swe, suite: tiny, num_train_tasks: 24}\nvalidation: {num_tasks: 12}\n"
+                    "agent: {prompt_files: [prompts/system.j2, prompts/user.j2, shared], "
+                    f"sandbox_root: {tmp_path / 'sandboxes'}}}\n")
+    config = load_config(path)
+    assert config.agent.prompt_files[0] == str(tmp_path / "prompts" / "system.j2")
+    runner = AgentRunner(config.agent)
+    task = tiny_suite("validation")[0]
+    system, user = runner._messages(task)
+    assert system == {"role": "system", "content": "You fix bugs in /testbed. Never ask for help."}
+    assert user["content"] == f"Issue {task.task_id}: {task.problem_statement}".strip()
