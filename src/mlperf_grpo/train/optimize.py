@@ -25,8 +25,8 @@ from mlperf_grpo.train.grpo import (
     clipped_pg_loss_sum,
     group_advantages,
     seq_logprob_error_keep,
-    token_logprobs,
 )
+from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 
 COMPILED_WIDTH_MULTIPLE = 8
@@ -82,6 +82,9 @@ class OptimizeSettings:
     """False (an FSDP2 policy sharded with it, ``distributed.reshard_every_micro_batch``):
     gradients are reduced once, after the last micro-batch
     (:func:`~mlperf_grpo.train.fsdp.sync_after_micro_batch`)."""
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
+    """The loss pass's log-probs are computed this many bytes of float32 logits at a time
+    (:func:`~mlperf_grpo.train.logprobs.chunk_tokens_for`), never the micro-batch's whole."""
 
     def __post_init__(self) -> None:
         if self.seq_logprob_error_threshold is not None and not self.needs_prev_logprobs:
@@ -123,7 +126,7 @@ def training_batch(
 def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
     passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
-    (master weights); log-probabilities are taken in float32 (:func:`token_logprobs`)."""
+    (master weights); log-probabilities are taken in float32 (:mod:`~mlperf_grpo.train.logprobs`)."""
     if compute_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=compute_dtype)
@@ -218,10 +221,12 @@ def _micro_batch(
     # Logits from the first completion column on (earlier ones would only score prompt
     # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
     start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(rows)
+    targets = torch.nn.functional.pad(ids[:, start + 1:], (0, 1))  # [mb, width-start]: the last predicts nothing
+    chunk = chunk_tokens_for(policy.lm_head.out_features, settings.logits_chunk_bytes)
     with compute_autocast(input_ids.device, settings.compute_dtype):
-        logits = policy(input_ids=ids, attention_mask=attention_mask[rows, :width],
-                        logits_to_keep=width - start).logits  # [mb, width-start, V]
-    curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], settings.temperature)  # [mb, width-1-start]
+        curr, _ = policy_token_logprobs(policy, targets, settings.temperature, chunk, input_ids=ids,
+                                        attention_mask=attention_mask[rows, :width], logits_to_keep=width - start)
+    curr = curr[:, :-1]  # [mb, width-1-start]
     cols = slice(start, width - 1)
     generation = rollout_logprobs[rows, cols]
     rows_mask = token_mask[rows, cols]
