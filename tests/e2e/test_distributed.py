@@ -52,7 +52,8 @@ def test_prompt_shares_cover_the_step_once_in_order():
 
 @pytest.mark.parametrize("grpo, needle", [
     ({"num_prompts_per_step": 3, "micro_batch_size": 16, "first_eval_step": 2}, "does not divide over 2 ranks"),
-    ({"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 16, "first_eval_step": 2}, "divisor of 8"),
+    ({"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 16, "micro_batch_tokens": None,
+      "first_eval_step": 2}, "divisor of 8"),
 ])
 def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
     config = RunConfig.model_validate({"grpo": grpo})

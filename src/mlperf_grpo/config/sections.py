@@ -17,6 +17,11 @@ BUILTIN_MODEL = "builtin:arithmetic-tiny"
 
 DEFAULT_LEARNING_RATE = 4e-6
 
+DEFAULT_MICRO_BATCH_TOKENS = 16384
+"""``grpo.micro_batch_tokens``'s default: 16 completions of 1,024 tokens a pass; the
+trainer turns on activation checkpointing where the planner says a pass of it does not
+fit otherwise (``train/memory_fit.py``)."""
+
 class Strict(BaseModel):
     """A config section: unknown keys refused, values never coerced."""
 
@@ -133,8 +138,15 @@ class GRPOConfig(Strict):
     num_prompts_per_step: int = Field(16, gt=0)
     num_generations_per_prompt: int = Field(rules.NUM_GENERATIONS_PER_PROMPT, gt=1)
     max_steps: int = Field(30, gt=0)
-    micro_batch_size: int = Field(64, gt=0)
-    """Completions per forward/backward pass; gradients accumulate to the global batch."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Completions per forward/backward pass; gradients accumulate to the global batch.
+    With ``micro_batch_tokens`` a cap on them (``null``: none); without it, it must be set
+    and divide the global batch (and each rank's share of it)."""
+    micro_batch_tokens: int | None = Field(DEFAULT_MICRO_BATCH_TOKENS, gt=0)
+    """Token budget of one forward/backward pass: completions (prompt + completion tokens
+    each) are packed end to end into one sequence up to it, attention kept within each,
+    no padding computed (``train/packing.py``); one longer than it is a pass of its own.
+    ``null``: ``micro_batch_size`` right-padded completions a pass."""
     max_new_tokens: int = Field(6, gt=0)
     max_sequence_length: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
     rollout_temperature: float = Field(rules.ROLLOUT_TEMPERATURE, gt=0)
@@ -220,6 +232,10 @@ class GRPOConfig(Strict):
     @model_validator(mode="after")
     def _micro_batch_divides(self) -> "GRPOConfig":
         gbs = self.global_batch_size
+        if self.micro_batch_tokens is not None:
+            return self
+        if self.micro_batch_size is None:
+            raise ValueError("grpo.micro_batch_tokens: null needs grpo.micro_batch_size (completions a pass)")
         if gbs % self.micro_batch_size:
             raise ValueError(
                 f"grpo.micro_batch_size={self.micro_batch_size} must divide the global batch "
