@@ -19,7 +19,7 @@ gradient is -p_v (log p_v + H) / T).
 import pytest
 import torch
 
-from mlperf_grpo.model import load_model
+from mlperf_grpo.model.load import load_model
 from mlperf_grpo.train.grpo import token_logprobs
 from mlperf_grpo.train.logprobs import chunk_tokens_for, chunked_token_stats, policy_token_logprobs
 

@@ -58,8 +58,13 @@ class ModelConfig(Strict):
     on for the bfloat16 compute path on ``cuda`` (the first step pays the compilation),
     off elsewhere (the CPU calibration's path runs eager). YAML reads a bare ``on``/``off``
     as true/false: those are taken as ``on``/``off``."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in the backward pass (less memory, about
+    one more forward pass of compute), in one process and under torchrun. ``auto``: on
+    where the planner says a training pass does not fit the device otherwise
+    (``train/memory_fit.py``; one line says so), off elsewhere (and on the CPU)."""
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "activation_checkpointing", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
@@ -333,9 +338,13 @@ class DistributedConfig(Strict):
     """Data-parallel training under ``torchrun`` (README, "Distributed training"); read
     only when launched by torchrun."""
 
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (less memory,
-    about one more forward pass of compute)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "activation_checkpointing" in data:
+            raise ValueError("distributed.activation_checkpointing moved to model.activation_checkpointing "
+                             "(auto | on | off; it applies in one process too): write it there")
+        return data
 
     reshard_every_micro_batch: bool = True
     """``true`` (FSDP's default, least memory): each decoder layer's weights are

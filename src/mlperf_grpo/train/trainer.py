@@ -188,7 +188,10 @@ class Trainer:
             compiled, note = compile_policy_layers(config.model.compile, config.model.compile_policy, config.model.path)
             if note is not None and ranks.is_writer():
                 print(f"mlperf-grpo: {note}", file=sys.stderr)
-            self.policy, self.engine = policy_and_engine(config, compiled)
+            fit = self.inputs.step_fit
+            if fit.note() is not None and ranks.is_writer():
+                print(f"mlperf-grpo: {fit.note()}", file=sys.stderr)
+            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed)
             self.settings = OptimizeSettings.of(config, compiled)
@@ -314,11 +317,15 @@ class Trainer:
             self.engine.close()
 
 
-def policy_and_engine(config: RunConfig, compiled: bool) -> tuple[torch.nn.Module, InferenceEngine]:
+def policy_and_engine(config: RunConfig, compiled: bool,
+                      activation_checkpointing: bool = False) -> tuple[torch.nn.Module, InferenceEngine]:
     """The fp32 policy and the rollout engine: under torchrun the policy built sharded
     (:func:`~mlperf_grpo.train.fsdp.load_sharded_policy`, compute in the rollout dtype on
     CUDA) and each rank's engine refit from it; else both loaded from the files. The
-    policy only scores (the engine generates): no KV cache.
+    policy only scores (the engine generates): no KV cache. ``activation_checkpointing``:
+    each decoder layer recomputed in the backward (FSDP's ``checkpoint_wrapper`` under
+    torchrun; in one process ``transformers``' own non-reentrant gradient checkpointing,
+    which keeps the parameter names).
 
     Raises:
         ModelLoadError: the model does not load.
@@ -326,14 +333,27 @@ def policy_and_engine(config: RunConfig, compiled: bool) -> tuple[torch.nn.Modul
     if ranks.layout().distributed:
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
         policy = load_sharded_policy(config.model.path, config.model.device, compute_dtype,
-                                     config.distributed.activation_checkpointing, compile_layers=compiled,
+                                     activation_checkpointing, compile_layers=compiled,
                                      reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
         return policy, engine_from_policy(config, policy)
     policy = load_model(config.model.path, "float32", config.model.device)
     policy.config.use_cache = False
+    if activation_checkpointing:
+        checkpoint_layers(policy)
     if compiled:
         compile_decoder_layers(policy)
     return policy, build_engine(config)
+
+
+def checkpoint_layers(policy: torch.nn.Module) -> None:
+    """Recompute each decoder layer of an unsharded Hugging Face policy in its backward
+    (``transformers``' non-reentrant activation checkpointing, in training mode only; the
+    parameter names stay those of the files)."""
+    enable = getattr(policy, "activation_checkpointing_enable", None)  # transformers >= 5.25
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def adamw(config: RunConfig, policy: torch.nn.Module) -> torch.optim.AdamW:

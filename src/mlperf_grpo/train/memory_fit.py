@@ -1,0 +1,99 @@
+"""Whether a training step's sequences fit the device, decided before ``run_start``:
+``model.activation_checkpointing: auto`` resolved, and a step that cannot fit refused.
+
+The figures are :mod:`mlperf_grpo.plan.sequences`' (activations, log-prob chunks, the
+packed attention mask, the engine's KV cache) on top of the weights, gradients, AdamW
+moments and engine weights of :mod:`mlperf_grpo.plan.memory`, for the step's shape
+(:func:`step_shape`): the longest training prompt plus ``grpo.max_new_tokens``, the
+largest training pass the token budget allows, the rows the engine decodes at once.
+Planned on CUDA for the dense decoders the planner counts; elsewhere nothing is planned
+(``auto`` is off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlperf_grpo.plan import memory as memory_plan
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.plan import sequences
+from mlperf_grpo.plan.sequences import Fit, SequenceShape
+
+ENGINE_BATCH_SIZE = 256
+"""Rows the ``hf`` engine decodes at once (``build_engine``'s ``batch_size``)."""
+
+
+def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> SequenceShape:
+    """The shape of one rank's step (see the module docstring).
+
+    Args:
+        longest_prompt: tokens of the longest training prompt.
+        world_size: N ranks (each trains ``GBS / N`` rows).
+    """
+    g = config.grpo
+    longest = longest_prompt + g.max_new_tokens
+    rows = max(1, config.global_batch_size // world_size)
+    if g.micro_batch_tokens is None:
+        tokens, packed = min(g.micro_batch_size, rows) * longest, False
+    else:
+        per_pass = rows if g.micro_batch_size is None else min(rows, g.micro_batch_size)
+        tokens = max(longest, min(g.micro_batch_tokens, per_pass * longest))
+        packed = tokens > longest
+    return SequenceShape(pass_tokens=tokens, packed=packed, engine_rows=min(ENGINE_BATCH_SIZE, rows),
+                         engine_length=longest, compute_bytes=2 if config.model.train_compute_dtype == "bfloat16" else 4,
+                         rollout_bytes=memory_plan.DTYPE_BYTES[config.model.dtype])
+
+
+def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
+    """Weights, gradients, AdamW moments (FSDP2 shards), the engine's weights
+    (:func:`~mlperf_grpo.plan.memory.static_device_bytes`) and, in one process under
+    bfloat16 autocast, the compute-dtype copies of the weights a pass keeps for its backward."""
+    t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
+    plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype,
+                                   config.checkpoint.max_in_flight, config.inference.engine)
+    copies = plan.parameters * 2 if world_size == 1 and config.model.train_compute_dtype == "bfloat16" else 0
+    return memory_plan.static_device_bytes(plan, 1 if hf else t) + copies
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """:func:`plan_step`'s answer: ``checkpointing`` on or off, and the plan behind it
+    (None where nothing is planned)."""
+
+    checkpointing: bool
+    verdict: Fit | None = None
+
+    def note(self) -> str | None:
+        """The one line saying ``auto`` turned checkpointing on, else None."""
+        if self.verdict is None or not self.checkpointing:
+            return None
+        v = self.verdict
+        off = v.memory.activation_bytes  # with checkpointing; without, from the same plan
+        return (f"activation checkpointing on (model.activation_checkpointing: auto): without it a training pass needs "
+                f"more than the device's {sequences.gib(v.device_bytes)} GiB; planned peak with it "
+                f"{sequences.gib(v.peak_bytes)} GiB ({sequences.gib(off)} GiB activations)")
+
+
+def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: int,
+              device_bytes: int | None) -> StepFit:
+    """Resolve ``model.activation_checkpointing`` and refuse a step that cannot fit.
+
+    Args:
+        model: the model's ``config.json`` (:func:`~mlperf_grpo.plan.memory.load_model_config`).
+        longest_prompt: tokens of the longest training prompt.
+        world_size: N ranks.
+        device_bytes: the CUDA device's memory; None: not on CUDA (nothing planned).
+    Raises:
+        MemoryPlanError: the step does not fit even with checkpointing (or with it off
+            when ``off`` is asked), one line with the figures and the remedies.
+    """
+    asked = config.model.activation_checkpointing
+    forced = None if asked == "auto" else asked == "on"
+    if device_bytes is None or not sequences.plans_sequences(model):
+        return StepFit(bool(forced))
+    shape = step_shape(config, longest_prompt, world_size)
+    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced)
+    if not verdict.fits:
+        remedy = "" if verdict.memory.checkpointing else "set model.activation_checkpointing: on, or "
+        raise memory_plan.MemoryPlanError(sequences.refusal(verdict).replace(": lower ", f": {remedy}lower ", 1))
+    return StepFit(verdict.memory.checkpointing, verdict)
