@@ -124,3 +124,23 @@ def test_activation_checkpointing_in_one_process_gives_the_same_update(tokens):
         updates.append({n: p.detach().clone() for n, p in policy.named_parameters()})
     for name in updates[0]:  # the recomputed forward is the same float32 arithmetic
         torch.testing.assert_close(updates[0][name], updates[1][name], rtol=0, atol=0)
+
+
+def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsys):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    argv = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens", "65536",
+            "--rows", "16"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["sequences"]
+    shape = SequenceShape(65536, False, 16, 65536)
+    assert out["checkpointing"] == sequences.sequence_memory(QWEN3_1_4B, shape, True).to_json()
+    assert out["no_checkpointing"]["kv_cache_bytes"] == 2 * 28 * 17 * 1024 * 65537 * 2
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
+    assert "add --trajectory-tokens" in capsys.readouterr().err

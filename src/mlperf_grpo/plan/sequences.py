@@ -85,6 +85,48 @@ class SequenceMemory:
         return {**asdict(self), "training_bytes": self.training_bytes}
 
 
+ENGINE_BATCH_SIZE = 256
+"""Rows the ``hf`` engine decodes at once (``build_engine``'s ``batch_size``)."""
+
+
+def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None = None, compute_bytes: int = 2,
+               rollout_bytes: int = 2) -> SequenceShape:
+    """A rank's step: ``rows`` rows of at most ``longest`` tokens, training passes of
+    ``budget`` tokens (``grpo.micro_batch_tokens``; a longer row alone) and at most
+    ``max_rows`` rows (``grpo.micro_batch_size``), or without a budget ``max_rows``
+    right-padded rows."""
+    if budget is None:
+        return SequenceShape(min(max_rows, rows) * longest, False, min(ENGINE_BATCH_SIZE, rows), longest,
+                             compute_bytes, rollout_bytes)
+    per_pass = rows if max_rows is None else min(rows, max_rows)
+    tokens = max(longest, min(budget, per_pass * longest))
+    return SequenceShape(tokens, tokens > longest, min(ENGINE_BATCH_SIZE, rows), longest, compute_bytes, rollout_bytes)
+
+
+def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
+    """The compute-dtype copies of the weights that autocast makes in one process and a
+    pass keeps for its backward (``2 P`` under bfloat16; none in float32; under FSDP2 the
+    all-gathered layers come and go, not counted)."""
+    return parameters * compute_bytes if world_size == 1 and compute_bytes < 4 else 0
+
+
+def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> list[str]:
+    """``plan --memory``'s lines for ``shape``: each figure without and with activation
+    checkpointing, and the per-rank peak."""
+    off, on = (sequence_memory(config, shape, c) for c in (False, True))
+    rows = [("activations of a pass", off.activation_bytes, on.activation_bytes),
+            ("log-prob chunks", off.logits_bytes, on.logits_bytes),
+            ("packed attention mask", off.attention_mask_bytes, on.attention_mask_bytes),
+            ("engine KV cache", off.kv_cache_bytes, on.kv_cache_bytes),
+            ("= device peak (with the above)", static_bytes + off.kv_cache_bytes + off.training_bytes,
+             static_bytes + on.kv_cache_bytes + on.training_bytes)]
+    head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
+            f"decoding {shape.engine_rows} rows of {shape.engine_length:,}; GiB per rank")
+    lines = [head, f"  {'':36} {'no checkpointing':>16} {'checkpointing':>20}"]
+    lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
+    return lines
+
+
 def plans_sequences(config: dict) -> bool:
     """Whether :func:`sequence_memory` knows the model type (dense decoders)."""
     return config.get("model_type") in DENSE_TYPES

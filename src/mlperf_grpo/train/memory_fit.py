@@ -19,29 +19,14 @@ from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import Fit, SequenceShape
 
-ENGINE_BATCH_SIZE = 256
-"""Rows the ``hf`` engine decodes at once (``build_engine``'s ``batch_size``)."""
-
-
 def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> SequenceShape:
-    """The shape of one rank's step (see the module docstring).
-
-    Args:
-        longest_prompt: tokens of the longest training prompt.
-        world_size: N ranks (each trains ``GBS / N`` rows).
-    """
+    """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
+    longest prompt + ``grpo.max_new_tokens``, passes by the config's budget."""
     g = config.grpo
-    longest = longest_prompt + g.max_new_tokens
-    rows = max(1, config.global_batch_size // world_size)
-    if g.micro_batch_tokens is None:
-        tokens, packed = min(g.micro_batch_size, rows) * longest, False
-    else:
-        per_pass = rows if g.micro_batch_size is None else min(rows, g.micro_batch_size)
-        tokens = max(longest, min(g.micro_batch_tokens, per_pass * longest))
-        packed = tokens > longest
-    return SequenceShape(pass_tokens=tokens, packed=packed, engine_rows=min(ENGINE_BATCH_SIZE, rows),
-                         engine_length=longest, compute_bytes=2 if config.model.train_compute_dtype == "bfloat16" else 4,
-                         rollout_bytes=memory_plan.DTYPE_BYTES[config.model.dtype])
+    return sequences.step_shape(longest_prompt + g.max_new_tokens, max(1, config.global_batch_size // world_size),
+                                g.micro_batch_tokens, g.micro_batch_size,
+                                2 if config.model.train_compute_dtype == "bfloat16" else 4,
+                                memory_plan.DTYPE_BYTES[config.model.dtype])
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
@@ -51,8 +36,9 @@ def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype,
                                    config.checkpoint.max_in_flight, config.inference.engine)
-    copies = plan.parameters * 2 if world_size == 1 and config.model.train_compute_dtype == "bfloat16" else 0
-    return memory_plan.static_device_bytes(plan, 1 if hf else t) + copies
+    compute_bytes = 2 if config.model.train_compute_dtype == "bfloat16" else 4
+    return (memory_plan.static_device_bytes(plan, 1 if hf else t)
+            + sequences.autocast_copy_bytes(plan.parameters, world_size, compute_bytes))
 
 
 @dataclass(frozen=True)
