@@ -57,7 +57,7 @@ def test_packed_rows_attend_only_within_themselves():
             flat, _ = policy_token_logprobs(policy, packed.targets, 1.0, 4, input_ids=packed.input_ids,
                                             position_ids=packed.position_ids, logits_to_keep=packed.select,
                                             use_cache=False)
-        results.append(torch.zeros(score.shape).masked_scatter(packed.padded_select, flat))
+        results.append(torch.zeros(score.shape).masked_scatter(packed.padded_select, flat[0]))
         for r in range(4):  # each row alone (its own forward, no padding inside its length)
             n = int(lengths[r]) - 1
             own = token_logprobs(policy(input_ids=mixed[r:r + 1, :n + 1]).logits[:, :-1], mixed[r:r + 1, 1:n + 1], 1.0)
@@ -130,3 +130,14 @@ def test_two_prompts_a_step_train_with_the_default_micro_batches(tmp_path):
     config = {"grpo": {"num_prompts_per_step": 2, "max_steps": 1, "first_eval_step": 1}, "validation": {"num_tasks": 20}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "r")]) == 0
+
+
+def test_a_step_whose_rows_are_all_left_out_runs_no_pass_and_changes_nothing():
+    batch = _batch()
+    batch.sample_mask = torch.zeros_like(batch.sample_mask)
+    policy = load_model(MODEL, "float32")
+    for settings in ({"micro_batch_tokens": 100}, {"micro_batch_tokens": 100, "seq_logprob_error_threshold": 2.0,
+                                                    "needs_prev_logprobs": True}):
+        result, update = _update(policy, batch, **settings)
+        assert result.num_valid_tokens == 0 and result.loss == 0
+        assert all(not u.any() for u in update.values())

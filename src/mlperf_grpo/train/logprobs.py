@@ -121,8 +121,7 @@ def policy_token_logprobs(
     Args:
         policy: a Hugging Face causal LM with an ``lm_head`` ``nn.Linear`` (FSDP2-wrapped or not).
         targets: token ids shaped as the positions ``lm_head`` sees: ``[B, k]`` for
-            ``logits_to_keep=k`` (``[B, T]`` for 0), ``[n]`` for a boolean ``[B, T]``
-            ``logits_to_keep`` with ``n`` True entries.
+            ``logits_to_keep=k`` (``[B, T]`` for 0) or a 1-D tensor of ``k`` positions.
         temperature: the log-probs are of ``softmax(logits / temperature)``.
         chunk_tokens: see :func:`chunked_token_stats` (:func:`chunk_tokens_for`).
         inputs: the forward's keyword arguments (``input_ids``, ``attention_mask``,

@@ -204,7 +204,9 @@ def optimize_step(
     if filtered:
         num_valid_tokens = int(collectives.all_reduce_sum([sums.tokens.item()])[0])  # the global batch's
         loss_divisor = max(num_valid_tokens, 1)
-        torch._foreach_div_([p.grad for p in policy.parameters() if p.grad is not None], float(loss_divisor))
+        grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        if grads:  # none when no row was run (every one left out by sample_mask)
+            torch._foreach_div_(grads, float(loss_divisor))
         sums.loss /= loss_divisor
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip_norm)
     optimizer.step()
@@ -288,9 +290,9 @@ def _curr_logprobs(policy: torch.nn.Module, batch: RolloutBatch, on_device: tupl
         with compute_autocast(input_ids.device, settings.compute_dtype):
             flat, _ = policy_token_logprobs(policy, packed.targets, settings.temperature, chunk,
                                             input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                            logits_to_keep=packed.select, use_cache=False)  # [n]
+                                            logits_to_keep=packed.select, use_cache=False)  # [1, n]
         curr = torch.zeros(packed.padded_select.shape, dtype=flat.dtype, device=flat.device)
-        return curr.masked_scatter(packed.padded_select, flat), 0
+        return curr.masked_scatter(packed.padded_select, flat[0]), 0
     ids = input_ids[one.rows, :one.width]
     # Logits from the first completion column on (earlier ones would only score prompt
     # tokens); float32 keeps every position's, the bits the built-in calibration was made with.

@@ -16,7 +16,7 @@ models then keep attention within each row (``transformers.masking_utils``:
 ``find_packed_sequence_indices`` gives SDPA/eager a block-diagonal causal mask,
 flash-attention its varlen form), so the micro-batch costs its tokens, not rows x its
 longest row. Only the positions the loss reads are scored (``logits_to_keep`` as a
-boolean mask): a completion mask may be any 0/1 pattern in a row (a multi-turn
+tensor of positions): a completion mask may be any 0/1 pattern in a row (a multi-turn
 trajectory's model turns), not only a suffix.
 """
 
@@ -88,10 +88,10 @@ def split_to_count(micro_batches: list[MicroBatch], lengths: list[int], count: i
 class PackedInputs:
     """One micro-batch's rows end to end (``S`` = their total tokens, rounded up).
 
-    ``input_ids``/``position_ids``: ``[1, S]``; ``select``: ``[1, S]`` bool, the positions
-    whose next token the loss scores, in the order of ``padded_select``'s True entries
-    (``[mb, W-1]``, the same positions in the right-padded rows); ``targets``: ``[n]``
-    the tokens they predict, ``n`` = True entries of each.
+    ``input_ids``/``position_ids``: ``[1, S]``; ``select``: ``[n]`` the indices of the
+    packed positions whose next token the loss scores (a 1-D ``logits_to_keep``), in the
+    order of ``padded_select``'s True entries (``[mb, W-1]``, the same positions in the
+    right-padded rows); ``targets``: ``[1, n]`` the tokens they predict.
     """
 
     input_ids: torch.Tensor
@@ -138,4 +138,5 @@ def packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, score: torch.T
         ids = torch.cat([ids, ids.new_zeros(extra)])
         positions = torch.cat([positions, last + torch.arange(extra, device=device)])
         scored = torch.cat([scored, scored.new_zeros(extra)])
-    return PackedInputs(ids.unsqueeze(0), positions.unsqueeze(0), scored.unsqueeze(0), targets, padded_select)
+    select = scored.nonzero().squeeze(1)  # [n]
+    return PackedInputs(ids.unsqueeze(0), positions.unsqueeze(0), select, targets.unsqueeze(0), padded_select)
