@@ -27,6 +27,7 @@ Prints one JSON line per case: ``peak_gib``, ``planned_gib``, their ratio, ``che
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -164,10 +165,15 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
         planned, ckpt = static_bytes(config, model_cfg, 1) + memory.training_bytes, True
         out.update(refusal=refusal, planned_gib_without_kv=round(planned / GIB, 2), checkpointing=True,
                    planned_kv_gib=round(memory.kv_cache_bytes / GIB, 2))
-    if real and checked is not None:
-        result = measure_real(config, tmp, checked)
-    else:
-        result = measure_synthetic(config, ckpt, args.train_rows, with_kv=refusal is None)
+    try:
+        if real and checked is not None:
+            result = measure_real(config, tmp, checked)
+        else:
+            result = measure_synthetic(config, ckpt, args.train_rows, with_kv=refusal is None)
+    except torch.OutOfMemoryError as err:  # the planner let through a step that does not fit: say so
+        result = {"mode": "real" if real else "synthetic", "out_of_memory": str(err).splitlines()[0][:200],
+                  "peak_bytes": _peak()}
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     out.update({k: v for k, v in result.items() if k != "peak_bytes"})
