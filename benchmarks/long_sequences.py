@@ -6,8 +6,8 @@
 A 1.4B Qwen3 shape (``grpo_step.SHAPES["qwen3-1.4b"]``) with the given vocabulary and
 context, random weights, the default config otherwise (``grpo.micro_batch_tokens`` packing,
 ``model.activation_checkpointing: auto``) and the reference algorithm. Each case ``PxN``
-(P rows of N new tokens after a 40-token prompt; ``overlong_filtering`` off, since
-every row is truncated):
+(P rows of N new tokens after a prompt of at most 40 tokens, N cut to the context less
+40; ``overlong_filtering`` off, since every row is truncated):
 
 - the planner first (``train.inputs.check_planned_memory``: what the trainer does before
   ``run_start``): its planned peak, whether it turns checkpointing on, or its refusal line;
@@ -85,8 +85,9 @@ def make_model(out: Path, vocab: int, context: int, shape: str = "qwen3-1.4b") -
     return out
 
 
-def case_config(model: Path, device: str, prompts_x_tokens: str, steps: int):
+def case_config(model: Path, device: str, prompts_x_tokens: str, steps: int, context: int):
     rows, new = (int(x) for x in prompts_x_tokens.split("x"))
+    new = min(new, context - PROMPT_TOKENS)  # a trajectory of the whole context: its prompt counts in it
     prompts = max(1, rows // rules.NUM_GENERATIONS_PER_PROMPT)
     # every completion runs to N tokens (no EOS): the overlong filter would leave every row out of the loss
     grpo = {**rules.REFERENCE_ALGORITHM, "overlong_filtering": False, "max_trajectory_age_steps": 0,
@@ -143,7 +144,7 @@ def measure_synthetic(config, checkpointing: bool, train_rows: int, with_kv: boo
 
 
 def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: Path) -> dict:
-    config = case_config(model, args.device, case, args.steps)
+    config = case_config(model, args.device, case, args.steps, args.context)
     out = {"benchmark": "long_sequences", "case": case, "vocab": args.vocab, "context": args.context,
            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     run = RunDir(tmp / f"check-{case}")

@@ -88,9 +88,9 @@ def test_packed_micro_batches_give_the_one_big_batch_update(budget):
     batch = _batch()
     policy = load_model(MODEL, "float32")
     whole = _update(policy, batch, micro=64)
-    packed = _update(policy, batch, micro_batch_tokens=budget)
-    _assert_same_update(whole, packed)
-    aligned = _update(policy, batch, micro_batch_tokens=budget, width_multiple=8)  # a compiled policy's lengths
+    for packing in ("always", "auto", "never"):
+        _assert_same_update(whole, _update(policy, batch, micro_batch_tokens=budget, packing=packing))
+    aligned = _update(policy, batch, micro_batch_tokens=budget, width_multiple=8, packing="always")  # compiled
     _assert_same_update(whole, aligned)
 
 
@@ -107,7 +107,7 @@ def test_packing_with_an_arbitrary_completion_mask_and_dropped_rows():
                             truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.5)
     common = dict(options=options, needs_prev_logprobs=True, seq_logprob_error_threshold=2.0)
     _assert_same_update(_update(policy, batch, micro=128, **common),
-                        _update(policy, batch, micro_batch_tokens=60, **common))
+                        _update(policy, batch, micro_batch_tokens=60, packing="always", **common))
 
 
 def test_bf16_packed_update_is_as_close_to_float32_as_the_padded_one():
@@ -121,7 +121,7 @@ def test_bf16_packed_update_is_as_close_to_float32_as_the_padded_one():
 
     exact = flat(_update(policy, batch, micro=64))
     padded = flat(_update(policy, batch, micro=16, compute_dtype=torch.bfloat16))
-    packed = flat(_update(policy, batch, micro_batch_tokens=100, compute_dtype=torch.bfloat16))
+    packed = flat(_update(policy, batch, micro_batch_tokens=100, compute_dtype=torch.bfloat16, packing="always"))
     assert (packed - exact).norm() <= 1.25 * (padded - exact).norm() < 0.05 * exact.norm()
 
 
@@ -136,8 +136,22 @@ def test_a_step_whose_rows_are_all_left_out_runs_no_pass_and_changes_nothing():
     batch = _batch()
     batch.sample_mask = torch.zeros_like(batch.sample_mask)
     policy = load_model(MODEL, "float32")
-    for settings in ({"micro_batch_tokens": 100}, {"micro_batch_tokens": 100, "seq_logprob_error_threshold": 2.0,
+    for settings in ({"micro_batch_tokens": 100, "packing": "always"}, {"micro_batch_tokens": 100,
+                                                                        "seq_logprob_error_threshold": 2.0,
                                                     "needs_prev_logprobs": True}):
         result, update = _update(policy, batch, **settings)
         assert result.num_valid_tokens == 0 and result.loss == 0
         assert all(not u.any() for u in update.values())
+
+
+def test_auto_packs_only_rows_whose_padding_would_double_the_tokens():
+    from mlperf_grpo.train import optimize
+
+    batch = _batch()  # GRPO rows of similar lengths: padded
+    settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=10_000)
+    assert [p.packed is None for p in optimize._passes(batch, settings, True, torch.device("cpu"))] == [True]
+    batch.attention_mask[1:] = 0  # one long row among 1-token rows: padding would waste most of the pass
+    batch.attention_mask[1:, 0] = 1
+    passes = optimize._passes(batch, settings, True, torch.device("cpu"))
+    assert [p.packed is not None for p in passes] == [True]
+    assert not optimize._passes(batch, settings, False, torch.device("cpu"))[0].packed  # linear attention: never

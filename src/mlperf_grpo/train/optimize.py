@@ -30,6 +30,9 @@ from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, pol
 from mlperf_grpo.train.packing import PackedInputs, packed_inputs, split_to_count, token_budget_micro_batches
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 
+PACK_PADDING_RATIO = 2.0
+"""``packing: auto`` packs a pass when padding its rows would more than double its tokens."""
+
 COMPILED_WIDTH_MULTIPLE = 8
 """Micro-batch widths of a compiled policy are multiples of this (see :class:`OptimizeSettings`)."""
 
@@ -85,8 +88,18 @@ class OptimizeSettings:
     gradients are reduced once, after the last micro-batch
     (:func:`~mlperf_grpo.train.fsdp.sync_after_micro_batch`)."""
     micro_batch_tokens: int | None = None
-    """Token budget of a micro-batch (``grpo.micro_batch_tokens``): rows packed end to end
-    up to it (:mod:`~mlperf_grpo.train.packing`); None: ``micro_batch_size`` right-padded rows."""
+    """Token budget of a micro-batch (``grpo.micro_batch_tokens``): rows up to it a pass,
+    packed end to end where padding them would waste more than it saves
+    (:attr:`packing`, :mod:`~mlperf_grpo.train.packing`); None: ``micro_batch_size``
+    right-padded rows."""
+    packing: str = "auto"
+    """With ``micro_batch_tokens``: ``auto`` packs a pass's rows only when right-padding
+    them to the longest would take more than :data:`PACK_PADDING_RATIO` times their
+    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``.
+    A packed pass pays attention over all its tokens at once: SDPA with the block-diagonal
+    mask computes every block, so ``k`` packed rows of length ``L`` cost ``k`` times the
+    attention of ``k`` padded ones (measured: ``benchmarks/grpo_step.py`` at 64 tokens,
+    GBS 256, took 1.9x the step when every pass was packed)."""
     logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
     """The loss pass's log-probs are computed this many bytes of float32 logits at a time
     (:func:`~mlperf_grpo.train.logprobs.chunk_tokens_for`), never the micro-batch's whole."""
@@ -267,7 +280,8 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
         width = int(lengths[index].max())
         consecutive = index == list(range(index[0], index[-1] + 1))
         rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
-        if not pack:
+        wasteful = len(index) * width > PACK_PADDING_RATIO * int(lengths[index].sum())
+        if not pack or settings.packing == "never" or (settings.packing == "auto" and not wasteful):
             width = min(-(-width // settings.width_multiple) * settings.width_multiple, batch.input_ids.shape[1])
             out.append(_Pass(rows, width, None, m.empty, index))
             continue
