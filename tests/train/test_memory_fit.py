@@ -91,7 +91,10 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
     with pytest.raises(ConfigError) as err:
         plan_step(config, QWEN3_1_4B, 40, 1, 40 * GIB)
     line = str(err.value)
-    assert "\n" not in line and "over the device's 40.0 GiB" in line and "lower grpo.micro_batch_tokens" in line
+    assert "\n" not in line and "over the device's 40.0 GiB" in line and "more ranks" in line
+    long = _config(max_new_tokens=65_000, num_prompts_per_step=1)  # 16 rows of 65k: the KV cache dominates
+    with pytest.raises(ConfigError, match="118.1 GiB engine KV cache .* fewer rollout rows a rank"):
+        plan_step(long, QWEN3_1_4B, 40, 1, 80 * 10**9)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
     with pytest.raises(ConfigError, match="set model.activation_checkpointing: on"):

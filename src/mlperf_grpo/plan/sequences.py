@@ -205,12 +205,20 @@ def gib(n: int) -> str:
 
 
 def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
-    """One line: the planned bytes against the device's, and what to change."""
+    """One line: the planned bytes against the device's, and what to change first (for
+    the largest of the engine's KV cache, a pass's activations, the weights and state)."""
     m = verdict.memory
+    parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
+    largest = max(parts, key=parts.get)
+    remedy = {
+        "kv": "fewer rollout rows a rank (grpo.num_prompts_per_step) or shorter ones (grpo.max_new_tokens), or more "
+              "ranks (each generates its share)",
+        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower grpo.max_new_tokens)",
+        "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
+    }[largest]
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
             f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache + "
             f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
-            f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: lower {tokens_key} or "
-            f"grpo.max_new_tokens, or launch more ranks (torchrun shards the fp32 state); "
-            f"'mlperf-grpo plan --memory' gives the figures")
+            f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "
+            f"'mlperf-grpo plan --memory --trajectory-tokens' gives the figures")

@@ -80,6 +80,8 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     shape = step_shape(config, longest_prompt, world_size)
     verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced)
     if not verdict.fits:
-        remedy = "" if verdict.memory.checkpointing else "set model.activation_checkpointing: on, or "
-        raise memory_plan.MemoryPlanError(sequences.refusal(verdict).replace(": lower ", f": {remedy}lower ", 1))
+        line = sequences.refusal(verdict)
+        if not verdict.memory.checkpointing:
+            line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
+        raise memory_plan.MemoryPlanError(line)
     return StepFit(verdict.memory.checkpointing, verdict)
