@@ -31,6 +31,7 @@ def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size:
         parallelism are 1 (the policy is sharded data-parallel only: FSDP).
     """
     g = config.grpo
+    micro = micro_batch_size(config, data_parallel_size)
     return {
         C.SEED: config.seed,
         C.GLOBAL_BATCH_SIZE: config.global_batch_size,
@@ -54,8 +55,8 @@ def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size:
         "generation_training_rollout_top_p": g.rollout_top_p,
         "generation_validation_rollout_temperature": config.validation.temperature,
         "generation_validation_rollout_top_p": config.validation.top_p,
-        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * micro_batch_size(config, data_parallel_size)),
-        "micro_batch_size": micro_batch_size(config, data_parallel_size),
+        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * micro),
+        "micro_batch_size": micro,
         "micro_batch_tokens": g.micro_batch_tokens,
         "lowest_numerical_precision_in_linear": PRECISION[config.model.dtype],
         "lowest_numerical_precision_in_attn": PRECISION[config.model.dtype],
