@@ -94,11 +94,24 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
     assert "\n" not in line and "over the device's 40.0 GiB" in line and "more ranks" in line
     long = _config(max_new_tokens=65_000, num_prompts_per_step=1)  # 16 rows of 65k: the KV cache dominates
     with pytest.raises(ConfigError, match="118.1 GiB engine KV cache .* fewer rollout rows a rank"):
-        plan_step(long, QWEN3_1_4B, 40, 1, 80 * 10**9)
+        plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
     with pytest.raises(ConfigError, match="set model.activation_checkpointing: on"):
         plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
+
+
+def test_the_engine_decodes_fewer_rows_at_once_where_all_of_them_do_not_fit():
+    # 16 rows of 65,040 tokens: 7.4 GiB of KV cache each (the cache holds one spare row);
+    # beside 32 GiB of state and a checkpointed 65k-token pass an H100's 79.2 GiB hold 2
+    # rows' cache: 1 row decoded at a time; 100 GiB hold 5: 4 at a time
+    config = _config(max_new_tokens=65_000, num_prompts_per_step=1)
+    for device, rows in ((85_000_000_000, 1), (100 * GIB, 4)):
+        fit = plan_step(config, QWEN3_1_4B, 40, 1, device)
+        assert fit.checkpointing and fit.engine_rows == rows and fit.verdict.peak_bytes <= device - 3 * GIB
+        assert fit.verdict.memory.kv_cache_bytes == 2 * 28 * (rows + 1) * 1024 * 65_041 * 2
+        assert f"the engine decodes {rows} row{'s' * (rows > 1)} at once, not all 16" in fit.note()
+    assert plan_step(_config(max_new_tokens=1024), QWEN3_1_4B, 40, 1, 80 * 10**9).engine_rows == 256
 
 
 def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():

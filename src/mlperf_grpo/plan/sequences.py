@@ -39,7 +39,7 @@ for them when a layout is judged).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 DENSE_TYPES = ("llama", "qwen3")
 DEVICE_RESERVE_BYTES = 3 << 30
@@ -169,13 +169,15 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
 
 @dataclass(frozen=True)
 class Fit:
-    """:func:`fit`'s verdict: ``checkpointing`` needed (or asked), the bytes, and whether
-    the step fits the device at all."""
+    """:func:`fit`'s verdict: the bytes (with checkpointing needed or asked), whether the
+    step fits the device at all, and its shape."""
 
     memory: SequenceMemory
     static_bytes: int
     device_bytes: int
     fits: bool
+    shape: SequenceShape | None = None
+    """The step's shape, with the engine's rows at once as planned."""
 
     @property
     def peak_bytes(self) -> int:
@@ -187,16 +189,22 @@ def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int
         checkpointing: bool | None = None) -> Fit:
     """Whether a step fits ``device_bytes`` (less :data:`DEVICE_RESERVE_BYTES`) on top of
     ``static_bytes`` (weights, gradients, AdamW moments, the engine's weights:
-    ``plan.memory``). ``checkpointing`` None: off when the step fits without it, else on;
-    True/False: as asked."""
+    ``memory_plan``). ``checkpointing`` None: off when the step fits without it, else on;
+    True/False: as asked. When even that does not fit, the engine decodes fewer rows at
+    once (its slots refill as rows finish): the most that fit, at least one
+    (:attr:`Fit.shape`'s ``engine_rows``)."""
     usable = device_bytes - DEVICE_RESERVE_BYTES
     options = [checkpointing] if checkpointing is not None else [False, True]
     for ckpt in options:
-        memory = sequence_memory(config, shape, ckpt)
-        verdict = Fit(memory, static_bytes, device_bytes, fits=False)
+        verdict = Fit(sequence_memory(config, shape, ckpt), static_bytes, device_bytes, fits=False, shape=shape)
         if verdict.peak_bytes <= usable:
-            return Fit(memory, static_bytes, device_bytes, fits=True)
-    return verdict
+            return replace(verdict, fits=True)
+    per_row = sequence_memory(config, replace(shape, engine_rows=1), ckpt).kv_cache_bytes // 2  # (rows + 1) rows
+    rows = min(shape.engine_rows, (usable - (verdict.peak_bytes - verdict.memory.kv_cache_bytes)) // per_row - 1)
+    if rows < 1:
+        return verdict
+    fewer = replace(shape, engine_rows=int(rows))
+    return Fit(sequence_memory(config, fewer, ckpt), static_bytes, device_bytes, fits=True, shape=fewer)
 
 
 def gib(n: int) -> str:

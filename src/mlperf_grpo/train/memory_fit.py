@@ -48,16 +48,38 @@ class StepFit:
 
     checkpointing: bool
     verdict: Fit | None = None
+    auto: bool = True
+    """``model.activation_checkpointing`` was ``auto``."""
+
+    @property
+    def engine_rows(self) -> int:
+        """Rows the engine decodes at once: fewer than a rank's rows only where all of them
+        at full length do not fit beside training (:func:`~mlperf_grpo.plan_sequences.fit`)."""
+        limited = self.verdict is not None and self.verdict.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE,
+                                                                                     self.rows)
+        return self.verdict.shape.engine_rows if limited else sequences.ENGINE_BATCH_SIZE
 
     def note(self) -> str | None:
-        """The one line saying ``auto`` turned checkpointing on, else None."""
-        if self.verdict is None or not self.checkpointing:
+        """One line saying what the plan turned on (checkpointing under ``auto``, fewer
+        rows decoded at once), else None."""
+        if self.verdict is None:
             return None
-        v = self.verdict
-        off = v.memory.activation_bytes  # with checkpointing; without, from the same plan
-        return (f"activation checkpointing on (model.activation_checkpointing: auto): without it a training pass needs "
-                f"more than the device's {sequences.gib(v.device_bytes)} GiB; planned peak with it "
-                f"{sequences.gib(v.peak_bytes)} GiB ({sequences.gib(off)} GiB activations)")
+        v, said = self.verdict, []
+        if self.checkpointing and self.auto:
+            said.append(f"activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
+                        f"does not fit)")
+        if v.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE, self.rows):
+            n = v.shape.engine_rows
+            said.append(f"the engine decodes {n} row{'s' * (n > 1)} at once, not all {self.rows} (their KV cache "
+                        f"would not fit)")
+        if not said:
+            return None
+        return (f"{'; '.join(said)}: planned peak {sequences.gib(v.peak_bytes)} GiB of the device's "
+                f"{sequences.gib(v.device_bytes)} GiB ({sequences.gib(v.memory.activation_bytes)} GiB activations, "
+                f"{sequences.gib(v.memory.kv_cache_bytes)} GiB KV cache)")
+
+    rows: int = sequences.ENGINE_BATCH_SIZE
+    """A rank's rollout rows a step."""
 
 
 def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: int,
@@ -76,7 +98,7 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     asked = config.model.activation_checkpointing
     forced = None if asked == "auto" else asked == "on"
     if device_bytes is None or not sequences.plans_sequences(model):
-        return StepFit(bool(forced))
+        return StepFit(bool(forced), auto=forced is None)
     shape = step_shape(config, longest_prompt, world_size)
     verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced)
     if not verdict.fits:
@@ -84,4 +106,4 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
         if not verdict.memory.checkpointing:
             line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
         raise memory_plan.MemoryPlanError(line)
-    return StepFit(verdict.memory.checkpointing, verdict)
+    return StepFit(verdict.memory.checkpointing, verdict, forced is None, max(1, config.global_batch_size // world_size))

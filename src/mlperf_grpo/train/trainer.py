@@ -191,7 +191,7 @@ class Trainer:
             fit = self.inputs.step_fit
             if fit.note() is not None and ranks.is_writer():
                 print(f"mlperf-grpo: {fit.note()}", file=sys.stderr)
-            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing)
+            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.engine_rows)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed)
             self.settings = OptimizeSettings.of(config, compiled)
@@ -317,15 +317,16 @@ class Trainer:
             self.engine.close()
 
 
-def policy_and_engine(config: RunConfig, compiled: bool,
-                      activation_checkpointing: bool = False) -> tuple[torch.nn.Module, InferenceEngine]:
+def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointing: bool = False,
+                      engine_rows: int = 256) -> tuple[torch.nn.Module, InferenceEngine]:
     """The fp32 policy and the rollout engine: under torchrun the policy built sharded
     (:func:`~mlperf_grpo.train.fsdp.load_sharded_policy`, compute in the rollout dtype on
     CUDA) and each rank's engine refit from it; else both loaded from the files. The
     policy only scores (the engine generates): no KV cache. ``activation_checkpointing``:
     each decoder layer recomputed in the backward (FSDP's ``checkpoint_wrapper`` under
     torchrun; in one process ``transformers``' own non-reentrant gradient checkpointing,
-    which keeps the parameter names).
+    which keeps the parameter names). ``engine_rows``: the most rows the ``hf`` engine
+    decodes at once (its ``batch_size``; the planner's, :mod:`~mlperf_grpo.train.memory_fit`).
 
     Raises:
         ModelLoadError: the model does not load.
@@ -335,14 +336,14 @@ def policy_and_engine(config: RunConfig, compiled: bool,
         policy = load_sharded_policy(config.model.path, config.model.device, compute_dtype,
                                      activation_checkpointing, compile_layers=compiled,
                                      reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
-        return policy, engine_from_policy(config, policy)
+        return policy, engine_from_policy(config, policy, engine_rows)
     policy = load_model(config.model.path, "float32", config.model.device)
     policy.config.use_cache = False
     if activation_checkpointing:
         checkpoint_layers(policy)
     if compiled:
         compile_decoder_layers(policy)
-    return policy, build_engine(config)
+    return policy, build_engine(config, batch_size=engine_rows)
 
 
 def checkpoint_layers(policy: torch.nn.Module) -> None:
