@@ -37,11 +37,11 @@ import torch
 
 from grpo_step import SHAPES, engine_decode
 from mlperf_grpo import rules
-from mlperf_grpo.config_load import parse_config
-from mlperf_grpo.memory_plan import MemoryPlanError
-from mlperf_grpo.mllog import read_log
-from mlperf_grpo.model_files import BUILTIN_MODEL_DIR
-from mlperf_grpo.rundir import RunDir
+from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.plan.memory import MemoryPlanError
+from mlperf_grpo.logs.mllog import read_log
+from mlperf_grpo.model.files import BUILTIN_MODEL_DIR
+from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.train import inputs as train_inputs
 from mlperf_grpo.train import trainer as trainer_module
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
@@ -157,8 +157,8 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
         planned, ckpt = fit.verdict.peak_bytes, fit.checkpointing
         out.update(planned_gib=round(planned / GIB, 2), checkpointing=ckpt, note=fit.note())
     else:  # refused: measure the training phase (checkpointed, no KV cache) against its own figure
-        from mlperf_grpo import memory_plan
-        from mlperf_grpo import plan_sequences as seq
+        from mlperf_grpo.plan import memory as memory_plan
+        from mlperf_grpo.plan import sequences as seq
         from mlperf_grpo.train.memory_fit import static_bytes, step_shape
 
         model_cfg = memory_plan.load_model_config(model)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import Fit, SequenceShape
 
@@ -54,7 +54,7 @@ class StepFit:
     @property
     def engine_rows(self) -> int:
         """Rows the engine decodes at once: fewer than a rank's rows only where all of them
-        at full length do not fit beside training (:func:`~mlperf_grpo.plan_sequences.fit`)."""
+        at full length do not fit beside training (:func:`~mlperf_grpo.plan.sequences.fit`)."""
         limited = self.verdict is not None and self.verdict.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE,
                                                                                      self.rows)
         return self.verdict.shape.engine_rows if limited else sequences.ENGINE_BATCH_SIZE
