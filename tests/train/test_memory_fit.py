@@ -63,7 +63,7 @@ def test_qwen3_1_4b_figures_by_hand():
     assert m.activation_bytes == (4 * 2048 * 28 + 133288 + 12 * 2048) * 16384
     assert m.logits_bytes == 14 * 151_936 * 1766  # (2 + 12) V x one chunk of 1 GiB of float32 logits
     assert m.attention_mask_bytes == 3 * 16384**2
-    assert m.kv_cache_bytes == 2 * 28 * 257 * 1024 * 1031 * 2
+    assert m.kv_cache_bytes == 2 * 28 * 257 * 1024 * (1088 + 1) * 2  # columns: 1,030 rounded up to 64, + 1
     assert sequences.LOGITS_CHUNK_BYTES == logprobs.LOGITS_CHUNK_BYTES
 
 
@@ -93,7 +93,7 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
     line = str(err.value)
     assert "\n" not in line and "over the device's 40.0 GiB" in line and "more ranks" in line
     long = _config(max_new_tokens=65_000, num_prompts_per_step=1)  # 16 rows of 65k: the KV cache dominates
-    with pytest.raises(ConfigError, match="118.1 GiB engine KV cache .* fewer rollout rows a rank"):
+    with pytest.raises(ConfigError, match="118.2 GiB engine KV cache .* fewer rollout rows a rank"):
         plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
@@ -101,17 +101,26 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
         plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
 
 
-def test_the_engine_decodes_fewer_rows_at_once_where_all_of_them_do_not_fit():
-    # 16 rows of 65,040 tokens: 7.4 GiB of KV cache each (the cache holds one spare row);
-    # beside 32 GiB of state and a checkpointed 65k-token pass an H100's 79.2 GiB hold 2
-    # rows' cache: 1 row decoded at a time; 100 GiB hold 5: 4 at a time
-    config = _config(max_new_tokens=65_000, num_prompts_per_step=1)
-    for device, rows in ((85_000_000_000, 1), (100 * GIB, 4)):
-        fit = plan_step(config, QWEN3_1_4B, 40, 1, device)
-        assert fit.checkpointing and fit.engine_rows == rows and fit.verdict.peak_bytes <= device - 3 * GIB
-        assert fit.verdict.memory.kv_cache_bytes == 2 * 28 * (rows + 1) * 1024 * 65_041 * 2
+def test_the_engine_frees_its_cache_while_training_and_decodes_fewer_rows_where_needed():
+    # 16 rows of 65,040 tokens: 7.4 GiB of KV cache each (the cache holds one spare row),
+    # 119 GiB for all; an H100 (79.2 GiB, less 3 reserved) holds 32 GiB of state and either
+    # a checkpointed 65k-token pass or the cache of 5 rows (+ the spare) when the two take
+    # turns (synchronous rollouts); with age 1 the generation of the next step runs during
+    # training, so both at once: the cache of 1 row (+ spare) beside the pass
+    h100 = 85_000_000_000
+    for age, released, rows in ((0, True, 5), (1, False, 1)):
+        config = _config(max_new_tokens=65_000, num_prompts_per_step=1, max_trajectory_age_steps=age,
+                         use_importance_sampling_correction=True)
+        fit = plan_step(config, QWEN3_1_4B, 40, 1, h100)
+        assert (fit.checkpointing, fit.release_engine_memory, fit.engine_rows) == (True, released, rows)
+        m = fit.verdict.memory
+        assert m.kv_cache_bytes == 2 * 28 * (rows + 1) * 1024 * (65_088 + 1) * 2
+        turns = max(m.kv_cache_bytes, m.training_bytes) if released else m.kv_cache_bytes + m.training_bytes
+        assert fit.verdict.peak_bytes == fit.verdict.static_bytes + turns <= h100 - 3 * GIB
         assert f"the engine decodes {rows} row{'s' * (rows > 1)} at once, not all 16" in fit.note()
-    assert plan_step(_config(max_new_tokens=1024), QWEN3_1_4B, 40, 1, 80 * 10**9).engine_rows == 256
+        assert ("freed while the policy trains" in fit.note()) is released
+    short = plan_step(_config(max_new_tokens=1024), QWEN3_1_4B, 40, 1, h100)
+    assert short.engine_rows == 256 and not short.release_engine_memory  # checkpointing alone fits
 
 
 def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():

@@ -30,7 +30,7 @@ backward holds the chunk's ``b``-dtype logits, their float32 copy, log-softmax a
 gradient, ``(b + 12) V chunk``. A pass of packed rows gets a ``[S, S]`` boolean
 block-diagonal mask, which SDPA turns into an additive ``b``-dtype one: ``(1 + b) S^2``.
 The ``hf`` engine's static KV cache: ``2 L (rows + 1) kv (length + 1)`` elements of the
-rollout dtype (``inference/slot_state.py``).
+rollout dtype, ``length`` rounded up to 64 (``inference/slot_state.py``, ``decode.py``).
 
 These are estimates of the allocator's live bytes; the CUDA context, the allocator's
 slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
@@ -45,6 +45,9 @@ DENSE_TYPES = ("llama", "qwen3")
 DEVICE_RESERVE_BYTES = 3 << 30
 """Left free of a device's memory when judging a layout: the CUDA context (~0.5 GiB),
 the caching allocator's fragmentation, NCCL's buffers."""
+KEY_BLOCK = 64
+"""The slot decoder's cache columns are the longest row rounded up to a multiple of this,
+plus one (``DecodeOptions.key_block``)."""
 LOGITS_CHUNK_BYTES = 1 << 30
 """As ``train.logprobs.LOGITS_CHUNK_BYTES`` (kept equal by a test; this module has no torch)."""
 
@@ -163,14 +166,16 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
     chunk = min(s, max(1, LOGITS_CHUNK_BYTES // (4 * vocab)))
     logits = (b + 12) * vocab * chunk
     mask = (1 + b) * s * s if shape.packed else 0
-    kv_cache = 2 * layers * (shape.engine_rows + 1) * kv * (shape.engine_length + 1) * shape.rollout_bytes
+    columns = -(-shape.engine_length // KEY_BLOCK) * KEY_BLOCK + 1  # the slot cache's (inference/decode.py)
+    kv_cache = 2 * layers * (shape.engine_rows + 1) * kv * columns * shape.rollout_bytes
     return SequenceMemory(activations, logits, mask, kv_cache, checkpointing)
 
 
 @dataclass(frozen=True)
 class Fit:
     """:func:`fit`'s verdict: the bytes (with checkpointing needed or asked), whether the
-    step fits the device at all, and its shape."""
+    engine's KV cache is freed while the policy trains, whether the step fits the device
+    at all, and its shape."""
 
     memory: SequenceMemory
     static_bytes: int
@@ -178,33 +183,44 @@ class Fit:
     fits: bool
     shape: SequenceShape | None = None
     """The step's shape, with the engine's rows at once as planned."""
+    released: bool = False
+    """The engine frees its KV cache and graphs once the rollouts are generated (synchronous
+    rollouts): generation and training then take the memory in turn."""
 
     @property
     def peak_bytes(self) -> int:
-        """Planned peak: weights, optimizer state and engine, its KV cache, a training pass."""
-        return self.static_bytes + self.memory.kv_cache_bytes + self.memory.training_bytes
+        """Planned peak: weights, optimizer state and engine, plus its KV cache and a
+        training pass at once, or the larger of the two when the cache is released."""
+        m = self.memory
+        turns = max(m.kv_cache_bytes, m.training_bytes) if self.released else m.kv_cache_bytes + m.training_bytes
+        return self.static_bytes + turns
 
 
 def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int,
-        checkpointing: bool | None = None) -> Fit:
+        checkpointing: bool | None = None, can_release: bool = False) -> Fit:
     """Whether a step fits ``device_bytes`` (less :data:`DEVICE_RESERVE_BYTES`) on top of
     ``static_bytes`` (weights, gradients, AdamW moments, the engine's weights:
-    ``memory_plan``). ``checkpointing`` None: off when the step fits without it, else on;
-    True/False: as asked. When even that does not fit, the engine decodes fewer rows at
-    once (its slots refill as rows finish): the most that fit, at least one
-    (:attr:`Fit.shape`'s ``engine_rows``)."""
+    ``plan.memory``), in this order of cost: as it is; with the engine's KV cache freed
+    while the policy trains (``can_release``: synchronous rollouts; the next generation
+    captures its graphs again); with activation checkpointing (``checkpointing`` None:
+    tried; True/False: as asked), then both. When none fits, the engine decodes fewer
+    rows at once (its slots refill as rows finish): the most that fit, at least one
+    (:attr:`Fit.shape`'s ``engine_rows``); else the last verdict, not fitting."""
     usable = device_bytes - DEVICE_RESERVE_BYTES
-    options = [checkpointing] if checkpointing is not None else [False, True]
-    for ckpt in options:
-        verdict = Fit(sequence_memory(config, shape, ckpt), static_bytes, device_bytes, fits=False, shape=shape)
+    options = [(c, r) for c in ([checkpointing] if checkpointing is not None else [False, True])
+               for r in ([False, True] if can_release else [False])]
+    for ckpt, released in options:
+        verdict = Fit(sequence_memory(config, shape, ckpt), static_bytes, device_bytes, False, shape, released)
         if verdict.peak_bytes <= usable:
             return replace(verdict, fits=True)
+    m = verdict.memory
     per_row = sequence_memory(config, replace(shape, engine_rows=1), ckpt).kv_cache_bytes // 2  # (rows + 1) rows
-    rows = min(shape.engine_rows, (usable - (verdict.peak_bytes - verdict.memory.kv_cache_bytes)) // per_row - 1)
-    if rows < 1:
+    room = usable - static_bytes - (0 if released else m.training_bytes)
+    rows = min(shape.engine_rows, room // per_row - 1)
+    if rows < 1 or (released and static_bytes + m.training_bytes > usable):
         return verdict
     fewer = replace(shape, engine_rows=int(rows))
-    return Fit(sequence_memory(config, fewer, ckpt), static_bytes, device_bytes, fits=True, shape=fewer)
+    return Fit(sequence_memory(config, fewer, ckpt), static_bytes, device_bytes, True, fewer, released)
 
 
 def gib(n: int) -> str:

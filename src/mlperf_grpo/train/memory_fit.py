@@ -52,6 +52,11 @@ class StepFit:
     """``model.activation_checkpointing`` was ``auto``."""
 
     @property
+    def release_engine_memory(self) -> bool:
+        """Whether the engine frees its KV cache and graphs while the policy trains."""
+        return self.verdict is not None and self.verdict.released
+
+    @property
     def engine_rows(self) -> int:
         """Rows the engine decodes at once: fewer than a rank's rows only where all of them
         at full length do not fit beside training (:func:`~mlperf_grpo.plan.sequences.fit`)."""
@@ -60,11 +65,13 @@ class StepFit:
         return self.verdict.shape.engine_rows if limited else sequences.ENGINE_BATCH_SIZE
 
     def note(self) -> str | None:
-        """One line saying what the plan turned on (checkpointing under ``auto``, fewer
-        rows decoded at once), else None."""
+        """One line saying what the plan turned on (the KV cache freed while training,
+        checkpointing under ``auto``, fewer rows decoded at once), else None."""
         if self.verdict is None:
             return None
         v, said = self.verdict, []
+        if v.released:
+            said.append("the engine's KV cache and graphs freed while the policy trains (synchronous rollouts)")
         if self.checkpointing and self.auto:
             said.append(f"activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
                         f"does not fit)")
@@ -100,7 +107,8 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     if device_bytes is None or not sequences.plans_sequences(model):
         return StepFit(bool(forced), auto=forced is None)
     shape = step_shape(config, longest_prompt, world_size)
-    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced)
+    can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
+    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
     if not verdict.fits:
         line = sequences.refusal(verdict)
         if not verdict.memory.checkpointing:

@@ -244,7 +244,7 @@ class Trainer:
         log.commit()
         rollout_params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
         settings = RolloutSettings(g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params, config.seed,
-                                   g.max_trajectory_age_steps, g.max_steps)
+                                   g.max_trajectory_age_steps, g.max_steps, self.inputs.step_fit.release_engine_memory)
         self.producer = RolloutProducer(
             self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
