@@ -15,10 +15,11 @@ context, random weights, the default config otherwise (``grpo.micro_batch_tokens
   every completion run to N tokens (no EOS id); the peak is ``max_memory_allocated`` over
   the run, the step time step 2's (``block_stop`` to ``block_stop``);
 - otherwise ``synthetic``: the trainer's policy and engine, the engine's KV cache
-  allocated for the case's rows and length (as after a rollout), and two optimizer steps
-  (``optimize_step``) on random ``--train-rows`` rows of the case's length (every pass of
-  the case has one row: the same peak; ``update_s`` is one pass's time x rows); a refused
-  case is measured without the KV cache, against the planner's figure without it.
+  allocated for the rows it decodes at once as planned (as during a rollout; freed
+  before training where the plan frees it), and two optimizer steps (``optimize_step``)
+  on random ``--train-rows`` rows of the case's length (every pass of the case has one
+  row: the same peak; ``update_s`` is one pass's time x rows); a refused case is
+  measured without the KV cache, against the planner's figure without it.
 
 Prints one JSON line per case: ``peak_gib``, ``planned_gib``, their ratio, ``checkpointing``,
 ``step_s`` or ``update_s``, ``refusal``.
@@ -110,18 +111,17 @@ def measure_real(config, tmp: Path, checked) -> dict:
             "step_s": (stops[-1] - stops[-2]) / 1000 if len(stops) > 1 else None}
 
 
-def measure_synthetic(config, checkpointing: bool, train_rows: int, with_kv: bool) -> dict:
+def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int, released: bool) -> dict:
+    """The trainer's policy and engine; after a first optimizer step (AdamW's state, as
+    from step 2 on): the engine's KV cache of ``kv_rows`` rows allocated as the slot
+    decoder does (the generation's peak), freed first when ``released``, then a second
+    step on ``train_rows`` rows (0 ``kv_rows``: no cache)."""
     from mlperf_grpo.inference.slot_state import SlotCache
+    from mlperf_grpo.plan.sequences import KEY_BLOCK
 
     g = config.grpo
     policy, engine = trainer_module.policy_and_engine(config, config.model.compile_policy, checkpointing)
     rows, length = config.global_batch_size, PROMPT_TOKENS + g.max_new_tokens
-    kv = None
-    if with_kv:
-        text = engine.model.config
-        kv_heads, head_dim = text.num_key_value_heads, text.head_dim
-        kv = SlotCache([(kv_heads, head_dim)] * text.num_hidden_layers, min(256, rows), length, torch.bfloat16,
-                       torch.device(config.model.device))
     optimizer = trainer_module.adamw(config, policy)
     settings = OptimizeSettings.of(config, config.model.compile_policy)
     n = min(train_rows, rows)
@@ -132,13 +132,24 @@ def measure_synthetic(config, checkpointing: bool, train_rows: int, with_kv: boo
                          torch.randn(n), torch.zeros(1, n), torch.ones(n))
     optimize_step(policy, optimizer, batch, settings)  # AdamW's state exists from here on, as from step 2
     _reset()
+    kv = None
+    if kv_rows:
+        text = engine.model.config
+        columns = -(-length // KEY_BLOCK) * KEY_BLOCK
+        kv = SlotCache([(text.num_key_value_heads, text.head_dim)] * text.num_hidden_layers, kv_rows, columns,
+                       torch.bfloat16, torch.device(config.model.device))
+    if released:
+        del kv
+        kv = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     start = time.perf_counter()
     optimize_step(policy, optimizer, batch, settings)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    out = {"mode": "synthetic", "peak_bytes": _peak(), "train_rows": n,
-           "update_s": seconds * rows / n, "kv_cache_allocated": with_kv}
+    out = {"mode": "synthetic", "peak_bytes": _peak(), "train_rows": n, "update_s": seconds * rows / n,
+           "kv_rows": kv_rows, "kv_released_for_training": released}
     del policy, engine, optimizer, kv
     return out
 
@@ -155,7 +166,8 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
         checked, fit, refusal = None, None, str(err)
     if fit is not None and fit.verdict is not None:
         planned, ckpt = fit.verdict.peak_bytes, fit.checkpointing
-        out.update(planned_gib=round(planned / GIB, 2), checkpointing=ckpt, note=fit.note())
+        out.update(planned_gib=round(planned / GIB, 2), checkpointing=ckpt, note=fit.note(),
+                   engine_rows=fit.verdict.shape.engine_rows, kv_released=fit.release_engine_memory)
     else:  # refused: measure the training phase (checkpointed, no KV cache) against its own figure
         from mlperf_grpo.plan import memory as memory_plan
         from mlperf_grpo.plan import sequences as seq
@@ -169,8 +181,11 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
     try:
         if real and checked is not None:
             result = measure_real(config, tmp, checked)
+        elif fit is not None:
+            result = measure_synthetic(config, ckpt, args.train_rows, fit.engine_rows if fit.engine_rows < 256 else
+                                       min(256, config.global_batch_size), fit.release_engine_memory)
         else:
-            result = measure_synthetic(config, ckpt, args.train_rows, with_kv=refusal is None)
+            result = measure_synthetic(config, ckpt, args.train_rows, 0, False)
     except torch.OutOfMemoryError as err:  # the planner let through a step that does not fit: say so
         result = {"mode": "real" if real else "synthetic", "out_of_memory": str(err).splitlines()[0][:200],
                   "peak_bytes": _peak()}
