@@ -372,14 +372,14 @@ def main() -> None:
         task = {"name": "python", "entry_point": "format_task:factory"} if args.task == "format" else {"name": "arithmetic"}
         config = {
             "seed": 1,
-            "model": {"path": str(tmp / "model"), "dtype": dtype, "device": args.device},
-            "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "max_steps": args.steps,
+            "model": {"path": str(tmp / "model"), "dtype": dtype, "device": args.device,
+                      "activation_checkpointing": "on" if args.activation_checkpointing else "off"},
+            "grpo": {"num_prompts_per_step": prompts, "micro_batch_size": micro, "micro_batch_tokens": None, "max_steps": args.steps,
                      "first_eval_step": args.steps, "max_new_tokens": args.max_new_tokens or (64 if cuda else 8)},
             "task": task,
             **({"optimizer": {"learning_rate": lr}} if lr is not None else {}),
             "checkpoint": {"max_in_flight": 1},
-            "distributed": {"activation_checkpointing": args.activation_checkpointing,
-                            "reshard_every_micro_batch": reshard},
+            "distributed": {"reshard_every_micro_batch": reshard},
         }
         planned = {k: planned_bytes_per_rank(tmp / "model", k, dtype, config["checkpoint"]["max_in_flight"])
                    for k in {1, args.nproc}}

@@ -22,7 +22,8 @@ def test_default_is_the_builtin_run():
         ({"bogus": 1}, "unknown key 'bogus'"),
         ({"grpo": {"max_steps": 0}}, "field 'grpo.max_steps'"),
         ({"grpo": {"max_steps": "many"}}, "field 'grpo.max_steps'"),
-        ({"grpo": {"micro_batch_size": 100}}, "must divide the global batch size 256"),
+        ({"grpo": {"micro_batch_size": 100, "micro_batch_tokens": None}}, "must divide the global batch size 256"),
+        ({"grpo": {"micro_batch_tokens": None}}, "micro_batch_tokens: null needs grpo.micro_batch_size"),
         ({"division": "semi"}, "field 'division'"),
         ([1, 2], "expected a mapping"),
         ({"optimizer": {"learning_rate": float("inf")}}, "field 'optimizer.learning_rate'"),  # trained NaN weights, exit 0
@@ -85,7 +86,7 @@ def test_a_rule_across_fields_reads_without_a_made_up_field_name():
     assert str(err.value) == ("x.yaml: grpo.max_steps=3 is below the first eval step 18: no checkpoint would be "
                               "written or evaluated; raise max_steps")  # it read "field '(top level)': ... (got {...})"
     with pytest.raises(ConfigError) as err:
-        parse_config({"grpo": {"micro_batch_size": 100}}, source="x.yaml")
+        parse_config({"grpo": {"micro_batch_size": 100, "micro_batch_tokens": None}}, source="x.yaml")
     assert str(err.value).startswith("x.yaml: grpo.micro_batch_size=100 must divide") and "got" not in str(err.value)
 
 

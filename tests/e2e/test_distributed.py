@@ -52,7 +52,8 @@ def test_prompt_shares_cover_the_step_once_in_order():
 
 @pytest.mark.parametrize("grpo, needle", [
     ({"num_prompts_per_step": 3, "micro_batch_size": 16, "first_eval_step": 2}, "does not divide over 2 ranks"),
-    ({"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 16, "first_eval_step": 2}, "divisor of 8"),
+    ({"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 16, "micro_batch_tokens": None,
+      "first_eval_step": 2}, "divisor of 8"),
 ])
 def test_a_batch_that_does_not_divide_over_the_ranks_is_refused(grpo, needle):
     config = RunConfig.model_validate({"grpo": grpo})
@@ -156,7 +157,8 @@ def _rows(batch, rows: slice, prompts: slice):
                    advantages=batch.advantages[rows], rewards=batch.rewards[prompts], sample_mask=batch.sample_mask[rows])
 
 
-def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out: str, reshard: bool = True) -> None:
+def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int | None, out: str, reshard: bool = True,
+                  tokens: int | None = None) -> None:
     with _joined(rank, world, init_file):
         torch.manual_seed(0)
         policy = fsdp.shard_policy(load_model(MODEL, "float32"), None, activation_checkpointing=True,
@@ -167,7 +169,8 @@ def _sharded_step(rank: int, world: int, init_file: str, batch, micro: int, out:
         g = batch.rewards.shape[1]
         share = _rows(batch, slice(prompts.start * g, prompts.stop * g), prompts)
         result = optimize_step(policy, opt, share, OptimizeSettings(micro, 1.0, PGLossOptions(), grad_clip_norm=1e9,
-                                                                 reshard_every_micro_batch=reshard))
+                                                                 reshard_every_micro_batch=reshard,
+                                                                 micro_batch_tokens=tokens, packing="always"))
         engine = HFEngine(MODEL, "float32")
         engine.load_weights(fsdp.policy_weights(policy))  # one parameter at a time
         if rank == 0:
@@ -194,6 +197,24 @@ def test_one_step_on_two_ranks_equals_one_big_batch(tmp_path, reshard):
     assert got["tokens"] == expected.num_valid_tokens == batch.num_tokens
     assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
     assert got["loss"] == pytest.approx(expected.loss, abs=1e-6)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(got["engine"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_passes_on_two_ranks_with_different_pass_counts_equal_one_big_batch(tmp_path):
+    """Token-budget passes under FSDP2: rank 1 keeps 3 of its 32 rows (the others left out
+    by sample_mask) and has fewer passes than rank 0; it cuts its passes or runs empty
+    ones so that both make the same collectives, and the update is the one-process one."""
+    from test_trainer import _batch, _step
+
+    batch = _batch()
+    batch.sample_mask[32:] = 0
+    batch.sample_mask[40:43] = 1
+    whole = _step(load_model(MODEL, "float32"), batch, micro=64)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_sharded_step, args=(2, str(tmp_path / "pg"), batch, None, str(out), True, 40), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["tokens"] == batch.num_tokens
     for name, tensor in whole.items():
         torch.testing.assert_close(got["engine"][name], tensor, rtol=1e-5, atol=1e-6)
 

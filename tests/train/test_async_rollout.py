@@ -106,3 +106,33 @@ def test_steps_out_of_order_are_refused():
         producer.take(1)
         with pytest.raises(ValueError, match="rollouts of step 2 are in flight; step 3 was asked for"):
             producer.take(3)
+
+
+def test_synchronous_rollouts_free_the_engines_cache_before_training_when_asked():
+    # the real slot decoder on the CPU: after each step's rollouts its KV cache and state
+    # are gone (the policy trains in that memory); the next call re-creates them and
+    # samples the same completions as an engine that kept them
+    from mlperf_grpo.inference.hf import HFEngine
+
+    texts = {}
+    for release in (False, True):
+        engine = HFEngine("builtin:arithmetic-tiny", "float32", batch_size=4, decode="slots")
+        sampler = PromptSampler(arithmetic.train_tasks(32, 251, seed=1), seed=1)
+        settings = RolloutSettings(2, 3, PARAMS, seed=7, max_trajectory_age_steps=0, max_steps=2,
+                                   release_engine_memory=release)
+        with RolloutProducer(engine, sampler, settings) as producer:
+            for step in (1, 2):
+                rollouts = producer.take(step)
+                assert (engine._decoder.cache is None) is release
+                texts.setdefault(release, []).append([c.token_ids for g in rollouts.completions for c in g])
+    assert texts[True] == texts[False]
+
+
+def test_one_step_async_never_frees_the_cache_the_next_generation_uses():
+    engine = FakeEngine()  # no release_memory: calling it would raise
+    sampler = PromptSampler(arithmetic.train_tasks(32, 251, seed=1), seed=1)
+    settings = RolloutSettings(2, 3, PARAMS, seed=7, max_trajectory_age_steps=1, max_steps=2, release_engine_memory=True)
+    with RolloutProducer(engine, sampler, settings) as producer:
+        producer.take(1)
+        producer.refit({"name": "w1"}, weights_version=1)
+        producer.take(2)

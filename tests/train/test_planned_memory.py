@@ -7,6 +7,7 @@ import pytest
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.plan.memory import MemoryPlanError
 from mlperf_grpo.train import inputs
+from mlperf_grpo.train.memory_fit import StepFit
 
 # the built-in model (assets/arithmetic-tiny): hidden 64, 2 layers, 4 heads of 16 (4 KV),
 # MLP 256, vocab 15, tied embeddings; model.dtype float32
@@ -31,9 +32,25 @@ def test_layout_past_the_device_memory_is_refused(monkeypatch):
     assert "more ranks" in message and "\n" not in message
 
 
+def _static_check_only(monkeypatch):
+    """The layout's static bytes judged alone, at their exact boundary (the sequences'
+    check, with its reserve, is train/memory_fit.py's: tests/train/test_memory_fit.py)."""
+    monkeypatch.setattr(inputs, "plan_step", lambda config, model, longest, world, device: StepFit(False))
+
+
 def test_layout_that_fits_passes(monkeypatch):
+    _static_check_only(monkeypatch)
     monkeypatch.setattr(inputs, "device_memory_bytes", lambda: PLANNED_ONE_RANK)
     inputs.check_planned_memory(cuda_config())
+
+
+def test_a_step_whose_sequences_do_not_fit_is_refused_after_the_layout(monkeypatch):
+    # the built-in model's weights fit 1 GiB, but not with the 3 GiB reserve for the context
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(MemoryPlanError, match="the step needs about .* over the device's 1.0 GiB"):
+        inputs.check_planned_memory(cuda_config(), longest_prompt=20)
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 8 << 30)
+    assert not inputs.check_planned_memory(cuda_config(), longest_prompt=20).checkpointing
 
 
 def test_cpu_is_not_checked(monkeypatch):
@@ -43,6 +60,7 @@ def test_cpu_is_not_checked(monkeypatch):
 
 def test_vllm_engine_is_split_over_its_t(monkeypatch):
     config = parse_config({"model": {"device": "cuda"}, "inference": {"engine": "vllm", "tensor_parallel_size": 2}})
+    _static_check_only(monkeypatch)
     monkeypatch.setattr(inputs, "device_memory_bytes", lambda: PLANNED_ONE_RANK - PARAMETERS * 4 // 2)
     inputs.check_planned_memory(config)
 

@@ -91,7 +91,8 @@ def test_optimize_settings_of_a_config():
     g = config.grpo
     assert OptimizeSettings.of(config, compiled=True) == OptimizeSettings(
         4, g.rollout_temperature, PGLossOptions.of(g), config.gradient_clip_norm, g.seq_logprob_error_threshold,
-        g.needs_prev_logprobs, torch.bfloat16, width_multiple=8, reshard_every_micro_batch=False)
+        g.needs_prev_logprobs, torch.bfloat16, width_multiple=8, reshard_every_micro_batch=False,
+        micro_batch_tokens=g.micro_batch_tokens)
     assert OptimizeSettings.of(config).width_multiple == 1
     with pytest.raises(ValueError, match="needs the prev log-probs"):
         OptimizeSettings(4, 1.0, PGLossOptions(), 1.0, seq_logprob_error_threshold=2.0)

@@ -262,7 +262,31 @@ def _plan_memory(request: PlanRequest) -> str:
              else memory_plan.load_model_config(request.model_config))
     result = memory_plan.plan_memory(model, request.world_size, request.tensor_parallel_size, request.dtype,
                                      request.max_in_flight, tensor_parallel_name="--tensor-parallel-size")
-    return json.dumps(result.to_json(), indent=2) if request.json else memory_plan.format_memory_plan(result)
+    out, lines = result.to_json(), [memory_plan.format_memory_plan(result)]
+    if request.trajectory_tokens is not None:
+        out["sequences"], text = _plan_sequences(request, model, result)
+        lines.append(text)
+    return json.dumps(out, indent=2) if request.json else "\n".join(lines)
+
+
+def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[dict | None, str]:
+    """``plan --memory --trajectory-tokens``: the sequences' per-rank bytes (plan/sequences.py)
+    without and with activation checkpointing, as JSON and text."""
+    from mlperf_grpo.plan import memory as memory_plan
+    from mlperf_grpo.plan import sequences as plan_sequences
+
+    if not plan_sequences.plans_sequences(model):
+        return None, f"sequences: not counted for model_type {model.get('model_type')!r} (dense llama / qwen3 only)"
+    rows = request.rows or max(1, 256 // request.world_size)
+    bytes_ = memory_plan.DTYPE_BYTES[request.dtype]
+    shape = plan_sequences.step_shape(request.trajectory_tokens, rows, request.micro_batch_tokens,
+                                      compute_bytes=bytes_, rollout_bytes=bytes_)
+    static = (memory_plan.static_device_bytes(result, 1)
+              + plan_sequences.autocast_copy_bytes(result.parameters, request.world_size, bytes_))
+    figures = {"shape": shape.__dict__, "static_device_bytes": static,
+               **{name: plan_sequences.sequence_memory(model, shape, c).to_json()
+                  for name, c in (("no_checkpointing", False), ("checkpointing", True))}}
+    return figures, "\n".join(plan_sequences.format_sequences(model, shape, static))
 
 
 def say(line: str) -> None:

@@ -179,6 +179,13 @@ def _add_plan(sub) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--memory: model.dtype (default bfloat16)")
     p.add_argument("--max-in-flight", type=_positive_int, default=2, metavar="K",
                    help="--memory: checkpoint.max_in_flight (default 2)")
+    p.add_argument("--trajectory-tokens", type=_positive_int, metavar="L",
+                   help="--memory: also the sequences' bytes (activations, log-prob chunks, KV cache) for rows of "
+                        "L tokens (prompt + completion)")
+    p.add_argument("--micro-batch-tokens", type=_positive_int, default=16384, metavar="B",
+                   help="--memory --trajectory-tokens: grpo.micro_batch_tokens (default 16384)")
+    p.add_argument("--rows", type=_positive_int, metavar="R",
+                   help="--memory --trajectory-tokens: rows a rank trains and its engine decodes (default 256 / N)")
 
 
 def _add_package(sub) -> None:

@@ -178,7 +178,7 @@ class CheckRequest:
         return None
 
 
-MEMORY_FLAGS = ("model_shape", "model_config", "world_size")
+MEMORY_FLAGS = ("model_shape", "model_config", "world_size", "trajectory_tokens", "rows")
 MODEL_SHAPE_NAMES = ("qwen3.5-397b-a17b",)
 """``plan --memory --model-shape`` choices (``memory_plan.MODEL_SHAPES``: the parser is built
 without importing the library; a test keeps the two equal)."""
@@ -200,11 +200,15 @@ class PlanRequest:
     tensor_parallel_size: int
     dtype: str
     max_in_flight: int
+    trajectory_tokens: int | None = None
+    micro_batch_tokens: int = 16384
+    rows: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:
         return cls(args.global_batch_size, args.config, args.json, args.memory, args.model_shape, args.model_config,
-                   args.world_size, args.tensor_parallel_size, args.dtype, args.max_in_flight)
+                   args.world_size, args.tensor_parallel_size, args.dtype, args.max_in_flight,
+                   args.trajectory_tokens, args.micro_batch_tokens, args.rows)
 
     def __post_init__(self) -> None:
         memory_options = [f"--{name.replace('_', '-')}" for name in MEMORY_FLAGS if getattr(self, name) is not None]
@@ -216,6 +220,8 @@ class PlanRequest:
                                "and --model-config PATH")
             if self.world_size is None:
                 raise BadInput("plan --memory: give --world-size N (the ranks, one accelerator each)")
+            if self.rows is not None and self.trajectory_tokens is None:
+                raise BadInput("plan --memory: --rows sizes the sequences: add --trajectory-tokens L")
             return
         if memory_options:
             raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")

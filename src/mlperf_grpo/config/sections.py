@@ -17,6 +17,11 @@ BUILTIN_MODEL = "builtin:arithmetic-tiny"
 
 DEFAULT_LEARNING_RATE = 4e-6
 
+DEFAULT_MICRO_BATCH_TOKENS = 16384
+"""``grpo.micro_batch_tokens``'s default: 16 completions of 1,024 tokens a pass; the
+trainer turns on activation checkpointing where the planner says a pass of it does not
+fit otherwise (``train/memory_fit.py``)."""
+
 class Strict(BaseModel):
     """A config section: unknown keys refused, values never coerced."""
 
@@ -53,8 +58,13 @@ class ModelConfig(Strict):
     on for the bfloat16 compute path on ``cuda`` (the first step pays the compilation),
     off elsewhere (the CPU calibration's path runs eager). YAML reads a bare ``on``/``off``
     as true/false: those are taken as ``on``/``off``."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in the backward pass (less memory, about
+    one more forward pass of compute), in one process and under torchrun. ``auto``: on
+    where the planner says a training pass does not fit the device otherwise
+    (``train/memory_fit.py``; one line says so), off elsewhere (and on the CPU)."""
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "activation_checkpointing", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
@@ -170,8 +180,15 @@ class GRPOConfig(Strict):
     num_prompts_per_step: int = Field(16, gt=0)
     num_generations_per_prompt: int = Field(rules.NUM_GENERATIONS_PER_PROMPT, gt=1)
     max_steps: int = Field(30, gt=0)
-    micro_batch_size: int = Field(64, gt=0)
-    """Completions per forward/backward pass; gradients accumulate to the global batch."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Completions per forward/backward pass; gradients accumulate to the global batch.
+    With ``micro_batch_tokens`` a cap on them (``null``: none); without it, it must be set
+    and divide the global batch (and each rank's share of it)."""
+    micro_batch_tokens: int | None = Field(DEFAULT_MICRO_BATCH_TOKENS, gt=0)
+    """Token budget of one forward/backward pass: completions (prompt + completion tokens
+    each) are packed end to end into one sequence up to it, attention kept within each,
+    no padding computed (``train/packing.py``); one longer than it is a pass of its own.
+    ``null``: ``micro_batch_size`` right-padded completions a pass."""
     max_new_tokens: int = Field(6, gt=0)
     max_sequence_length: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
     rollout_temperature: float = Field(rules.ROLLOUT_TEMPERATURE, gt=0)
@@ -257,6 +274,10 @@ class GRPOConfig(Strict):
     @model_validator(mode="after")
     def _micro_batch_divides(self) -> "GRPOConfig":
         gbs = self.global_batch_size
+        if self.micro_batch_tokens is not None:
+            return self
+        if self.micro_batch_size is None:
+            raise ValueError("grpo.micro_batch_tokens: null needs grpo.micro_batch_size (completions a pass)")
         if gbs % self.micro_batch_size:
             raise ValueError(
                 f"grpo.micro_batch_size={self.micro_batch_size} must divide the global batch "
@@ -354,9 +375,13 @@ class DistributedConfig(Strict):
     """Data-parallel training under ``torchrun`` (README, "Distributed training"); read
     only when launched by torchrun."""
 
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (less memory,
-    about one more forward pass of compute)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "activation_checkpointing" in data:
+            raise ValueError("distributed.activation_checkpointing moved to model.activation_checkpointing "
+                             "(auto | on | off; it applies in one process too): write it there")
+        return data
 
     reshard_every_micro_batch: bool = True
     """``true`` (FSDP's default, least memory): each decoder layer's weights are

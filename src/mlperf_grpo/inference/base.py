@@ -134,6 +134,11 @@ class InferenceEngine(Protocol):
         ``prefills``, ``prefill_ms``;
         ``{}`` elsewhere), for ``eval/timing.jsonl``. Informational only."""
 
+    def release_memory(self) -> None:
+        """Free the generation's device memory (KV cache, graphs) until the next
+        :meth:`generate`, keeping the weights: the ``hf`` slot decoder's; vLLM keeps its
+        own share (``inference.gpu_memory_utilization``)."""
+
     def close(self) -> None:
         """Release what garbage collection does not (vLLM: its engine core and
         process-wide distributed state); the engine is unusable afterwards."""

@@ -228,6 +228,18 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         self.prefill_ms = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in self._prefill_times)
         return results  # type: ignore[return-value]
 
+    def release(self) -> None:
+        """Free the KV cache, the per-slot state and the CUDA graphs with their memory pool
+        (back to the device: ``torch.cuda.empty_cache``); the next call allocates them
+        again and captures its graphs anew. For a policy that trains on the same device
+        between rollouts (``train/memory_fit.py``)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
+        self.cache = self.state = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _ensure(self, shapes: list[tuple[int, int]], slots: int, length: int, max_new_tokens: int,
                 dtype: torch.dtype) -> None:
         """A cache and state large enough for this call; new ones drop the graphs (which
@@ -235,12 +247,7 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         if (self.cache is not None and self.cache.fits(shapes, slots, length, dtype)
                 and self.state.fits(slots, max_new_tokens, length)):
             return
-        self._graphs.clear()
-        self._prefill_graphs.clear()
-        self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
-        self.cache = self.state = None
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.release()
         self.cache = SlotCache(shapes, slots, length, dtype, self.model.device)
         self.state = SlotState(slots, max_new_tokens, length, self.model.device)
 

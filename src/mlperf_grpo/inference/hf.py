@@ -339,6 +339,12 @@ class HFEngine:
         own = self.weights()
         return weights_fingerprint({n: own[n] for n in names})
 
+    def release_memory(self) -> None:
+        """Free the slot decoder's KV cache and CUDA graphs until the next :meth:`generate`
+        (which allocates and captures them again); the weights stay."""
+        if self._decoder is not None:
+            self._decoder.release()
+
     def close(self) -> None:
         """Drop the slot decoder's KV cache and CUDA graphs; the model is freed with the engine."""
         self._decoder = None

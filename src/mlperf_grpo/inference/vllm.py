@@ -205,6 +205,9 @@ class VLLMEngine:
         self.llm.collective_rpc("refit_from_directory", args=(str(Path(directory).resolve()), self.head_padding))
         self._reset_prefix_cache()
 
+    def release_memory(self) -> None:
+        """Nothing: vLLM keeps its KV cache within ``inference.gpu_memory_utilization``."""
+
     def close(self) -> None:
         """Shut the engine core down and tear down vLLM's process-wide distributed state
         (``EngineCore.shutdown``), so another engine can be built in this process (the

@@ -329,6 +329,15 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     return MemoryPlan(total, total * rollout, world_size, tensor_parallel_size, replica, sharded)
 
 
+def static_device_bytes(plan: MemoryPlan, engine_shards: int = 1) -> int:
+    """A rank's planned device bytes before any sequence: the FSDP2 shards (fp32 weights,
+    gradients, AdamW moments) plus the engine's weights (its ``sharded`` share at T > 1,
+    else the whole engine over ``engine_shards``: :func:`check_fits`)."""
+    r = plan.replica
+    engine = plan.sharded.engine_bytes if plan.tensor_parallel_size > 1 else -(-r.engine_bytes // engine_shards)
+    return r.device_bytes - r.engine_bytes + engine
+
+
 def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 1) -> None:
     """Refuse a layout when a rank's planned device bytes exceed its accelerator's memory:
     the FSDP2 shards plus, at ``plan.tensor_parallel_size`` T > 1 (the tensor-parallel
@@ -338,9 +347,9 @@ def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 
     Raises:
         MemoryPlanError: naming the planned bytes, the device's bytes and the remedies.
     """
+    planned = static_device_bytes(plan, engine_shards)
     r = plan.replica
-    engine = plan.sharded.engine_bytes if plan.tensor_parallel_size > 1 else -(-r.engine_bytes // engine_shards)
-    planned = r.device_bytes - r.engine_bytes + engine
+    engine = planned - (r.device_bytes - r.engine_bytes)
     if planned > device_memory_bytes:
         raise MemoryPlanError(
             f"the planned {planned:,} bytes per rank ({_gib(planned)} GiB: fp32 weights, gradients and AdamW moments "

@@ -41,9 +41,10 @@ def sequence_limits(config: RunConfig) -> dict[str, int]:
     return limits
 
 
-def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) -> None:
+def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) -> dict[str, int]:
     """Refuse a run in which any prompt plus ``grpo.max_new_tokens`` exceeds a limit of
-    :func:`sequence_limits`, before anything is written.
+    :func:`sequence_limits`, before anything is written; return each set's longest prompt
+    in tokens (0 for an empty set).
 
     Args:
         config: the run config (model, ``grpo.max_new_tokens``, the limits).
@@ -58,8 +59,10 @@ def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) ->
     what, limit = min(limits.items(), key=lambda item: item[1])
     new_tokens = config.grpo.max_new_tokens
     tokenizer = load_tokenizer(config.model.path)
+    longest = {}
     for kind, task_list in task_sets.items():
         lengths = [len(ids) for ids in encode_prompts(tokenizer, [t.prompt for t in task_list])]
+        longest[kind] = max(lengths, default=0)
         over = [i for i, n in enumerate(lengths) if n + new_tokens > limit]
         if not over:
             continue
@@ -70,3 +73,4 @@ def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) ->
             f"{kind} prompts are over it); shorten or drop those prompts, lower grpo.max_new_tokens, or use a model "
             "with a longer context"
         )
+    return longest

@@ -67,6 +67,10 @@ class RolloutSettings:
     seed: int
     max_trajectory_age_steps: int
     max_steps: int
+    release_engine_memory: bool = False
+    """Synchronous rollouts only: free the engine's KV cache and graphs once a step's
+    rollouts are generated, so the policy trains in that memory (``train/memory_fit.py``);
+    the next generation allocates them again."""
 
 
 class RolloutProducer:
@@ -105,6 +109,7 @@ class RolloutProducer:
         self._seed = settings.seed
         self._max_age = settings.max_trajectory_age_steps
         self._max_steps = settings.max_steps
+        self._release = settings.release_engine_memory and settings.max_trajectory_age_steps == 0
         self._weights_version = 0
         self._cuda = device == "cuda"
         self._share = prompt_share
@@ -135,6 +140,8 @@ class RolloutProducer:
             rollouts = future.result()
         else:
             rollouts = self._generate(step, self._draw(), self._weights_version)
+            if self._release:  # nothing generates until the next take: the policy may train in it
+                self._engine.release_memory()
         rollouts.exposed_generation_s = time.perf_counter() - start
         if self._max_age == 1 and step < self._max_steps:
             nxt = step + 1

@@ -20,6 +20,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest of every rank's ``value``; ``value`` itself outside a process group."""
+    if not in_process_group():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``[n, ...]`` CPU tensor along dim 0, in rank order
     (``[N n, ...]``); ``t`` itself outside a torchrun process group."""

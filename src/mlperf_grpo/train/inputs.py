@@ -25,6 +25,7 @@ from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
+from mlperf_grpo.train.memory_fit import StepFit, plan_step
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class TrainingInputs:
     validation: list[tasks.Task]
     """The validation tasks (``validation.num_tasks``), recorded in each checkpoint's
     evaluation settings."""
+    step_fit: StepFit = StepFit(False)
+    """Activation checkpointing resolved, with the planned step memory behind it
+    (:func:`~mlperf_grpo.train.memory_fit.plan_step`)."""
 
     @property
     def validation_set(self) -> tasks.ValidationSet:
@@ -67,16 +71,16 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
-    check_prompt_lengths(config, {"training": train_pool, "validation": validation})
+    longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation})
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
-    check_planned_memory(config)
+    step_fit = check_planned_memory(config, longest["training"])
     check_engine_available(config)
     if is_agentic(suite):
         AgentRunner(config.agent)  # a sandbox runtime and readable prompt files, before the run directory exists
     if check_output:
         run.check_unused()
-    return TrainingInputs(suite, train_pool, validation)
+    return TrainingInputs(suite, train_pool, validation, step_fit)
 
 
 def device_memory_bytes() -> int:
@@ -84,13 +88,16 @@ def device_memory_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def check_planned_memory(config: RunConfig) -> None:
+def check_planned_memory(config: RunConfig, longest_prompt: int = 0) -> StepFit:
     """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
     that does not divide the world size or the model's heads / vocabulary / experts
     (:func:`~mlperf_grpo.plan.memory.check_tensor_parallel` with the engine's rules); on
     CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.plan.memory`:
-    FSDP shards and an engine split over T) exceed the device's memory. CPU memory is not
-    checked, nor a model type the planner does not count.
+    FSDP shards and an engine split over T) exceed the device's memory, then one whose
+    step does not fit with its sequences (:func:`~mlperf_grpo.train.memory_fit.plan_step`,
+    ``longest_prompt`` tokens + ``grpo.max_new_tokens`` a row), which also resolves
+    ``model.activation_checkpointing``. CPU memory is not checked, nor a model type the
+    planner does not count.
 
     Raises:
         MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
@@ -101,7 +108,8 @@ def check_planned_memory(config: RunConfig) -> None:
     if ranks.launched() or hf:  # the hf engine splits over the world's ranks
         memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
     if config.model.device != "cuda" or not memory_plan.counts(model):
-        return
+        return plan_step(config, model, longest_prompt, world_size, None)
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
                                    config.inference.engine)
     memory_plan.check_fits(plan, device_memory_bytes(), 1 if hf else t)
+    return plan_step(config, model, longest_prompt, world_size, device_memory_bytes())

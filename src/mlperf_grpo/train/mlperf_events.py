@@ -11,16 +11,27 @@ from mlperf_grpo.logs.mllog import MLLogWriter
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
 
 
+def micro_batch_size(config: RunConfig, data_parallel_size: int = 1) -> int:
+    """The logged completions per pass: ``grpo.micro_batch_size``; with
+    ``grpo.micro_batch_tokens`` and no row cap, the rows of a rank's share (``GBS / N``),
+    the most one packed pass can hold, so the logged accumulation steps (1) are the fewest
+    a step takes (the passes follow the completions' lengths: ``train/packing.py``)."""
+    g = config.grpo
+    return g.micro_batch_size if g.micro_batch_size is not None else config.global_batch_size // data_parallel_size
+
+
 def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size: int = 1) -> dict[str, object]:
     """Every hyperparameter key the 6.1.0 checker requires for ``qwen35_397b_grpo``, and
     ``data_parallelism`` (the torchrun world size; the checker neither requires nor refuses it).
 
-    ``gradient_accumulation_steps`` is per rank: ``GBS / (data_parallel_size x micro_batch_size)``.
+    ``gradient_accumulation_steps`` is per rank: ``GBS / (data_parallel_size x micro_batch_size)``
+    (:func:`micro_batch_size`; with a token budget the passes a step vary, see there).
     Returns:
         key -> value, in the order they are logged. Tensor, pipeline, context and expert
         parallelism are 1 (the policy is sharded data-parallel only: FSDP).
     """
     g = config.grpo
+    micro = micro_batch_size(config, data_parallel_size)
     return {
         C.SEED: config.seed,
         C.GLOBAL_BATCH_SIZE: config.global_batch_size,
@@ -44,8 +55,9 @@ def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size:
         "generation_training_rollout_top_p": g.rollout_top_p,
         "generation_validation_rollout_temperature": config.validation.temperature,
         "generation_validation_rollout_top_p": config.validation.top_p,
-        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * g.micro_batch_size),
-        "micro_batch_size": g.micro_batch_size,
+        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * micro),
+        "micro_batch_size": micro,
+        "micro_batch_tokens": g.micro_batch_tokens,
         "lowest_numerical_precision_in_linear": PRECISION[config.model.dtype],
         "lowest_numerical_precision_in_attn": PRECISION[config.model.dtype],
         "lowest_numerical_precision_in_comm": PRECISION[config.model.dtype],

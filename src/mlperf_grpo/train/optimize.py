@@ -25,10 +25,14 @@ from mlperf_grpo.train.grpo import (
     PGLossOptions,
     clipped_pg_loss_sum,
     seq_logprob_error_keep,
-    token_logprobs,
 )
+from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
+from mlperf_grpo.train.packing import PackedInputs, packed_inputs, split_to_count, token_budget_micro_batches
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
+
+PACK_PADDING_RATIO = 2.0
+"""``packing: auto`` packs a pass when padding its rows would more than double its tokens."""
 
 COMPILED_WIDTH_MULTIPLE = 8
 """Micro-batch widths of a compiled policy are multiples of this (see :class:`OptimizeSettings`)."""
@@ -61,8 +65,9 @@ class OptimizeSettings:
         ValueError: ``seq_logprob_error_threshold`` without ``needs_prev_logprobs``.
     """
 
-    micro_batch_size: int
-    """Rows per forward/backward pass (gradients accumulate over them)."""
+    micro_batch_size: int | None
+    """Rows per forward/backward pass (gradients accumulate over them); with
+    ``micro_batch_tokens`` a cap on them (None: none)."""
     temperature: float
     """The rollouts' sampling temperature: the log-probs are of ``logits / temperature``."""
     options: PGLossOptions
@@ -83,10 +88,28 @@ class OptimizeSettings:
     """False (an FSDP2 policy sharded with it, ``distributed.reshard_every_micro_batch``):
     gradients are reduced once, after the last micro-batch
     (:func:`~mlperf_grpo.train.fsdp.sync_after_micro_batch`)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a micro-batch (``grpo.micro_batch_tokens``): rows up to it a pass,
+    packed end to end where padding them would waste more than it saves
+    (:attr:`packing`, :mod:`~mlperf_grpo.train.packing`); None: ``micro_batch_size``
+    right-padded rows."""
+    packing: str = "auto"
+    """With ``micro_batch_tokens``: ``auto`` packs a pass's rows only when right-padding
+    them to the longest would take more than :data:`PACK_PADDING_RATIO` times their
+    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``.
+    A packed pass pays attention over all its tokens at once: SDPA with the block-diagonal
+    mask computes every block, so ``k`` packed rows of length ``L`` cost ``k`` times the
+    attention of ``k`` padded ones (measured: ``benchmarks/grpo_step.py`` at 64 tokens,
+    GBS 256, took 1.9x the step when every pass was packed)."""
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
+    """The loss pass's log-probs are computed this many bytes of float32 logits at a time
+    (:func:`~mlperf_grpo.train.logprobs.chunk_tokens_for`), never the micro-batch's whole."""
 
     def __post_init__(self) -> None:
         if self.seq_logprob_error_threshold is not None and not self.needs_prev_logprobs:
             raise ValueError("seq_logprob_error_threshold needs the prev log-probs (needs_prev_logprobs=True)")
+        if self.micro_batch_size is None and self.micro_batch_tokens is None:
+            raise ValueError("a micro-batch needs micro_batch_size or micro_batch_tokens")
 
     @classmethod
     def of(cls, config: RunConfig, compiled: bool = False) -> OptimizeSettings:
@@ -98,6 +121,7 @@ class OptimizeSettings:
             g.seq_logprob_error_threshold, g.needs_prev_logprobs, DTYPES[config.model.train_compute_dtype],
             width_multiple=COMPILED_WIDTH_MULTIPLE if compiled else 1,
             reshard_every_micro_batch=config.distributed.reshard_every_micro_batch,
+            micro_batch_tokens=g.micro_batch_tokens,
         )
 
 
@@ -133,7 +157,7 @@ def training_batch(
 def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``compute_dtype`` for the policy's forward (and so backward)
     passes; a no-op for float32. The weights, their gradients and the optimizer stay float32
-    (master weights); log-probabilities are taken in float32 (:func:`token_logprobs`)."""
+    (master weights); log-probabilities are taken in float32 (:mod:`~mlperf_grpo.train.logprobs`)."""
     if compute_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=compute_dtype)
@@ -163,8 +187,13 @@ def optimize_step(
     Without ``needs_prev_logprobs``, ``prev`` is ``sg(curr)`` under
     ``force_on_policy_ratio`` and else the rollout's generation log-probs. The batch's
     ``sample_mask`` (the overlong filter) multiplies the completion mask first
-    (``RolloutBatch.loss_mask``): a row it leaves out still goes through the forward pass
-    but adds nothing to the loss, the token count or ``num_valid_sequences``.
+    (``RolloutBatch.loss_mask``): a row it leaves out adds nothing to the loss, the token
+    count or ``num_valid_sequences`` (with ``micro_batch_tokens`` it is not run at all).
+    Micro-batches: ``micro_batch_tokens`` packs rows up to that many tokens into one
+    sequence, scoring only the positions the loss reads (:mod:`~mlperf_grpo.train.packing`;
+    a model with linear-attention layers gets the same rows right-padded instead, whose
+    recurrent state would cross packed rows); without it, ``micro_batch_size`` rows
+    right-padded to their longest.
 
     The gradient is that of the token-level mean over the whole batch: without the filter
     each micro-batch's loss sum is divided by the global valid-token count before its
@@ -190,15 +219,17 @@ def optimize_step(
     # to the device once a step (a copy from pageable host memory waits for the device)
     on_device = tuple(t.to(device) for t in (
         batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
-    spans = batch.micro_batch_spans(settings.micro_batch_size, settings.width_multiple)  # each cut to its longest row
-    for index, (rows, width) in enumerate(spans):
-        if not settings.reshard_every_micro_batch and index in (0, len(spans) - 1):  # the flags persist in between
-            sync_after_micro_batch(policy, last=index == len(spans) - 1)
-        _micro_batch(policy, batch, on_device, rows, width, settings, loss_divisor, sums)
+    passes = _passes(batch, settings, packable(policy), device)
+    for index, one in enumerate(passes):
+        if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist in between
+            sync_after_micro_batch(policy, last=index == len(passes) - 1)
+        _micro_batch(policy, batch, on_device, one, settings, loss_divisor, sums)
     if filtered:
         num_valid_tokens = int(collectives.all_reduce_sum([sums.tokens.item()])[0])  # the global batch's
         loss_divisor = max(num_valid_tokens, 1)
-        torch._foreach_div_([p.grad for p in policy.parameters() if p.grad is not None], float(loss_divisor))
+        grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        if grads:  # none when no row was run (every one left out by sample_mask)
+            torch._foreach_div_(grads, float(loss_divisor))
         sums.loss /= loss_divisor
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip_norm)
     optimizer.step()
@@ -217,27 +248,105 @@ def optimize_step(
     )
 
 
-def _micro_batch(
-    policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], rows: slice, width: int,
-    settings: OptimizeSettings, loss_divisor: int, sums: _Sums,
-) -> None:
-    """Forward and backward of one micro-batch (``rows``, its first ``width`` columns),
-    its sums added to ``sums``; see :func:`optimize_step`."""
-    input_ids, attention_mask, token_mask, rollout_logprobs, advantages, sample_mask = on_device
-    ids = input_ids[rows, :width]
+@dataclass(frozen=True)
+class _Pass:
+    """One forward/backward pass: ``rows`` of the batch (a slice, or a ``[mb]`` index
+    tensor on the device) cut to their first ``width`` columns; ``packed``: their packed
+    inputs on the device (:func:`~mlperf_grpo.train.packing.packed_inputs`), None for
+    right-padded rows; ``empty``: scores nothing (see
+    :class:`~mlperf_grpo.train.packing.MicroBatch`)."""
+
+    rows: slice | torch.Tensor
+    width: int
+    packed: PackedInputs | None = None
+    empty: bool = False
+    host_rows: slice | list[int] | None = None
+    """``rows`` as the CPU batch indexes them (None: ``rows``)."""
+
+
+def packable(policy: torch.nn.Module) -> bool:
+    """Whether rows may be packed into one sequence: no linear-attention layer (whose
+    recurrent state would run from one packed row into the next)."""
+    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
+    return "linear_attention" not in (getattr(config, "layer_types", None) or [])
+
+
+def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device: torch.device) -> list[_Pass]:
+    """The step's micro-batches: ``micro_batch_size`` rows each without a token budget,
+    else :func:`~mlperf_grpo.train.packing.token_budget_micro_batches`, as many on every
+    rank (:func:`~mlperf_grpo.train.packing.split_to_count`). Packed inputs are built on
+    the CPU and copied to the device here, before the first pass (a copy from pageable
+    memory waits for the device)."""
+    if settings.micro_batch_tokens is None:
+        return [_Pass(rows, width) for rows, width in batch.micro_batch_spans(settings.micro_batch_size,
+                                                                              settings.width_multiple)]
+    lengths = batch.attention_mask.sum(dim=1)  # [B]
+    kept = (batch.sample_mask > 0).tolist()
+    micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size)
+    micro = split_to_count(micro, lengths.tolist(), collectives.all_reduce_max(len(micro)))
+    out = []
+    for m in micro:
+        index = list(m.rows)
+        width = int(lengths[index].max())
+        consecutive = index == list(range(index[0], index[-1] + 1))
+        rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
+        wasteful = len(index) * width > PACK_PADDING_RATIO * int(lengths[index].sum())
+        if not pack or settings.packing == "never" or (settings.packing == "auto" and not wasteful):
+            width = min(-(-width // settings.width_multiple) * settings.width_multiple, batch.input_ids.shape[1])
+            out.append(_Pass(rows, width, None, m.empty, index))
+            continue
+        score = batch.loss_mask[index, :width - 1] > 0
+        packed = packed_inputs(batch.input_ids[index, :width], lengths[index], score & (not m.empty),
+                               settings.width_multiple)
+        out.append(_Pass(rows, width, packed.to(device), m.empty, index))
+    return out
+
+
+def _curr_logprobs(policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], one: _Pass,
+                   settings: OptimizeSettings) -> tuple[torch.Tensor, int]:
+    """``(curr, start)``: the policy's ``[mb, width-1-start]`` float32 log-probs of each
+    row's next tokens from column ``start`` on, with gradient (0 where a packed pass
+    scores nothing)."""
+    input_ids, attention_mask = on_device[0], on_device[1]
+    chunk = chunk_tokens_for(policy.lm_head.out_features, settings.logits_chunk_bytes)
+    packed = one.packed
+    if packed is not None:
+        with compute_autocast(input_ids.device, settings.compute_dtype):
+            flat, _ = policy_token_logprobs(policy, packed.targets, settings.temperature, chunk,
+                                            input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                            logits_to_keep=packed.select, use_cache=False)  # [1, n]
+        curr = torch.zeros(packed.padded_select.shape, dtype=flat.dtype, device=flat.device)
+        return curr.masked_scatter(packed.padded_select, flat[0]), 0
+    ids = input_ids[one.rows, :one.width]
     # Logits from the first completion column on (earlier ones would only score prompt
     # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
-    start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(rows)
+    start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(
+        one.rows if one.host_rows is None else one.host_rows)
+    targets = torch.nn.functional.pad(ids[:, start + 1:], (0, 1))  # [mb, width-start]: the last predicts nothing
     with compute_autocast(input_ids.device, settings.compute_dtype):
-        logits = policy(input_ids=ids, attention_mask=attention_mask[rows, :width],
-                        logits_to_keep=width - start).logits  # [mb, width-start, V]
-    curr = token_logprobs(logits[:, :-1], ids[:, start + 1:], settings.temperature)  # [mb, width-1-start]
+        curr, _ = policy_token_logprobs(policy, targets, settings.temperature, chunk, input_ids=ids,
+                                        attention_mask=attention_mask[one.rows, :one.width],
+                                        logits_to_keep=one.width - start)
+    return curr[:, :-1], start  # [mb, width-1-start]
+
+
+def _micro_batch(
+    policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], one: _Pass,
+    settings: OptimizeSettings, loss_divisor: int, sums: _Sums,
+) -> None:
+    """Forward and backward of one micro-batch, its sums added to ``sums``; see
+    :func:`optimize_step`."""
+    _, _, token_mask, rollout_logprobs, advantages, sample_mask = on_device
+    rows, width = one.rows, one.width
+    curr, start = _curr_logprobs(policy, batch, on_device, one, settings)
     cols = slice(start, width - 1)
     generation = rollout_logprobs[rows, cols]
     rows_mask = token_mask[rows, cols]
+    rows_kept = sample_mask[rows]  # [mb]
+    if one.empty:
+        rows_mask, rows_kept = rows_mask * 0, rows_kept * 0
     options = settings.options
     prev = curr.detach() if settings.needs_prev_logprobs else None if options.force_on_policy_ratio else generation
-    rows_kept = sample_mask[rows]  # [mb]
     if settings.seq_logprob_error_threshold is not None:
         keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, settings.seq_logprob_error_threshold)
         sums.masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
@@ -251,4 +360,3 @@ def _micro_batch(
     sums.loss += loss.detach()
     sums.weight += part.importance_weight_sum
     sums.masked_by_is += part.num_sequences_masked_by_is
-

@@ -134,7 +134,8 @@ def check_layout(config: RunConfig, world_size: int | None = None, deferred: boo
 
     Raises:
         LayoutError: ``num_prompts_per_step`` is not a multiple of the world size, the
-            per-rank rows ``GBS / N`` are not a multiple of ``micro_batch_size``, or a
+            per-rank rows ``GBS / N`` are not a multiple of ``micro_batch_size`` (without
+            ``micro_batch_tokens``), or a
             feature that runs in one process only (the vLLM engine, inline evaluation)
             was asked for under torchrun or with more than one rank.
     """
@@ -153,7 +154,7 @@ def check_layout(config: RunConfig, world_size: int | None = None, deferred: boo
             f"{n} ranks: each rank generates whole prompt groups; use a multiple of {n} or another --nproc-per-node"
         )
     rows = config.global_batch_size // n
-    if rows % g.micro_batch_size:
+    if g.micro_batch_tokens is None and rows % g.micro_batch_size:
         raise LayoutError(
             f"grpo.micro_batch_size {g.micro_batch_size} does not divide the {rows} rows each of {n} ranks trains on "
             f"(GBS {config.global_batch_size} / {n}); set it to a divisor of {rows}"

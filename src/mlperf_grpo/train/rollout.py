@@ -97,7 +97,7 @@ class RolloutBatch:
         )
 
 
-    def first_completion_column(self, rows: slice) -> int:
+    def first_completion_column(self, rows: slice | list[int]) -> int:
         """The first column of ``completion_mask[rows]`` holding a completion token in any
         of these rows (0 when none does). The loss needs logits from this position of the
         micro-batch on: the earlier ones only predict prompt tokens."""

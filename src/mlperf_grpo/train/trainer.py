@@ -190,7 +190,10 @@ class Trainer:
             compiled, note = compile_policy_layers(config.model.compile, config.model.compile_policy, config.model.path)
             if note is not None and ranks.is_writer():
                 print(f"mlperf-grpo: {note}", file=sys.stderr)
-            self.policy, self.engine = policy_and_engine(config, compiled)
+            fit = self.inputs.step_fit
+            if fit.note() is not None and ranks.is_writer():
+                print(f"mlperf-grpo: {fit.note()}", file=sys.stderr)
+            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.engine_rows)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed, shuffle=not is_agentic(self.inputs.suite))
             self.settings = OptimizeSettings.of(config, compiled)
@@ -243,7 +246,7 @@ class Trainer:
         log.commit()
         rollout_params = SamplingParams(g.rollout_temperature, g.rollout_top_p, g.max_new_tokens)
         settings = RolloutSettings(g.num_prompts_per_step, g.num_generations_per_prompt, rollout_params, config.seed,
-                                   g.max_trajectory_age_steps, g.max_steps)
+                                   g.max_trajectory_age_steps, g.max_steps, self.inputs.step_fit.release_engine_memory)
         self.producer = RolloutProducer(
             self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
@@ -320,11 +323,16 @@ class Trainer:
             self.engine.close()
 
 
-def policy_and_engine(config: RunConfig, compiled: bool) -> tuple[torch.nn.Module, InferenceEngine]:
+def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointing: bool = False,
+                      engine_rows: int = 256) -> tuple[torch.nn.Module, InferenceEngine]:
     """The fp32 policy and the rollout engine: under torchrun the policy built sharded
     (:func:`~mlperf_grpo.train.fsdp.load_sharded_policy`, compute in the rollout dtype on
     CUDA) and each rank's engine refit from it; else both loaded from the files. The
-    policy only scores (the engine generates): no KV cache.
+    policy only scores (the engine generates): no KV cache. ``activation_checkpointing``:
+    each decoder layer recomputed in the backward (FSDP's ``checkpoint_wrapper`` under
+    torchrun; in one process ``transformers``' own non-reentrant gradient checkpointing,
+    which keeps the parameter names). ``engine_rows``: the most rows the ``hf`` engine
+    decodes at once (its ``batch_size``; the planner's, :mod:`~mlperf_grpo.train.memory_fit`).
 
     Raises:
         ModelLoadError: the model does not load.
@@ -332,14 +340,27 @@ def policy_and_engine(config: RunConfig, compiled: bool) -> tuple[torch.nn.Modul
     if ranks.layout().distributed:
         compute_dtype = DTYPES[config.model.dtype] if config.model.device == "cuda" else None
         policy = load_sharded_policy(config.model.path, config.model.device, compute_dtype,
-                                     config.distributed.activation_checkpointing, compile_layers=compiled,
+                                     activation_checkpointing, compile_layers=compiled,
                                      reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
-        return policy, engine_from_policy(config, policy)
+        return policy, engine_from_policy(config, policy, engine_rows)
     policy = load_model(config.model.path, "float32", config.model.device)
     policy.config.use_cache = False
+    if activation_checkpointing:
+        checkpoint_layers(policy)
     if compiled:
         compile_decoder_layers(policy)
-    return policy, build_engine(config)
+    return policy, build_engine(config, batch_size=engine_rows)
+
+
+def checkpoint_layers(policy: torch.nn.Module) -> None:
+    """Recompute each decoder layer of an unsharded Hugging Face policy in its backward
+    (``transformers``' non-reentrant activation checkpointing, in training mode only; the
+    parameter names stay those of the files)."""
+    enable = getattr(policy, "activation_checkpointing_enable", None)  # transformers >= 5.25
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def adamw(config: RunConfig, policy: torch.nn.Module) -> torch.optim.AdamW:

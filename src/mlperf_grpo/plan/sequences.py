@@ -1,0 +1,248 @@
+"""Per-rank bytes that grow with the sequences: training activations, the log-prob
+chunks, the packed attention mask and the engine's KV cache (no torch; dense Llama /
+Qwen3 decoders, from ``config.json``).
+
+What a training pass keeps, per token and decoder layer, with ``H``, ``q = heads x
+head_dim``, ``kv = kv_heads x head_dim``, ``I`` the hidden, query, key/value and MLP
+widths: what autograd saves in ``transformers``' ``Qwen3DecoderLayer`` (float32 master
+weights and residual stream; counted tensor by tensor with
+``torch.autograd.graph.saved_tensors_hooks``, ``tests/train/test_memory_fit.py``):
+
+- bfloat16 autocast: each RMSNorm's float32 input and normalised value (``16 H``); the
+  q/k/v and gate/up projections' inputs cast to bfloat16, each cast kept (``10 H``);
+  q/k norms' float32 input and bfloat16 output, SDPA's bfloat16 query, key, value and
+  output (``10 q + 10 kv``); SiLU's input and output, the up projection's output, the
+  down projection's input (``8 I``): ``a = 26 H + 10 q + 10 kv + 8 I``;
+- float32: the norms and their outputs, shared by the projections (``24 H``), q/k norms'
+  input and output, RoPE's outputs, SDPA's output (``16 q + 16 kv``), the MLP (``16 I``):
+  ``a = 24 H + 16 q + 16 kv + 16 I``;
+- both: SDPA's log-sum-exp and the norms' reciprocal roots, ``8 heads + 4 kv_heads + 8``.
+
+A pass of ``S`` tokens keeps ``L a S`` without checkpointing; with it each layer keeps
+only its float32 input (``4 H``) and the backward recomputes one layer at a time:
+``(4 H L + a) S``. Both add the residual stream's gradients, ``12 H S`` (three float32
+tensors live at once), and under autocast the bfloat16 copies of the weights (counted
+with the weights: ``train/memory_fit.py``). Compiled layers (``model.compile``) may
+save less: the figure is then an upper bound.
+
+The log-probs are computed ``chunk`` positions at a time (``train/logprobs.py``): the
+backward holds the chunk's ``b``-dtype logits, their float32 copy, log-softmax and its
+gradient, ``(b + 12) V chunk``. A pass of packed rows gets a ``[S, S]`` boolean
+block-diagonal mask, which SDPA turns into an additive ``b``-dtype one: ``(1 + b) S^2``.
+The ``hf`` engine's static KV cache: ``2 L (rows + 1) kv (length + 1)`` elements of the
+rollout dtype, ``length`` rounded up to 64 (``inference/slot_state.py``, ``decode.py``).
+
+These are estimates of the allocator's live bytes; the CUDA context, the allocator's
+slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
+for them when a layout is judged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+DENSE_TYPES = ("llama", "qwen3")
+DEVICE_RESERVE_BYTES = 3 << 30
+"""Left free of a device's memory when judging a layout: the CUDA context (~0.5 GiB),
+the caching allocator's fragmentation, NCCL's buffers."""
+KEY_BLOCK = 64
+"""The slot decoder's cache columns are the longest row rounded up to a multiple of this,
+plus one (``DecodeOptions.key_block``)."""
+LOGITS_CHUNK_BYTES = 1 << 30
+"""As ``train.logprobs.LOGITS_CHUNK_BYTES`` (kept equal by a test; this module has no torch)."""
+
+
+@dataclass(frozen=True)
+class SequenceShape:
+    """What a step's sequences are: ``pass_tokens`` the tokens of the largest training
+    pass (the token budget, or rows x their longest), ``packed`` whether that pass packs
+    several rows (a block-diagonal mask), ``engine_rows`` the rows the engine decodes at
+    once, ``engine_length`` their longest prompt + new tokens, ``compute_bytes`` 2
+    (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes."""
+
+    pass_tokens: int
+    packed: bool
+    engine_rows: int
+    engine_length: int
+    compute_bytes: int = 2
+    rollout_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class SequenceMemory:
+    """Bytes on one rank (see the module docstring)."""
+
+    activation_bytes: int
+    logits_bytes: int
+    attention_mask_bytes: int
+    kv_cache_bytes: int
+    checkpointing: bool
+
+    @property
+    def training_bytes(self) -> int:
+        """What a training pass adds to the weights and optimizer state."""
+        return self.activation_bytes + self.logits_bytes + self.attention_mask_bytes
+
+    def to_json(self) -> dict:
+        """Plain values, with ``training_bytes``."""
+        return {**asdict(self), "training_bytes": self.training_bytes}
+
+
+ENGINE_BATCH_SIZE = 256
+"""Rows the ``hf`` engine decodes at once (``build_engine``'s ``batch_size``)."""
+
+
+def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None = None, compute_bytes: int = 2,
+               rollout_bytes: int = 2) -> SequenceShape:
+    """A rank's step: ``rows`` rows of at most ``longest`` tokens, training passes of
+    ``budget`` tokens (``grpo.micro_batch_tokens``; a longer row alone) and at most
+    ``max_rows`` rows (``grpo.micro_batch_size``), or without a budget ``max_rows``
+    right-padded rows."""
+    if budget is None:
+        return SequenceShape(min(max_rows, rows) * longest, False, min(ENGINE_BATCH_SIZE, rows), longest,
+                             compute_bytes, rollout_bytes)
+    per_pass = rows if max_rows is None else min(rows, max_rows)
+    tokens = max(longest, min(budget, per_pass * longest))
+    return SequenceShape(tokens, tokens > longest, min(ENGINE_BATCH_SIZE, rows), longest, compute_bytes, rollout_bytes)
+
+
+def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
+    """The compute-dtype copies of the weights that autocast makes in one process and a
+    pass keeps for its backward (``2 P`` under bfloat16; none in float32; under FSDP2 the
+    all-gathered layers come and go, not counted)."""
+    return parameters * compute_bytes if world_size == 1 and compute_bytes < 4 else 0
+
+
+def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> list[str]:
+    """``plan --memory``'s lines for ``shape``: each figure without and with activation
+    checkpointing, and the per-rank peak."""
+    off, on = (sequence_memory(config, shape, c) for c in (False, True))
+    rows = [("activations of a pass", off.activation_bytes, on.activation_bytes),
+            ("log-prob chunks", off.logits_bytes, on.logits_bytes),
+            ("packed attention mask", off.attention_mask_bytes, on.attention_mask_bytes),
+            ("engine KV cache", off.kv_cache_bytes, on.kv_cache_bytes),
+            ("= device peak (with the above)", static_bytes + off.kv_cache_bytes + off.training_bytes,
+             static_bytes + on.kv_cache_bytes + on.training_bytes)]
+    head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
+            f"decoding {shape.engine_rows} rows of {shape.engine_length:,}; GiB per rank")
+    lines = [head, f"  {'':36} {'no checkpointing':>16} {'checkpointing':>20}"]
+    lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
+    return lines
+
+
+def plans_sequences(config: dict) -> bool:
+    """Whether :func:`sequence_memory` knows the model type (dense decoders)."""
+    return config.get("model_type") in DENSE_TYPES
+
+
+def _dims(config: dict) -> tuple[int, int, int, int, int, int]:
+    """``(H, q, kv, I, L, V)`` of a dense decoder config."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return (hidden, heads * head_dim, kv_heads * head_dim, config["intermediate_size"], config["num_hidden_layers"],
+            config["vocab_size"])
+
+
+def layer_activation_bytes(config: dict, compute_bytes: int = 2) -> int:
+    """``a``: bytes one decoder layer keeps per token for its backward (module docstring);
+    ``compute_bytes`` 2: bfloat16 autocast, 4: float32."""
+    h, q, kv, i, _, _ = _dims(config)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    small = 8 * heads + 4 * kv_heads + 8
+    if compute_bytes == 4:
+        return 24 * h + 16 * q + 16 * kv + 16 * i + small
+    return 26 * h + 10 * q + 10 * kv + 8 * i + small
+
+
+def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> SequenceMemory:
+    """The per-rank bytes of ``shape``'s sequences for the dense model ``config``."""
+    h, _, kv, _, layers, vocab = _dims(config)
+    s, b = shape.pass_tokens, shape.compute_bytes
+    a = layer_activation_bytes(config, b)
+    kept = (4 * h * layers + a) if checkpointing else a * layers
+    activations = (kept + 12 * h) * s
+    chunk = min(s, max(1, LOGITS_CHUNK_BYTES // (4 * vocab)))
+    logits = (b + 12) * vocab * chunk
+    mask = (1 + b) * s * s if shape.packed else 0
+    columns = -(-shape.engine_length // KEY_BLOCK) * KEY_BLOCK + 1  # the slot cache's (inference/decode.py)
+    kv_cache = 2 * layers * (shape.engine_rows + 1) * kv * columns * shape.rollout_bytes
+    return SequenceMemory(activations, logits, mask, kv_cache, checkpointing)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """:func:`fit`'s verdict: the bytes (with checkpointing needed or asked), whether the
+    engine's KV cache is freed while the policy trains, whether the step fits the device
+    at all, and its shape."""
+
+    memory: SequenceMemory
+    static_bytes: int
+    device_bytes: int
+    fits: bool
+    shape: SequenceShape | None = None
+    """The step's shape, with the engine's rows at once as planned."""
+    released: bool = False
+    """The engine frees its KV cache and graphs once the rollouts are generated (synchronous
+    rollouts): generation and training then take the memory in turn."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Planned peak: weights, optimizer state and engine, plus its KV cache and a
+        training pass at once, or the larger of the two when the cache is released."""
+        m = self.memory
+        turns = max(m.kv_cache_bytes, m.training_bytes) if self.released else m.kv_cache_bytes + m.training_bytes
+        return self.static_bytes + turns
+
+
+def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int,
+        checkpointing: bool | None = None, can_release: bool = False) -> Fit:
+    """Whether a step fits ``device_bytes`` (less :data:`DEVICE_RESERVE_BYTES`) on top of
+    ``static_bytes`` (weights, gradients, AdamW moments, the engine's weights:
+    ``plan.memory``), in this order of cost: as it is; with the engine's KV cache freed
+    while the policy trains (``can_release``: synchronous rollouts; the next generation
+    captures its graphs again); with activation checkpointing (``checkpointing`` None:
+    tried; True/False: as asked), then both. When none fits, the engine decodes fewer
+    rows at once (its slots refill as rows finish): the most that fit, at least one
+    (:attr:`Fit.shape`'s ``engine_rows``); else the last verdict, not fitting."""
+    usable = device_bytes - DEVICE_RESERVE_BYTES
+    options = [(c, r) for c in ([checkpointing] if checkpointing is not None else [False, True])
+               for r in ([False, True] if can_release else [False])]
+    for ckpt, released in options:
+        verdict = Fit(sequence_memory(config, shape, ckpt), static_bytes, device_bytes, False, shape, released)
+        if verdict.peak_bytes <= usable:
+            return replace(verdict, fits=True)
+    m = verdict.memory
+    per_row = sequence_memory(config, replace(shape, engine_rows=1), ckpt).kv_cache_bytes // 2  # (rows + 1) rows
+    room = usable - static_bytes - (0 if released else m.training_bytes)
+    rows = min(shape.engine_rows, room // per_row - 1)
+    if rows < 1 or (released and static_bytes + m.training_bytes > usable):
+        return verdict
+    fewer = replace(shape, engine_rows=int(rows))
+    return Fit(sequence_memory(config, fewer, ckpt), static_bytes, device_bytes, True, fewer, released)
+
+
+def gib(n: int) -> str:
+    """``n`` bytes in GiB, one decimal."""
+    return f"{n / 2**30:,.1f}"
+
+
+def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
+    """One line: the planned bytes against the device's, and what to change first (for
+    the largest of the engine's KV cache, a pass's activations, the weights and state)."""
+    m = verdict.memory
+    parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
+    largest = max(parts, key=parts.get)
+    remedy = {
+        "kv": "fewer rollout rows a rank (grpo.num_prompts_per_step) or shorter ones (grpo.max_new_tokens), or more "
+              "ranks (each generates its share)",
+        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower grpo.max_new_tokens)",
+        "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
+    }[largest]
+    return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
+            f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache + "
+            f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
+            f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
+            f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "
+            f"'mlperf-grpo plan --memory --trajectory-tokens' gives the figures")

@@ -1,0 +1,117 @@
+"""Whether a training step's sequences fit the device, decided before ``run_start``:
+``model.activation_checkpointing: auto`` resolved, and a step that cannot fit refused.
+
+The figures are :mod:`mlperf_grpo.plan.sequences`' (activations, log-prob chunks, the
+packed attention mask, the engine's KV cache) on top of the weights, gradients, AdamW
+moments and engine weights of :mod:`mlperf_grpo.plan.memory`, for the step's shape
+(:func:`step_shape`): the longest training prompt plus ``grpo.max_new_tokens``, the
+largest training pass the token budget allows, the rows the engine decodes at once.
+Planned on CUDA for the dense decoders the planner counts; elsewhere nothing is planned
+(``auto`` is off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.plan import memory as memory_plan
+from mlperf_grpo.plan import sequences
+from mlperf_grpo.plan.sequences import Fit, SequenceShape
+
+def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> SequenceShape:
+    """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
+    longest prompt + ``grpo.max_new_tokens``, passes by the config's budget."""
+    g = config.grpo
+    return sequences.step_shape(longest_prompt + g.max_new_tokens, max(1, config.global_batch_size // world_size),
+                                g.micro_batch_tokens, g.micro_batch_size,
+                                2 if config.model.train_compute_dtype == "bfloat16" else 4,
+                                memory_plan.DTYPE_BYTES[config.model.dtype])
+
+
+def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
+    """Weights, gradients, AdamW moments (FSDP2 shards), the engine's weights
+    (:func:`~mlperf_grpo.plan.memory.static_device_bytes`) and, in one process under
+    bfloat16 autocast, the compute-dtype copies of the weights a pass keeps for its backward."""
+    t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
+    plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype,
+                                   config.checkpoint.max_in_flight, config.inference.engine)
+    compute_bytes = 2 if config.model.train_compute_dtype == "bfloat16" else 4
+    return (memory_plan.static_device_bytes(plan, 1 if hf else t)
+            + sequences.autocast_copy_bytes(plan.parameters, world_size, compute_bytes))
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """:func:`plan_step`'s answer: ``checkpointing`` on or off, and the plan behind it
+    (None where nothing is planned)."""
+
+    checkpointing: bool
+    verdict: Fit | None = None
+    auto: bool = True
+    """``model.activation_checkpointing`` was ``auto``."""
+
+    @property
+    def release_engine_memory(self) -> bool:
+        """Whether the engine frees its KV cache and graphs while the policy trains."""
+        return self.verdict is not None and self.verdict.released
+
+    @property
+    def engine_rows(self) -> int:
+        """Rows the engine decodes at once: fewer than a rank's rows only where all of them
+        at full length do not fit beside training (:func:`~mlperf_grpo.plan.sequences.fit`)."""
+        limited = self.verdict is not None and self.verdict.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE,
+                                                                                     self.rows)
+        return self.verdict.shape.engine_rows if limited else sequences.ENGINE_BATCH_SIZE
+
+    def note(self) -> str | None:
+        """One line saying what the plan turned on (the KV cache freed while training,
+        checkpointing under ``auto``, fewer rows decoded at once), else None."""
+        if self.verdict is None:
+            return None
+        v, said = self.verdict, []
+        if v.released:
+            said.append("the engine's KV cache and graphs freed while the policy trains (synchronous rollouts)")
+        if self.checkpointing and self.auto:
+            said.append(f"activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
+                        f"does not fit)")
+        if v.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE, self.rows):
+            n = v.shape.engine_rows
+            said.append(f"the engine decodes {n} row{'s' * (n > 1)} at once, not all {self.rows} (their KV cache "
+                        f"would not fit)")
+        if not said:
+            return None
+        return (f"{'; '.join(said)}: planned peak {sequences.gib(v.peak_bytes)} GiB of the device's "
+                f"{sequences.gib(v.device_bytes)} GiB ({sequences.gib(v.memory.activation_bytes)} GiB activations, "
+                f"{sequences.gib(v.memory.kv_cache_bytes)} GiB KV cache)")
+
+    rows: int = sequences.ENGINE_BATCH_SIZE
+    """A rank's rollout rows a step."""
+
+
+def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: int,
+              device_bytes: int | None) -> StepFit:
+    """Resolve ``model.activation_checkpointing`` and refuse a step that cannot fit.
+
+    Args:
+        model: the model's ``config.json`` (:func:`~mlperf_grpo.plan.memory.load_model_config`).
+        longest_prompt: tokens of the longest training prompt.
+        world_size: N ranks.
+        device_bytes: the CUDA device's memory; None: not on CUDA (nothing planned).
+    Raises:
+        MemoryPlanError: the step does not fit even with checkpointing (or with it off
+            when ``off`` is asked), one line with the figures and the remedies.
+    """
+    asked = config.model.activation_checkpointing
+    forced = None if asked == "auto" else asked == "on"
+    if device_bytes is None or not sequences.plans_sequences(model):
+        return StepFit(bool(forced), auto=forced is None)
+    shape = step_shape(config, longest_prompt, world_size)
+    can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
+    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
+    if not verdict.fits:
+        line = sequences.refusal(verdict)
+        if not verdict.memory.checkpointing:
+            line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
+        raise memory_plan.MemoryPlanError(line)
+    return StepFit(verdict.memory.checkpointing, verdict, forced is None, max(1, config.global_batch_size // world_size))

@@ -1,0 +1,171 @@
+"""The planner's sequence figures (plan/sequences.py) and the trainer's use of them
+(train/memory_fit.py): activation checkpointing resolved before run_start, a step that
+cannot fit refused in one line, checkpointing in one process giving the same update."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from mlperf_grpo.config.load import parse_config
+from mlperf_grpo.errors import ConfigError
+from mlperf_grpo.model.load import load_model
+from mlperf_grpo.plan import sequences
+from mlperf_grpo.plan.sequences import SequenceShape
+from mlperf_grpo.train import logprobs
+from mlperf_grpo.train.grpo import PGLossOptions
+from mlperf_grpo.train.memory_fit import plan_step, step_shape
+from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
+from mlperf_grpo.train.trainer import checkpoint_layers
+
+from test_trainer import MODEL, _batch
+
+TINY = {"model_type": "qwen3", "vocab_size": 50, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2}
+QWEN3_1_4B = {"model_type": "qwen3", "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144,
+              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "tie_word_embeddings": True}
+GIB = 1 << 30
+
+
+def _saved_bytes(layers: int, tokens: int, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves in a forward of a random Qwen3."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in TINY.items() if k not in ("model_type", "num_hidden_layers")},
+                                         num_hidden_layers=layers, attn_implementation="sdpa")).train()
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model.model(input_ids=torch.randint(0, 50, (1, tokens)), use_cache=False)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("compute_bytes", [4, 2], ids=["float32", "bfloat16"])
+def test_layer_activation_bytes_are_what_autograd_saves(compute_bytes):
+    # one more layer, at two lengths: the per-layer constants (weights, their bfloat16
+    # copies) cancel, what is left is the layer's bytes per token, exactly
+    autocast = compute_bytes == 2
+    per_layer = {s: _saved_bytes(2, s, autocast) - _saved_bytes(1, s, autocast) for s in (128, 256)}
+    assert (per_layer[256] - per_layer[128]) / 128 == sequences.layer_activation_bytes(TINY, compute_bytes)
+
+
+def test_qwen3_1_4b_figures_by_hand():
+    # 26 H + 10 q + 10 kv + 8 I + 8 heads + 4 kv_heads + 8, H = q = 2048, kv = 1024, I = 6144
+    assert sequences.layer_activation_bytes(QWEN3_1_4B) == 53248 + 20480 + 10240 + 49152 + 128 + 32 + 8 == 133288
+    shape = SequenceShape(pass_tokens=16384, packed=True, engine_rows=256, engine_length=1030)
+    m = sequences.sequence_memory(QWEN3_1_4B, shape, checkpointing=True)
+    assert m.activation_bytes == (4 * 2048 * 28 + 133288 + 12 * 2048) * 16384
+    assert m.logits_bytes == 14 * 151_936 * 1766  # (2 + 12) V x one chunk of 1 GiB of float32 logits
+    assert m.attention_mask_bytes == 3 * 16384**2
+    assert m.kv_cache_bytes == 2 * 28 * 257 * 1024 * (1088 + 1) * 2  # columns: 1,030 rounded up to 64, + 1
+    assert sequences.LOGITS_CHUNK_BYTES == logprobs.LOGITS_CHUNK_BYTES
+
+
+def _config(**grpo):
+    return parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda"},
+                         "grpo": {"num_prompts_per_step": 16, "first_eval_step": 1, **grpo}}, source="test")
+
+
+def test_step_shape_follows_the_token_budget():
+    shape = step_shape(_config(max_new_tokens=1024), longest_prompt=40, world_size=1)
+    assert (shape.pass_tokens, shape.packed, shape.engine_rows, shape.engine_length) == (16384, True, 256, 1064)
+    long = step_shape(_config(max_new_tokens=65000, num_prompts_per_step=1), longest_prompt=40, world_size=1)
+    assert (long.pass_tokens, long.packed, long.engine_rows) == (65040, False, 16)  # one row alone
+    padded = step_shape(_config(micro_batch_size=4, micro_batch_tokens=None), longest_prompt=10, world_size=2)
+    assert (padded.pass_tokens, padded.packed, padded.engine_rows) == (4 * 16, False, 128)
+
+
+def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fit_is_refused():
+    config = _config(max_new_tokens=1024)
+    roomy = plan_step(config, QWEN3_1_4B, 40, 1, 400 * GIB)
+    assert not roomy.checkpointing and roomy.note() is None and roomy.verdict.fits
+    h100 = plan_step(config, QWEN3_1_4B, 40, 1, 80 * 10**9)
+    assert h100.checkpointing and "activation checkpointing on" in h100.note() and "\n" not in h100.note()
+    assert h100.verdict.peak_bytes <= 80 * 10**9 - sequences.DEVICE_RESERVE_BYTES
+    with pytest.raises(ConfigError) as err:
+        plan_step(config, QWEN3_1_4B, 40, 1, 40 * GIB)
+    line = str(err.value)
+    assert "\n" not in line and "over the device's 40.0 GiB" in line and "more ranks" in line
+    long = _config(max_new_tokens=65_000, num_prompts_per_step=1)  # 16 rows of 65k: the KV cache dominates
+    with pytest.raises(ConfigError, match="118.2 GiB engine KV cache .* fewer rollout rows a rank"):
+        plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
+    off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
+                        "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
+    with pytest.raises(ConfigError, match="set model.activation_checkpointing: on"):
+        plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
+
+
+def test_the_engine_frees_its_cache_while_training_and_decodes_fewer_rows_where_needed():
+    # 16 rows of 65,040 tokens: 7.4 GiB of KV cache each (the cache holds one spare row),
+    # 119 GiB for all; an H100 (79.2 GiB, less 3 reserved) holds 32 GiB of state and either
+    # a checkpointed 65k-token pass or the cache of 5 rows (+ the spare) when the two take
+    # turns (synchronous rollouts); with age 1 the generation of the next step runs during
+    # training, so both at once: the cache of 1 row (+ spare) beside the pass
+    h100 = 85_000_000_000
+    for age, released, rows in ((0, True, 5), (1, False, 1)):
+        config = _config(max_new_tokens=65_000, num_prompts_per_step=1, max_trajectory_age_steps=age,
+                         use_importance_sampling_correction=True)
+        fit = plan_step(config, QWEN3_1_4B, 40, 1, h100)
+        assert (fit.checkpointing, fit.release_engine_memory, fit.engine_rows) == (True, released, rows)
+        m = fit.verdict.memory
+        assert m.kv_cache_bytes == 2 * 28 * (rows + 1) * 1024 * (65_088 + 1) * 2
+        turns = max(m.kv_cache_bytes, m.training_bytes) if released else m.kv_cache_bytes + m.training_bytes
+        assert fit.verdict.peak_bytes == fit.verdict.static_bytes + turns <= h100 - 3 * GIB
+        assert f"the engine decodes {rows} row{'s' * (rows > 1)} at once, not all 16" in fit.note()
+        assert ("freed while the policy trains" in fit.note()) is released
+    short = plan_step(_config(max_new_tokens=1024), QWEN3_1_4B, 40, 1, h100)
+    assert short.engine_rows == 256 and not short.release_engine_memory  # checkpointing alone fits
+
+
+def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():
+    for asked, expected in (("auto", False), ("on", True), ("off", False)):
+        config = parse_config({"model": {"activation_checkpointing": asked}}, source="test")
+        assert plan_step(config, QWEN3_1_4B, 40, 1, None).checkpointing is expected
+
+
+def test_the_old_distributed_key_says_where_it_moved():
+    with pytest.raises(ConfigError, match="moved to model.activation_checkpointing"):
+        parse_config({"distributed": {"activation_checkpointing": True}}, source="test")
+
+
+@pytest.mark.parametrize("tokens", [None, 200])
+def test_activation_checkpointing_in_one_process_gives_the_same_update(tokens):
+    batch = _batch()
+    base = load_model(MODEL, "float32")
+    updates = []
+    for checkpointing in (False, True):
+        policy = copy.deepcopy(base)
+        if checkpointing:
+            checkpoint_layers(policy)
+            assert all(layer.gradient_checkpointing for layer in policy.model.layers)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+        optimize_step(policy, opt, batch, OptimizeSettings(16, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=tokens))
+        updates.append({n: p.detach().clone() for n, p in policy.named_parameters()})
+    for name in updates[0]:  # the recomputed forward is the same float32 arithmetic
+        torch.testing.assert_close(updates[0][name], updates[1][name], rtol=0, atol=0)
+
+
+def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsys):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    argv = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens", "65536",
+            "--rows", "16"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["sequences"]
+    shape = SequenceShape(65536, False, 16, 65536)
+    assert out["checkpointing"] == sequences.sequence_memory(QWEN3_1_4B, shape, True).to_json()
+    assert out["no_checkpointing"]["kv_cache_bytes"] == 2 * 28 * 17 * 1024 * 65537 * 2
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
+    assert "add --trajectory-tokens" in capsys.readouterr().err
