@@ -3,7 +3,7 @@ with Megatron-core itself (``megatron-core`` 0.16.1 from PyPI; CPU, gloo), at ``
 writing ranks that hold the model split ``W``-way tensor-parallel::
 
     python -m torch.distributed.run --nproc-per-node W tests/checkpoint/megatron_writer.py \\
-        --hf HF_DIR --out ITER_DIR --common legacy|inline [--padded-vocab-multiple 8]
+        --job HF_DIR ITER_DIR legacy|inline [--job ...] [--padded-vocab-multiple 8]
 
 Independent of the reader under test (``checkpoint/megatron_names.py`` goes the other
 way, from the split functions): each rank's *local* Megatron parameters are built from
@@ -93,8 +93,9 @@ class _Rank:
     def qkv(self, p: str) -> torch.Tensor:
         """merge_qkv_weights: per query group [q heads (and their gate rows), k, v]."""
         c, h = self.c, self.c["hidden_size"]
-        heads, groups, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        gated = c["model_type"].startswith("qwen3_5")
+        heads = c["num_attention_heads"]
+        groups, d = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+        gated = c["model_type"].startswith("qwen3_5")  # attention_output_gate
         q = self.hf[f"{p}self_attn.q_proj.weight"].view(heads, 2 * d if gated else d, h)
         k = self.hf[f"{p}self_attn.k_proj.weight"].view(groups, d, h)
         v = self.hf[f"{p}self_attn.v_proj.weight"].view(groups, d, h)
@@ -134,7 +135,7 @@ def _attention(rk: _Rank, p: str, k: str, pre) -> None:
     rk.put(f"{k}self_attention.linear_qkv.weight", rk.column(f"{k}self_attention.linear_qkv.weight", rk.qkv(p), pre))
     rk.put(f"{k}self_attention.linear_qkv.layer_norm_weight",
            rk.replicated(f"{k}self_attention.linear_qkv.layer_norm_weight", rk.hf[f"{p}input_layernorm.weight"], pre))
-    for ours, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+    for ours, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")) if f"{p}self_attn.q_norm.weight" in rk.hf else ():
         rk.put(f"{k}self_attention.{ours}.weight", rk.replicated(f"{k}self_attention.{ours}.weight", rk.hf[f"{p}self_attn.{theirs}.weight"], pre))
     rk.put(f"{k}self_attention.linear_proj.weight", rk.row(f"{k}self_attention.linear_proj.weight", rk.hf[f"{p}self_attn.o_proj.weight"], pre))
 
@@ -225,9 +226,8 @@ def save(sd: dict, out: Path, common: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--common", choices=("legacy", "inline"), default="legacy")
+    parser.add_argument("--job", nargs=3, action="append", required=True, metavar=("HF_DIR", "ITER_DIR", "COMMON"),
+                        help="a Hugging Face model directory, the directory to write, legacy or inline")
     parser.add_argument("--padded-vocab-multiple", type=int, default=8)
     args = parser.parse_args()
     _cpu_shims()
@@ -236,15 +236,17 @@ def main() -> None:
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
-    config = json.loads((args.hf / "config.json").read_text())
-    config = config.get("text_config", config)
-    hf = {}
-    for f in sorted(args.hf.glob("*.safetensors")):
-        hf.update(load_file(str(f)))
-    if torch.distributed.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    save(sharded_state_dict(_Rank(hf, config, args.padded_vocab_multiple)), args.out, args.common)
+    for source, target, common in args.job:
+        source, out = Path(source), Path(target).resolve()  # .metadata records the path written to
+        config = json.loads((source / "config.json").read_text())
+        config = config.get("text_config", config)
+        hf = {}
+        for f in sorted(source.glob("*.safetensors")):
+            hf.update(load_file(str(f)))
+        if torch.distributed.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        save(sharded_state_dict(_Rank(hf, config, args.padded_vocab_multiple)), out, common)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

@@ -170,20 +170,37 @@ def _copies(recipes: dict[str, names.Recipe], blocks: dict[str, Block]) -> list[
     return out
 
 
-def _boxes(copies: list[_Copy], blocks: dict[str, Block], shapes: dict[str, tuple[int, ...]]) -> dict[str, Block]:
-    """Megatron key -> the smallest block of it covering every copy from it."""
-    lo: dict[str, list[int]] = {}
-    hi: dict[str, list[int]] = {}
+def _span(c: _Copy, blocks: dict[str, Block], ndim: int) -> tuple[list[int], list[int]]:
+    """``(start, end)`` per dim of the Megatron block one copy reads."""
+    rest_o, rest_s = blocks[c.name][0][1:], blocks[c.name][1][1:]
+    start = [*c.index, c.src[0], *rest_o]
+    end = [*(i + 1 for i in c.index), c.src[1], *(o + s for o, s in zip(rest_o, rest_s))]
+    return start[:ndim], end[:ndim]
+
+
+def _boxes(copies: list[_Copy], blocks: dict[str, Block], shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Block, list[_Copy]]]:
+    """The Megatron blocks to read: per key, one block per run of overlapping row
+    ranges (so a rank's gate rows and up rows of ``linear_fc1`` are two blocks, not the
+    span between them), each the smallest covering its copies; with those copies."""
+    by_key: dict[str, list[_Copy]] = defaultdict(list)
     for c in copies:
-        rest_o, rest_s = blocks[c.name][0][1:], blocks[c.name][1][1:]
-        start = [*c.index, c.src[0], *rest_o]
-        end = [*(i + 1 for i in c.index), c.src[1], *(o + s for o, s in zip(rest_o, rest_s))]
-        if len(start) < len(shapes[c.key]):  # a 1-d tensor's block has no rest dims
-            start += [0] * (len(shapes[c.key]) - len(start))
-            end += list(shapes[c.key][len(end):])
-        lo[c.key] = [min(x, y) for x, y in zip(lo.get(c.key, start), start)]
-        hi[c.key] = [max(x, y) for x, y in zip(hi.get(c.key, end), end)]
-    return {k: (tuple(lo[k]), tuple(h - o for h, o in zip(hi[k], lo[k]))) for k in lo}
+        by_key[c.key].append(c)
+    out = []
+    for key, group in sorted(by_key.items()):
+        n = len(group[0].index)
+        runs: list[list[_Copy]] = []
+        for c in sorted(group, key=lambda c: c.src):
+            if runs and c.src[0] <= max(x.src[1] for x in runs[-1]):
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        for run in runs:
+            spans = [_span(c, blocks, len(shapes[key])) for c in run]
+            lo = [min(s[0][d] for s in spans) for d in range(len(shapes[key]))]
+            hi = [max(s[1][d] for s in spans) for d in range(len(shapes[key]))]
+            out.append((key, (tuple(lo), tuple(h - o for h, o in zip(hi, lo))), run))
+        assert all(len(c.index) == n for c in group)
+    return out
 
 
 def files_for(ckpt: MegatronCheckpoint, keys: set[str]) -> dict[str, int]:
@@ -207,23 +224,23 @@ def read_into(ckpt: MegatronCheckpoint, dest: dict[str, torch.Tensor], blocks: d
         CheckpointCorruptError: a data file is short, fails a CRC-32 or cannot be read.
     """
     shapes = {k: tuple(m.size) for k, m in ckpt.metadata.state_dict_metadata.items() if k in ckpt.dtypes}
-    copies = _copies(ckpt.recipes, blocks)
-    boxes = _boxes(copies, blocks, shapes)
-    dcp_read.check_dcp_files(ckpt.directory, ckpt.metadata, only=set(files_for(ckpt, set(boxes))) if check is None else check)
-    by_key: dict[str, list[_Copy]] = defaultdict(list)
-    for c in copies:
-        by_key[c.key].append(c)
-    batch: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
-    size = 0
-    for key in sorted(boxes):
-        offsets, sizes = boxes[key]
-        batch[key] = (torch.empty(sizes, dtype=ckpt.dtypes[key]), offsets)
-        size += math.prod(sizes) * ckpt.dtypes[key].itemsize
-        if size >= _BATCH_BYTES or key == max(boxes):
-            dcp_read.load_dcp(ckpt.directory, ckpt.metadata, into=batch)
-            for k, (tensor, at) in batch.items():
-                _place(tensor, at, by_key[k], dest, blocks)
-            batch, size = {}, 0
+    boxes = _boxes(_copies(ckpt.recipes, blocks), blocks, shapes)
+    dcp_read.check_dcp_files(ckpt.directory, ckpt.metadata,
+                             only=set(files_for(ckpt, {k for k, _, _ in boxes})) if check is None else check)
+    batches: list[tuple[dict[str, tuple[torch.Tensor, tuple[int, ...]]], list, list[int]]] = []
+    for key, (offsets, sizes), run in boxes:  # a key at most once per load; about 1 GiB per load
+        nbytes = math.prod(sizes) * ckpt.dtypes[key].itemsize
+        batch = next((b for b in batches if key not in b[0] and b[2][0] + nbytes <= _BATCH_BYTES), None)
+        if batch is None:
+            batch = ({}, [], [0])
+            batches.append(batch)
+        batch[0][key] = (torch.empty(sizes, dtype=ckpt.dtypes[key]), offsets)
+        batch[1].append((key, run))
+        batch[2][0] += nbytes
+    for into, runs, _ in batches:
+        dcp_read.load_dcp(ckpt.directory, ckpt.metadata, into=into)
+        for key, run in runs:
+            _place(*into[key], run, dest, blocks)
     for name, recipe in ckpt.recipes.items():
         if recipe.add_one and name in dest:
             dest[name] += 1  # in the saved dtype, as RMSNorm2ZeroCenteredRMSNormMapping.megatron_to_hf

@@ -20,7 +20,8 @@ model, ``TransformerBlock.sharded_state_dict`` ``non_homogeneous_layers``) or
 
 The table (Megatron suffix -> Hugging Face name under ``model.layers.N.``; Megatron-Bridge
 at 067f987, ``models/qwen/qwen35_bridge.py::Qwen35MoEBridge._get_moe_lm_mappings``,
-``qwen3_bridge.py``, ``qwen3_moe_bridge.py``; transforms from
+``qwen3_bridge.py``, ``qwen3_moe_bridge.py``, ``models/llama/llama_bridge.py`` (Qwen3's
+without q/k norms); transforms from
 ``models/conversion/param_mapping.py``):
 
 ==============================================  =========================================  ==========================
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 
 from mlperf_grpo.checkpoint.format import CheckpointError
 
-ARCHITECTURES = ("qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 _LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
 _EXPERT = re.compile(r"^mlp\.experts\.experts\.(?:(\d+)\.)?linear_fc([12])\.weight(_w|_v)?\Z")
 IGNORED_PREFIXES = ("optimizer.", "mtp.")
