@@ -6,15 +6,14 @@ model: every tensor bit-identical, logits identical; a rank's share; the faults.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from foreign_layouts import write_megatron
 
 from mlperf_grpo.checkpoint import megatron_layout as ml
 from mlperf_grpo.checkpoint import megatron_names as names
@@ -23,7 +22,6 @@ from mlperf_grpo.checkpoint.format import CheckpointCorruptError, CheckpointErro
 pytest.importorskip("megatron.core", reason="the fixtures are written by megatron-core (the test extra installs it)")
 pytestmark = pytest.mark.slow
 
-WRITER = Path(__file__).with_name("megatron_writer.py")
 CASES = [("qwen3_5_moe", 1, "legacy"), ("qwen3_5_moe", 2, "inline"), ("qwen3_5_moe", 4, "legacy"),
          ("qwen3", 1, "inline"), ("qwen3", 2, "legacy"), ("qwen3", 4, "inline")]
 """(model, writing ranks, common-state layout): each layout at each rank count once per model."""
@@ -55,17 +53,6 @@ def tiny_model(kind: str, directory: Path) -> Path:
     return directory
 
 
-def write_megatron(jobs: list[tuple[Path, Path, str]], ranks: int, port: int) -> None:
-    """Runs the writer on ``ranks`` gloo processes (about 15 s on 2 busy cores)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
-               str(WRITER)]
-    for hf, out, common in jobs:
-        command += ["--job", str(hf), str(out), common]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """``{(model, ranks, common): iter_dir}`` and the Hugging Face directories."""
@@ -78,7 +65,7 @@ def written(tmp_path_factory):
             if r == ranks:
                 out[(kind, r, common)] = base / f"{kind}-{r}-{common}" / "step_3" / "policy" / "weights" / "iter_0000000"
                 jobs.append((hf[kind], out[(kind, r, common)], common))
-        write_megatron(jobs, ranks, 29500 + 10 * ranks + os.getpid() % 7)
+        write_megatron(jobs, ranks)
     return out, hf
 
 
