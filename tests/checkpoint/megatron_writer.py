@@ -159,7 +159,8 @@ def _gated_delta_net(rk: _Rank, p: str, k: str, pre) -> None:
 
 def _mlp(rk: _Rank, p: str, k: str, pre) -> None:
     c, hf = rk.c, rk.hf
-    if "num_experts" not in c:
+    experts = c.get("num_experts") or c.get("num_local_experts")  # transformers 5 names Qwen3-MoE's the latter
+    if not experts:
         rk.put(f"{k}mlp.linear_fc1.weight", rk.swiglu(f"{k}mlp.linear_fc1.weight", hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"], pre))
         rk.put(f"{k}mlp.linear_fc1.layer_norm_weight",
                rk.replicated(f"{k}mlp.linear_fc1.layer_norm_weight", hf[f"{p}post_attention_layernorm.weight"], pre))
@@ -167,7 +168,6 @@ def _mlp(rk: _Rank, p: str, k: str, pre) -> None:
         return
     rk.put(f"{k}pre_mlp_layernorm.weight", rk.replicated(f"{k}pre_mlp_layernorm.weight", hf[f"{p}post_attention_layernorm.weight"], pre))
     rk.put(f"{k}mlp.router.weight", rk.replicated(f"{k}mlp.router.weight", hf[f"{p}mlp.gate.weight"], pre))
-    experts = c["num_experts"]
     for e in range(experts):  # SequentialMLP.sharded_state_dict: key ...experts.experts., offset (axis, e, E)
         ep = (*pre, (len(pre), e, experts))
         x = f"{p}mlp.experts.{e}."

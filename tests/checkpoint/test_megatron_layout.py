@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core", reason="the fixtures are written by megatro
 pytestmark = pytest.mark.slow
 
 CASES = [("qwen3_5_moe", 1, "legacy"), ("qwen3_5_moe", 2, "inline"), ("qwen3_5_moe", 4, "legacy"),
-         ("qwen3", 1, "inline"), ("qwen3", 2, "legacy"), ("qwen3", 4, "inline")]
+         ("qwen3", 1, "inline"), ("qwen3", 2, "legacy"), ("qwen3", 4, "inline"), ("qwen3_moe", 2, "inline")]
 """(model, writing ranks, common-state layout): each layout at each rank count once per model."""
 
 
@@ -31,10 +31,12 @@ def tiny_model(kind: str, directory: Path) -> Path:
     """A random-init tiny Hugging Face model saved to ``directory``. ``qwen3_5_moe``: a
     gated delta-net layer and a full-attention layer, each with routed and shared
     experts, untied; ``qwen3``: grouped-query attention, tied embeddings; both with a
-    vocabulary of 20 that Megatron pads (to a multiple of 8 x ranks). Every tensor is
+    vocabulary of 20 that Megatron pads (to a multiple of 8 x ranks); ``qwen3_moe``: routed
+    experts only, homogeneous layers (stacked on a leading axis, experts on the next). Every tensor is
     drawn from N(0, 1) except the delta-net's norm: 1 + k/64 (|k| <= 8), which
     Megatron's zero-centred ``w - 1`` and the reader's ``+ 1`` give back exactly."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     if kind == "qwen3_5_moe":
@@ -43,6 +45,10 @@ def tiny_model(kind: str, directory: Path) -> Path:
             moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False))
+    elif kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+            moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
                                              num_key_value_heads=4, head_dim=8, intermediate_size=16, tie_word_embeddings=True))
@@ -57,7 +63,7 @@ def tiny_model(kind: str, directory: Path) -> Path:
 def written(tmp_path_factory):
     """``{(model, ranks, common): iter_dir}`` and the Hugging Face directories."""
     base = tmp_path_factory.mktemp("megatron")
-    hf = {kind: tiny_model(kind, base / kind) for kind in ("qwen3_5_moe", "qwen3")}
+    hf = {kind: tiny_model(kind, base / kind) for kind in ("qwen3_5_moe", "qwen3", "qwen3_moe")}
     out = {}
     for ranks in (1, 2, 4):
         jobs = []
