@@ -165,6 +165,18 @@ def test_a_metadata_written_for_another_step_is_refused(written, tmp_path):
         ml.open_checkpoint(other, 4, written[1]["qwen3"] / "config.json")
 
 
+def test_the_step_a_metadata_was_written_for_is_read_from_its_path_tmp_step_included():
+    from types import SimpleNamespace
+
+    def metadata(path):
+        return SimpleNamespace(storage_meta=SimpleNamespace(checkpoint_id=path))
+
+    ml._check_step(Path("x"), metadata("/r/tmp_step_18/policy/weights/iter_0000000"), 18)  # NeMo-RL renames tmp_step_18
+    ml._check_step(Path("x"), metadata("elsewhere/iter_0000000"), 19)  # no step named: nothing to compare
+    with pytest.raises(CheckpointError, match="written for step_18 .* not step_19"):
+        ml._check_step(Path("x"), metadata("/r/tmp_step_18/policy/weights/iter_0000000"), 19)
+
+
 def test_a_tensor_the_table_does_not_know_is_named(written):
     out, hf = written
     metadata = ml.dcp_read.read_dcp_metadata(out[("qwen3_5_moe", 1, "legacy")])

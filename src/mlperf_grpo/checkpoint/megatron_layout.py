@@ -137,9 +137,10 @@ def _check_common_state(directory: Path, metadata) -> None:
 
 def _check_step(directory: Path, metadata, step: int | None) -> None:
     """The ``.metadata``'s ``storage_meta.checkpoint_id`` (the path it was written to)
-    names no ``step_M/`` other than ``step``."""
+    names no ``step_M/`` (or NeMo-RL's ``tmp_step_M/``, renamed once complete) other than
+    ``step``."""
     where = str(getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", "") or "")
-    written = re.findall(r"(?:^|/)step_(\d+)(?=/|$)", where)
+    written = re.findall(r"(?:^|/)(?:tmp_)?step_(\d+)(?=/|$)", where)
     if step is not None and written and int(written[-1]) != step:
         raise CheckpointError(f"{directory / dcp_read.DCP_METADATA} was written for step_{written[-1]} ({where}), not "
                               f"step_{step}: the checkpoint's files are mixed up")
@@ -187,7 +188,6 @@ def _boxes(copies: list[_Copy], blocks: dict[str, Block], shapes: dict[str, tupl
         by_key[c.key].append(c)
     out = []
     for key, group in sorted(by_key.items()):
-        n = len(group[0].index)
         runs: list[list[_Copy]] = []
         for c in sorted(group, key=lambda c: c.src):
             if runs and c.src[0] <= max(x.src[1] for x in runs[-1]):
@@ -199,7 +199,6 @@ def _boxes(copies: list[_Copy], blocks: dict[str, Block], shapes: dict[str, tupl
             lo = [min(s[0][d] for s in spans) for d in range(len(shapes[key]))]
             hi = [max(s[1][d] for s in spans) for d in range(len(shapes[key]))]
             out.append((key, (tuple(lo), tuple(h - o for h, o in zip(hi, lo))), run))
-        assert all(len(c.index) == n for c in group)
     return out
 
 
