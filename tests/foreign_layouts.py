@@ -12,7 +12,10 @@
   ``DCP_SHARDING_INFO`` ``saved_offsets`` as torch's ``HuggingFaceStorageWriter`` writes
   them) and, for ``consolidated``, also ``model/consolidated/`` (whole tensors, the index
   and a ``config.json`` written with ``to_json_string(use_diff=False)``: every default
-  key). Their record carries no weight hashes or canary.
+  key); or (``megatron``) as the reference's Megatron backend saves them: a Megatron-Bridge
+  save root (``latest_checkpointed_iteration.txt``, ``iter_0000000/``) holding a
+  Megatron-core ``torch_dist`` checkpoint written by megatron-core itself at 2 ranks
+  (``tests/checkpoint/megatron_writer.py``). Their record carries no weight hashes or canary.
 - :func:`to_hf_dirs`: one Hugging Face model directory per checkpoint plus
   ``manifest.jsonl``.
 
@@ -84,6 +87,7 @@ def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
     """``weights``: ``safetensors``, ``dcp`` (v1, nested), ``dcp-v2`` (flat, in ``model/``),
     ``sharded`` or ``consolidated`` (see the module docstring)."""
     config = yaml.safe_load((run / "config.yaml").read_text())
+    megatron_jobs = []
     for c in _series(run):
         step_dir = out / f"step_{c.step}"
         weights_dir = step_dir / "policy" / "weights"
@@ -106,6 +110,9 @@ def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
             dcp.save({"model": tensors}, checkpoint_id=str(weights_dir), no_dist=True)
         elif weights == "dcp-v2":
             dcp.save(tensors, checkpoint_id=str(weights_dir / "model"), no_dist=True)
+        elif weights == "megatron":
+            (weights_dir / "latest_checkpointed_iteration.txt").write_text("0")
+            megatron_jobs.append((c.path, weights_dir / "iter_0000000", "legacy"))
         else:
             raise ValueError(weights)
         tokenizer = step_dir / "policy" / "tokenizer"
@@ -113,8 +120,34 @@ def to_nemo_rl(run: Path, out: Path, weights: str) -> Path:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (c.path / name).is_file():
                 shutil.copy(c.path / name, tokenizer / name)
+    if megatron_jobs:
+        write_megatron(megatron_jobs, 2)
     (out / f"tmp_step_{c.step + 1}").mkdir()  # a save in flight when training stopped: never read
     return out
+
+
+MEGATRON_WRITER = Path(__file__).parent / "checkpoint" / "megatron_writer.py"
+
+
+def write_megatron(jobs: list[tuple[Path, Path, str]], ranks: int) -> None:
+    """``megatron_writer.py`` on ``ranks`` gloo processes: each job a Hugging Face model
+    directory, the ``iter_*`` directory to write, ``legacy`` or ``inline`` common state
+    (about 15 s on 2 busy cores). Skips the test without megatron-core."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("megatron") is None:  # not imported here: only the writer's processes import it
+        pytest.skip("megatron-core writes these fixtures (the test extra installs it)")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(MEGATRON_WRITER)]
+    for hf, target, common in jobs:
+        command += ["--job", str(hf), str(target), common]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def to_hf_dirs(run: Path, out: Path) -> Path:

@@ -33,6 +33,15 @@ CONFIG = {"division": "open",
 """Measured on CPU: accuracy 0.653, 0.681, 0.689, 0.713 at steps 1-4, so the series
 passes at step 4 after an evaluation that does not (0.69 is the target); the official
 checker needs a pass, and eval_samples 251 (the default validation) in every division."""
+def _megatron(run, out):
+    """The Megatron series, written once per run (megatron-core at 2 ranks takes about 15 s) and copied."""
+    cache = run.parent / f"{run.name}-megatron"
+    if not cache.is_dir():
+        foreign_layouts.to_nemo_rl(run, cache, "megatron")
+    shutil.copytree(cache, out)
+    return out
+
+
 LAYOUTS = {
     "nemo-rl-safetensors": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "safetensors"),
     "nemo-rl-dcp": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "dcp"),
@@ -40,6 +49,7 @@ LAYOUTS = {
     "nemo-rl-sharded": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "sharded"),
     "nemo-rl-consolidated": lambda run, out: foreign_layouts.to_nemo_rl(run, out, "consolidated"),
     "hf-dirs": foreign_layouts.to_hf_dirs,
+    "nemo-rl-megatron": _megatron,
 }
 DATA_FILE = {
     "nemo-rl-safetensors": "step_{step}/policy/weights/model/shard-00001-model-00001-of-00001.safetensors",
@@ -48,6 +58,7 @@ DATA_FILE = {
     "nemo-rl-sharded": "step_{step}/policy/weights/model/shard-00002-model-00001-of-00001.safetensors",
     "nemo-rl-consolidated": "step_{step}/policy/weights/model/consolidated/model-00001-of-00001.safetensors",
     "hf-dirs": "models/ckpt-{step}/model-00001-of-00001.safetensors",
+    "nemo-rl-megatron": "step_{step}/policy/weights/iter_0000000/__1_0.distcp",
 }
 """One data file of each layout's checkpoint of a step (the file the evaluator reads)."""
 FOUND_BY_THE_SERIES_CHECK = {"nemo-rl-safetensors", "nemo-rl-sharded", "nemo-rl-consolidated", "hf-dirs"}
@@ -110,7 +121,7 @@ def convert(trained, tmp_path, layout):
     return series, log
 
 
-@pytest.mark.parametrize("layout", ["nemo-rl-safetensors", "nemo-rl-dcp", "nemo-rl-consolidated", "hf-dirs"])  # DCP v2,
+@pytest.mark.parametrize("layout", ["nemo-rl-safetensors", "nemo-rl-dcp", "nemo-rl-consolidated", "hf-dirs", "nemo-rl-megatron"])  # DCP v2,
 # per-rank shards: tensors test below
 def test_each_layout_gives_the_results_of_the_original(trained, reference, tmp_path, capsys, monkeypatch, layout):
     monkeypatch.delenv("RETAIN_GRPO_CHECKPOINTS", raising=False)
@@ -420,6 +431,7 @@ DATA_FILE_DAMAGE = [(layout, "truncated", _truncate) for layout in LAYOUTS] + [
     ("nemo-rl-dcp", "deleted", lambda path: path.unlink()),
     ("nemo-rl-dcp-v2", "deleted", lambda path: path.unlink()),
     ("nemo-rl-dcp", "flipped", _flip_a_byte_of_the_largest_tensor),
+    ("nemo-rl-megatron", "flipped", _flip_a_byte_of_the_largest_tensor),
 ]
 
 
@@ -576,3 +588,29 @@ def test_a_layout_that_is_none_of_the_three_is_refused(tmp_path):
     (tmp_path / "step_1").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint layout recognised"):
         foreign.detect_format(tmp_path)
+
+
+def _metadata_of(step):
+    def copy(series):
+        iteration = "policy/weights/iter_0000000/.metadata"
+        shutil.copy(series / f"step_{step}" / iteration, series / "step_4" / iteration)
+        return series / "step_4" / iteration
+    return copy
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda s: (s / "step_4/policy/weights/iter_0000000/common.pt").unlink() or s / "step_4/policy/weights/iter_0000000/common.pt",
+     "common.pt is missing and the DCP holds no common_state object"),
+    (_metadata_of(3), "was written for step_3"),
+], ids=["no-common-pt", "metadata-of-step-3"])
+def test_a_megatron_checkpoint_missing_its_common_state_or_with_another_steps_metadata_is_one_line_exit_2(
+        trained, reference, tmp_path, damage, needle):
+    """Found by the series check (``--format auto`` picks the layout) before anything is
+    logged, as a truncated safetensors file is: one line naming step 4's file, exit 2."""
+    series, log = convert(trained, tmp_path, "nemo-rl-megatron")
+    path = damage(series)
+    code, err = evaluate_in_subprocess(series, log, trained / "config.yaml")
+    assert code == 2, err
+    line = error_line(err)
+    assert needle in line and str(path.parent) in line, line
+    assert results_without_stop(log) == []

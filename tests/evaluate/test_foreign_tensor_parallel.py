@@ -76,7 +76,7 @@ def _results(series, log):
     return lines, completions
 
 
-@pytest.mark.parametrize("weights", ["dcp", "sharded"])
+@pytest.mark.parametrize("weights", ["dcp", "sharded", "megatron"])
 def test_a_nemo_rl_series_at_t2_under_torchrun_gives_the_one_process_t1_results(trained, tmp_path, weights):
     one, one_log = _series(trained, tmp_path / "one", weights)
     assert main(_evaluate_args(one, one_log, trained / "t1.yaml")) in (0, 3)
@@ -103,10 +103,10 @@ def test_a_t2_evaluation_of_a_series_without_torchrun_is_refused_naming_its_own_
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
-@pytest.mark.parametrize("weights", ["dcp", "sharded", "safetensors"])
+@pytest.mark.parametrize("weights", ["dcp", "sharded", "safetensors", "megatron"])
 def test_each_rank_reads_exactly_its_slices_into_a_buffer_of_its_share(trained, tmp_path, weights):
     series, _ = _series(trained, tmp_path, weights)
-    checkpoint = foreign.discover_nemo_rl(series, 16)[0][0]
+    checkpoint = foreign.discover_nemo_rl(series, 16, trained / "model16" / "config.json")[0][0]
     full = foreign.read_weights(checkpoint)
     total = sum(t.numel() * t.element_size() for t in full.values())
     largest = max(t.numel() * t.element_size() for t in full.values())

@@ -15,7 +15,12 @@ Two layouts besides our own (``format.py``):
                                   Hugging Face safetensors (``model_save_format:
                                   safetensors``), in ``model/consolidated/``, ``model/``
                                   or here; in ``model/`` possibly one file per rank
-                                  (Automodel's sharded save), assembled whole
+                                  (Automodel's sharded save), assembled whole; or, from
+                                  the Megatron backend (the benchmark reference's), a
+                                  Megatron-Bridge save root whose ``iter_*/`` is a
+                                  Megatron-core ``torch_dist`` checkpoint of Megatron-named
+                                  tensors (``megatron_layout.py``, names mapped with
+                                  ``megatron_names.py`` and model.path's ``config.json``)
       step_N/policy/tokenizer/
 
 - **Hugging Face directories plus a manifest** (any other trainer): ``manifest.jsonl``,
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from mlperf_grpo.checkpoint import dcp_read
+from mlperf_grpo.checkpoint import dcp_read, megatron_layout
 from mlperf_grpo.checkpoint.format import INDEX_FILE, INFO_FILE, NON_WEIGHT_FILES, SAFETENSORS_DTYPES
 from mlperf_grpo.checkpoint.format import CheckpointCorruptError, CheckpointError
 from mlperf_grpo.checkpoint.reader import read_json_record
@@ -83,10 +88,11 @@ class ForeignCheckpoint:
 
     ``path``: the checkpoint's directory (``step_N/`` or the Hugging Face directory);
     ``record``: the file its step and weight-update time were read from;
-    ``weights_kind``: ``safetensors`` or ``dcp``; ``weight_files``: the safetensors
-    files, or the DCP directory (the one holding ``.metadata``); ``dcp_nested``: the DCP
+    ``weights_kind``: ``safetensors``, ``dcp`` or ``megatron``; ``weight_files``: the
+    safetensors files, or the DCP directory (the one holding ``.metadata``); ``dcp_nested``: the DCP
     state dict is nested under ``"model"`` (NeMo-RL DTensor v1); ``config_dir``: a
-    directory holding the checkpoint's ``config.json``, or None.
+    directory holding the checkpoint's ``config.json``, or None; ``hf_config``: the
+    ``config.json`` Megatron names are mapped with (model.path's), or None.
     """
 
     step: int
@@ -97,6 +103,7 @@ class ForeignCheckpoint:
     weight_files: tuple[Path, ...]
     dcp_nested: bool = False
     config_dir: Path | None = None
+    hf_config: Path | None = None
 
 
 def detect_format(root: Path) -> str:
@@ -151,6 +158,9 @@ def _nemo_weights(step_dir: Path) -> tuple[str, tuple[Path, ...], bool]:
         CheckpointError: neither DCP metadata nor safetensors files found.
     """
     weights = step_dir / "policy" / "weights"
+    iteration = megatron_layout.find_iteration_dir(weights) if weights.is_dir() else None
+    if iteration is not None:
+        return "megatron", (iteration,), False
     if (weights / DCP_METADATA).is_file():
         return "dcp", (weights,), True
     if (weights / "model" / DCP_METADATA).is_file():
@@ -163,8 +173,10 @@ def _nemo_weights(step_dir: Path) -> tuple[str, tuple[Path, ...], bool]:
                           "nor *.safetensors, here or in model/); the checkpoint is incomplete")
 
 
-def read_nemo_rl_checkpoint(step_dir: Path, step: int, global_batch_size: int) -> ForeignCheckpoint:
-    """One NeMo-RL ``step_N/``.
+def read_nemo_rl_checkpoint(step_dir: Path, step: int, global_batch_size: int,
+                            hf_config: Path | None = None) -> ForeignCheckpoint:
+    """One NeMo-RL ``step_N/`` (``hf_config``: model.path's ``config.json``, which maps
+    a Megatron checkpoint's names).
 
     Raises:
         CheckpointError: ``training_info.json`` missing, not JSON, or without an integer
@@ -183,10 +195,11 @@ def read_nemo_rl_checkpoint(step_dir: Path, step: int, global_batch_size: int) -
     )
     kind, files, nested = _nemo_weights(step_dir)
     config_dir = files[0].parent if kind == "safetensors" and (files[0].parent / "config.json").is_file() else None
-    return ForeignCheckpoint(step, step_dir, info, path, kind, files, nested, config_dir)
+    return ForeignCheckpoint(step, step_dir, info, path, kind, files, nested, config_dir, hf_config)
 
 
-def discover_nemo_rl(root: Path, global_batch_size: int) -> tuple[list[ForeignCheckpoint], list[Path], tuple[int, str] | None]:
+def discover_nemo_rl(root: Path, global_batch_size: int, hf_config: Path | None = None,
+                     ) -> tuple[list[ForeignCheckpoint], list[Path], tuple[int, str] | None]:
     """NeMo-RL ``step_N/`` in ascending step order up to the first unreadable one; the
     same contract as :func:`mlperf_grpo.checkpoint.discover_series` (``tmp_step_*``
     listed apart, never read)."""
@@ -196,7 +209,7 @@ def discover_nemo_rl(root: Path, global_batch_size: int) -> tuple[list[ForeignCh
     found: list[ForeignCheckpoint] = []
     for step, path in dirs:
         try:
-            found.append(read_nemo_rl_checkpoint(path, step, global_batch_size))
+            found.append(read_nemo_rl_checkpoint(path, step, global_batch_size, hf_config))
         except CheckpointError as err:
             return found, ignored, (step, str(err))
     return found, ignored, None
@@ -257,6 +270,8 @@ def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int
         CheckpointError: a header or the DCP metadata cannot be read, or per-rank slices
             do not cover a tensor; names the file.
     """
+    if checkpoint.weights_kind == "megatron":
+        return megatron(checkpoint).specs()
     if checkpoint.weights_kind == "dcp":
         return _specs(dcp_read.read_dcp_metadata(checkpoint.weight_files[0]), checkpoint.dcp_nested)
     if _per_rank(checkpoint):
@@ -283,6 +298,12 @@ def _specs(metadata, nested: bool) -> dict[str, tuple[str, list[int]]]:
             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
 
 
+def megatron(checkpoint: ForeignCheckpoint) -> megatron_layout.MegatronCheckpoint:
+    """The checked Megatron dist checkpoint of a ``megatron`` checkpoint (errors as
+    :func:`megatron_layout.open_checkpoint`)."""
+    return megatron_layout.open_checkpoint(checkpoint.weight_files[0], checkpoint.step, checkpoint.hf_config)
+
+
 def _per_rank(checkpoint: ForeignCheckpoint) -> bool:
     """Safetensors written one file per rank (slices placed by ``DCP_SHARDING_INFO``)."""
     return checkpoint.weights_kind == "safetensors" and dcp_read.sharding_info(checkpoint.weight_files[0]) is not None
@@ -306,6 +327,8 @@ def read_weights(checkpoint: ForeignCheckpoint) -> dict[str, torch.Tensor]:
         CheckpointCorruptError: a weight file is truncated, fails its CRC-32 or cannot
             be parsed; names it.
     """
+    if checkpoint.weights_kind == "megatron":
+        return megatron_layout.read_weights(megatron(checkpoint))
     if checkpoint.weights_kind == "dcp":
         directory = checkpoint.weight_files[0]
         metadata = dcp_read.read_dcp_metadata(directory)

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from mlperf_grpo.checkpoint import dcp_read
+from mlperf_grpo.checkpoint import dcp_read, megatron_layout
 from mlperf_grpo.checkpoint import foreign_layouts as foreign
 from mlperf_grpo.checkpoint.format import CheckpointCorruptError, CheckpointError
 from mlperf_grpo.checkpoint.foreign_layouts import ForeignCheckpoint
@@ -111,7 +111,9 @@ def read_foreign_share(checkpoint: ForeignCheckpoint, slices: dict[str, Index | 
         at += _aligned(nbytes)
     if stop is not None and stop.is_set():
         raise ReadStopped(f"{checkpoint.path}: read stopped")
-    if checkpoint.weights_kind == "dcp":
+    if checkpoint.weights_kind == "megatron":
+        _read_megatron(checkpoint, dest, blocks, group_rank, group_size)
+    elif checkpoint.weights_kind == "dcp":
         _read_dcp(checkpoint, dest, blocks, group_rank, group_size)
     elif dcp_read.sharding_info(checkpoint.weight_files[0]) is not None:
         directory = checkpoint.weight_files[0].parent
@@ -134,6 +136,16 @@ def _read_dcp(checkpoint: ForeignCheckpoint, dest: dict[str, torch.Tensor], bloc
     dcp_read.check_dcp_files(directory, metadata, only={f for f, rank in owners.items() if rank == group_rank})
     prefix = "model." if checkpoint.dcp_nested else ""
     dcp_read.load_dcp(directory, metadata, into={prefix + n: (dest[n], blocks[n][0]) for n in dest})
+
+
+def _read_megatron(checkpoint: ForeignCheckpoint, dest: dict[str, torch.Tensor], blocks: dict[str, Block],
+                   group_rank: int, group_size: int) -> None:
+    """A Megatron ``torch_dist`` checkpoint's slices (``megatron_layout.read_into``): the
+    model's data files checked as for a DCP directory (divided among the ranks), then
+    only the Megatron blocks covering this rank's slices read."""
+    ckpt = foreign.megatron(checkpoint)
+    owners = divide_by_bytes(megatron_layout.files_for(ckpt, set(ckpt.dtypes)), group_size)
+    megatron_layout.read_into(ckpt, dest, blocks, check={f for f, rank in owners.items() if rank == group_rank})
 
 
 def _read_safetensors(checkpoint: ForeignCheckpoint, dest: dict[str, torch.Tensor], blocks: dict[str, Block],

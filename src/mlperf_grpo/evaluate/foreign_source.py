@@ -19,7 +19,7 @@ from mlperf_grpo.evaluate.outcome import last_trained_step
 from mlperf_grpo.evaluate.series import EvaluationError, RefitError, RunSeries, SeriesProblem
 from mlperf_grpo.inference.base import InferenceEngine
 from mlperf_grpo.logs.mllog import ParsedLog
-from mlperf_grpo.model.files import check_model_path
+from mlperf_grpo.model.files import check_model_path, resolve_model_path
 from mlperf_grpo.model.fingerprint import sharded_fingerprint, weights_fingerprint
 from mlperf_grpo.tasks import ValidationSet
 
@@ -53,6 +53,8 @@ class ForeignSeries:
     manifest: Path | None = None
     config_file: Path | None = None
     """The config the evaluation was given (the other torchrun ranks load it: :meth:`rank_spec`)."""
+    hf_config: Path | None = None
+    """model.path's ``config.json``: maps a Megatron checkpoint's tensor names."""
 
     def discover(self) -> tuple[list[ForeignCheckpoint], list[Path], SeriesProblem | None]:
         if self.format == foreign.HF_DIRS:
@@ -60,7 +62,7 @@ class ForeignSeries:
                 return foreign.read_manifest(self.manifest, self.global_batch_size), [], None
             except CheckpointError as err:
                 raise EvaluationError(str(err)) from None
-        found, ignored, unreadable = foreign.discover_nemo_rl(self.root, self.global_batch_size)
+        found, ignored, unreadable = foreign.discover_nemo_rl(self.root, self.global_batch_size, self.hf_config)
         return found, ignored, None if unreadable is None else SeriesProblem(len(found), unreadable[1])
 
     def check(self, checkpoints: list[ForeignCheckpoint], config: RunConfig, validation: ValidationSet,
@@ -152,7 +154,8 @@ class ForeignSeries:
         """This source as JSON for the other torchrun ranks (:func:`source_from_spec`)."""
         return {"root": str(self.root), "format": self.format, "global_batch_size": self.global_batch_size,
                 "manifest": None if self.manifest is None else str(self.manifest),
-                "config_file": None if self.config_file is None else str(Path(self.config_file).resolve())}
+                "config_file": None if self.config_file is None else str(Path(self.config_file).resolve()),
+                "hf_config": None if self.hf_config is None else str(Path(self.hf_config).resolve())}
 
     def verify(self, engine: InferenceEngine, checkpoint: ForeignCheckpoint, weights) -> str:
         """The engine's tensors equal those read (no canary: the layout records none). A
@@ -294,7 +297,8 @@ def source_from_spec(spec: dict) -> ForeignSeries:
     """The :class:`ForeignSeries` of :meth:`ForeignSeries.rank_spec` (another torchrun rank's)."""
     return ForeignSeries(Path(spec["root"]), spec["format"], int(spec["global_batch_size"]),
                          None if spec["manifest"] is None else Path(spec["manifest"]),
-                         None if spec["config_file"] is None else Path(spec["config_file"]))
+                         None if spec["config_file"] is None else Path(spec["config_file"]),
+                         None if spec.get("hf_config") is None else Path(spec["hf_config"]))
 
 
 def build_source(checkpoints: Path, fmt: str, config: RunConfig, config_file: Path | None = None):
@@ -314,4 +318,4 @@ def build_source(checkpoints: Path, fmt: str, config: RunConfig, config_file: Pa
         return OursAt(root)
     manifest = checkpoints if checkpoints.is_file() else checkpoints / foreign.MANIFEST_FILE
     return ForeignSeries(root, detected, config.global_batch_size, manifest if detected == foreign.HF_DIRS else None,
-                         config_file)
+                         config_file, resolve_model_path(config.model.path) / "config.json")
