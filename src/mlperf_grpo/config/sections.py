@@ -207,6 +207,13 @@ class GRPOConfig(Strict):
     step old; needs the IS correction). Closed: 1."""
     first_eval_step: int | None = Field(None, gt=0)
     """``null``: derived, ``ceil(2.5 + 3840/GBS)``. Open division only may set a step."""
+    max_reward_timeout_share: float = Field(0.5, ge=0, le=1)
+    """A training completion whose verification times out (``tasks.scoring.REWARD_TIMEOUT_S``)
+    scores 0 and is counted (``reward_timeouts`` in the step's ``tracked_stats``), as the
+    reference's math environment scores it (NeMo-RL ``HFVerifyWorker.verify``); the run
+    stops only when more than this share of a step's completions time out (a verifier that
+    hangs on everything). 0: the first timeout stops the run; 1: never. Validation always
+    refuses to guess: a timeout there stops the evaluation."""
 
     @property
     def global_batch_size(self) -> int:
