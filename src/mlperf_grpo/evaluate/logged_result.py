@@ -12,6 +12,9 @@ The evaluator never moves a score. Two logs it is handed would make it do so:
   another tool, or by hand): reporting it would print a passing step nothing measured.
   Refused (:func:`check_run_stop_supported`). A ``run_stop`` aborted needs no
   evaluation: training stopped before its first checkpoint closes the run that way.
+
+And the series must be the log's (:func:`check_series_in_log`): a checkpoint series
+trained after another run's log would be scored against that log's ``run_start``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mlperf_logging.mllog import constants as C  # noqa: N812
 from mlperf_grpo import rules
 from mlperf_grpo.evaluate.series import EvaluationError
 from mlperf_grpo.logs.mllog import ParsedLog
+from mlperf_grpo.logs.values import ms_text, step_window
 
 
 def logged_pass(log: ParsedLog, target: float, log_file: Path) -> int | None:
@@ -65,3 +69,27 @@ def check_run_stop_supported(log: ParsedLog, target: float, global_batch_size: i
         raise EvaluationError(
             f"{log_file} has a run_stop success at step {step} but {held}; a run_stop no logged evaluation supports "
             "cannot be scored: remove the run_stop line and run evaluate again")
+
+
+def check_series_in_log(checkpoints: list, log: ParsedLog, global_batch_size: int) -> None:
+    """Every checkpoint's weight-update time lies within its step's training in the log
+    (:func:`~mlperf_grpo.log_values.step_window`, the bounds ``merge`` ties a ``run_stop``
+    to: after the ``block_stop`` of the step before, no later than the step's own
+    ``block_stop`` or ``tracked_stats``). A step the log has not trained is not checked
+    here (the series check refuses a series longer than the log's training).
+
+    Raises:
+        EvaluationError: a checkpoint's time lies outside its step's window: one line
+            naming its record, the time and the log's lines.
+    """
+    for c in checkpoints:
+        lo, hi = step_window(log, c.step, global_batch_size)
+        t_update = c.info.training_step_end_time_ms
+        if hi is None or ((lo is None or t_update >= lo.time_ms) and t_update <= hi.time_ms):
+            continue
+        record = getattr(c, "record", None) or c.path / "training_info.json"
+        after = f"after {ms_text(lo.time_ms)} ms (line {lo.line_no}) and " if lo is not None else ""
+        raise EvaluationError(
+            f"{record}: weight-update time {ms_text(t_update)} ms is not within step {c.step}'s training in the MLPerf "
+            f"log ({after}no later than {ms_text(hi.time_ms)} ms, its {hi.key} at line {hi.line_no}); the checkpoints "
+            "are of another run than the log: pass the training log of the run that wrote them")
