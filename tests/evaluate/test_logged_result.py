@@ -8,6 +8,9 @@ line, exit 2, the log untouched.
 
 import json
 
+import pytest
+import yaml
+
 from faults_eval_helpers import copy_run, error_lines
 
 from mlperf_grpo.cli import main
@@ -57,3 +60,15 @@ def test_a_run_stop_no_evaluation_supports_is_refused(trained, tmp_path, capsys)
     line = error_lines(capsys.readouterr().err)
     assert "has a run_stop success at step 20 but no passing evaluation" in line, line
     assert (run / "mlperf.log").read_bytes() == before and not (run / "eval" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("content, what", [("", "is empty"), ("a launcher's own notes\n", "holds no MLPerf lines")])
+def test_evaluate_of_an_empty_log_names_the_file_and_says_it_is_empty(tmp_path, capsys, content, what):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"division": "open", "validation": {"num_tasks": 8}}))
+    (run / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
+    (run / "mlperf.log").write_text(content)
+    assert main(["evaluate", str(run)]) == 2
+    line = error_lines(capsys.readouterr().err)
+    assert f"the MLPerf log {run / 'mlperf.log'} {what}" in line, line

@@ -339,6 +339,10 @@ def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedL
         log = _read_logs(mllog_file, eval_log)
     except OSError as err:
         raise EvaluationError(f"cannot read the MLPerf log {err.filename}: {err.strerror}") from None
+    if not log.events and not log.bad_lines:
+        what = "is empty" if mllog_file.stat().st_size == 0 else "holds no MLPerf lines"
+        raise EvaluationError(f"the MLPerf log {mllog_file} {what}: training writes its lines there; point run.json "
+                              "(or --mllog) at the training's log, or train again")
     if log.bad_lines:
         line_no, reason = log.bad_lines[0]
         raise EvaluationError(f"{mllog_file}:{line_no}: not a valid MLPerf line ({reason}); was a writer killed mid-line? repair the log first")
