@@ -72,3 +72,19 @@ def test_evaluate_of_an_empty_log_names_the_file_and_says_it_is_empty(tmp_path, 
     assert main(["evaluate", str(run)]) == 2
     line = error_lines(capsys.readouterr().err)
     assert f"the MLPerf log {run / 'mlperf.log'} {what}" in line, line
+
+
+def test_sigterm_after_the_run_stop_does_not_say_no_run_stop(run, capsys, monkeypatch):
+    """Issue 44: SIGTERM in the teardown, once run_stop is in the log, said "no run_stop"."""
+    from mlperf_grpo.evaluate import offline
+    from mlperf_grpo.graceful_stop import Terminated
+
+    def terminated(*args):
+        raise Terminated()
+
+    monkeypatch.setattr(offline, "_teardown", terminated)
+    assert main(["evaluate", str(run)]) == 143
+    err = capsys.readouterr().err
+    assert len(read_log(run / "mlperf.log").find("run_stop")) == 1
+    assert "no run_stop" not in err and "after the run_stop was logged (the result stands)" in err, err
+    assert f"'mlperf-grpo evaluate {run}' finishes the teardown and reports it" in err
