@@ -82,7 +82,7 @@ class ModelConfig(Strict):
 
 
 class TaskConfig(Strict):
-    """The task that gives prompts and verifies answers (README, "Your own task").
+    """The task that gives prompts and verifies answers (docs/bring-your-own.md, "Your own task").
 
     ``arithmetic``: the built-in task. ``jsonl``: rows of ``train_path`` and
     ``validation_path`` (JSON lines; fields named by ``id_field``, ``prompt_field``,
@@ -276,7 +276,7 @@ class OptimizerConfig(Strict):
     """AdamW settings. ``null`` learning rate / clip means the closed-division formula."""
 
     learning_rate: float | None = Field(DEFAULT_LEARNING_RATE, gt=0)
-    """Open-division default, calibrated for the built-in model (README, Calibration)."""
+    """Open-division default, calibrated for the built-in model (docs/running.md, "The built-in default and its calibration")."""
     gradient_clip_norm: float | None = Field(None, gt=0)
     beta_1: float = Field(rules.ADAMW_BETA_1, ge=0, lt=1)  # torch's AdamW raises outside [0, 1)
     beta_2: float = Field(rules.ADAMW_BETA_2, ge=0, lt=1)
@@ -350,7 +350,7 @@ class InferenceConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    """Deferred checkpoints (README, Outputs)."""
+    """Deferred checkpoints (docs/running.md, "Outputs")."""
 
     max_in_flight: int = Field(2, gt=0)
     """K: checkpoints staged in host memory but not yet written; when the writers fall
@@ -358,7 +358,7 @@ class CheckpointConfig(Strict):
 
 
 class DistributedConfig(Strict):
-    """Data-parallel training under ``torchrun`` (README, "Distributed training"); read
+    """Data-parallel training under ``torchrun`` (docs/distributed.md, "Distributed training (torchrun + FSDP2)"); read
     only when launched by torchrun."""
 
     activation_checkpointing: bool = False

@@ -43,7 +43,7 @@ def resolve_model_path(path: str) -> Path:
     """``builtin:NAME`` -> the shipped ``assets/NAME`` directory; anything else is a local path.
 
     Shipped: ``arithmetic-tiny`` (the default), ``arithmetic-tiny-closed`` (its
-    starting weights for closed-division runs, README "Closed division and plan") and
+    starting weights for closed-division runs, docs/closed-division.md "Closed division and plan") and
     ``swe-tiny`` (the agentic suite's byte-level model, random init). A directory with
     ``random_init.json`` and no weights resolves to its cached random-init copy
     (:mod:`mlperf_grpo.model.random_init`).
