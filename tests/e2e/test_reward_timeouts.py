@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.config_load import load_config
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.config.load import load_config
+from mlperf_grpo.logs.mllog import read_log
 from mlperf_grpo.tasks import arithmetic, scoring
 from mlperf_grpo.train.rollout import PromptSampler
 

@@ -14,7 +14,7 @@ import yaml
 from faults_eval_helpers import copy_run, error_lines
 
 from mlperf_grpo.cli import main
-from mlperf_grpo.mllog import read_log
+from mlperf_grpo.logs.mllog import read_log
 
 
 def lines_without(log_path, key):

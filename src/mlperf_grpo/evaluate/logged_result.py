@@ -73,7 +73,7 @@ def check_run_stop_supported(log: ParsedLog, target: float, global_batch_size: i
 
 def check_series_in_log(checkpoints: list, log: ParsedLog, global_batch_size: int) -> None:
     """Every checkpoint's weight-update time lies within its step's training in the log
-    (:func:`~mlperf_grpo.log_values.step_window`, the bounds ``merge`` ties a ``run_stop``
+    (:func:`~mlperf_grpo.logs.values.step_window`, the bounds ``merge`` ties a ``run_stop``
     to: after the ``block_stop`` of the step before, no later than the step's own
     ``block_stop`` or ``tracked_stats``). A step the log has not trained is not checked
     here (the series check refuses a series longer than the log's training).

@@ -262,7 +262,7 @@ class RewardPool:
                 if not clean:  # interrupted: calls in progress would answer the next score()
                     for worker in [w for w in self._workers if w.call is not None]:
                         self._replace(worker)
-        return _rewards_or_error(ref, items, timeout_s, timeouts_allowed, *outcome)
+        return _rewards_or_error(ref, items, timeout_s, timeouts_allowed, outcome)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
@@ -350,8 +350,11 @@ class RewardPool:
             raise VerifierError(f"reward worker exited with code {code} before it was ready")
 
 
-def _rewards_or_error(ref, items, timeout_s, timeouts_allowed, rewards, bad_values, errors, timed_out,
-                     not_scored) -> tuple[list[float], int]:
+def _rewards_or_error(ref: str, items: list, timeout_s: float, timeouts_allowed: int,
+                     outcome: tuple) -> tuple[list[float], int]:
+    """``(rewards, timeouts)`` of a pool call, or its error; ``outcome`` is what
+    :meth:`RewardPool._run` returns: ``(rewards, bad_values, errors, timed_out, not_scored)``."""
+    rewards, bad_values, errors, timed_out, not_scored = outcome
     if bad_values:  # the reward's own defect: reported before errors and timeouts
         first = min(bad_values)
         raise RewardValueError(
