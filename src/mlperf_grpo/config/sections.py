@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mlperf_grpo import rules
 
-BUILTIN_MODEL = "builtin:arithmetic-tiny"
+BUILTIN_PREFIX = "builtin:"
+"""``model.path`` of a model shipped in the package (``builtin:NAME``), not a folder."""
+BUILTIN_MODEL = BUILTIN_PREFIX + "arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
 
