@@ -33,8 +33,9 @@ def test_the_check_sees_a_missing_file(tmp_path):
     assert not list(ROOT.glob("tests/logs/test_gone.py")) and list(ROOT.glob("tests/evaluate/test_faults_eval_*.py"))
 
 
-SECTION = re.compile(r'(README(?:\.md)?|docs/[\w-]+\.md),? "([^"]+)"')
-"""A pointer to a section: ``README "The CLI"``, ``(docs/running.md, "Outputs")``."""
+SECTION = re.compile(r'(?<![\w/])(README(?:\.md)?|docs/[\w-]+\.md),? "([^"]+)"')
+"""A pointer to a section of ours: ``README "The CLI"``, ``(docs/running.md, "Outputs")``
+(not another project's ``swe_agents/README "..."``)."""
 
 
 def _headings(page: Path) -> set[str]:

@@ -19,7 +19,9 @@ ignored (:func:`ignored_note`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch.distributed as dist
 from transformers import GenerationConfig
@@ -81,3 +83,15 @@ def print_ignored_note(model_path: str, generation_config: GenerationConfig | No
         return
     _NOTED.add(model_path)
     print(note, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def generating_with(model, config: GenerationConfig) -> Iterator[None]:
+    """``model.generation_config`` is ``config`` inside (restored after): ``generate``
+    fills every setting a call leaves unset from it, logits processors included."""
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = saved

@@ -44,7 +44,7 @@ from mlperf_grpo.inference.base import (
     weight_pairs,
 )
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
-from mlperf_grpo.inference.generation_defaults import neutral_generation_config, print_ignored_note
+from mlperf_grpo.inference.generation_defaults import generating_with, neutral_generation_config, print_ignored_note
 from mlperf_grpo.inference.sampling import RowSeededSampler
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
 from mlperf_grpo.inference.slot_probe import slot_decoder_drives
@@ -405,7 +405,7 @@ class HFEngine:
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P], left-padded
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
         sampler = RowSeededSampler(seeds, params.temperature, params.top_p, params.max_new_tokens)
-        with sdpa_kernel(GENERATION_SDPA_BACKENDS), _generation_config(self.model, self._generation_config):
+        with sdpa_kernel(GENERATION_SDPA_BACKENDS), generating_with(self.model, self._generation_config):
             sequences = self.model.generate(
                 input_ids=input_ids.to(self.model.device),
                 attention_mask=attention_mask.to(self.model.device),
@@ -426,18 +426,6 @@ class HFEngine:
     def _completion(self, prompt: list[int], ids: list[int], logprobs: list[float]) -> Completion:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return Completion(prompt_token_ids=list(prompt), token_ids=ids, logprobs=logprobs, text=text)
-
-
-@contextlib.contextmanager
-def _generation_config(model: PreTrainedModel, config) -> Iterator[None]:
-    """``model.generation_config`` is ``config`` inside: ``generate`` fills every setting
-    a call leaves unset from it, logits processors included (``generation_defaults``)."""
-    saved = model.generation_config
-    model.generation_config = config
-    try:
-        yield
-    finally:
-        model.generation_config = saved
 
 
 def _accepted_shapes(target: torch.Tensor) -> set[tuple[int, ...]]:
