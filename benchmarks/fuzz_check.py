@@ -18,7 +18,7 @@ seed with 1-6 mutations drawn from these kinds:
 - ``value``: an ``eval_accuracy`` set to null, a string, NaN, 1.5 or a list;
 - ``bytes``: random bytes in the middle of a line.
 
-The contract (README, "Log tools"): :func:`mlperf_grpo.logs.check.check_log` returns a report
+The contract (docs/log-tools.md, "Log tools: check, merge, report"): :func:`mlperf_grpo.logs.check.check_log` returns a report
 (exit 0/1) or raises ``UnreadableLog`` (exit 2); nothing else is raised; the report renders
 as text and JSON; and it answers within the official checkers' time limit plus the lint's
 own time. Prints one JSON line: inputs, contract violations by class (with the first input

@@ -11,8 +11,8 @@ Rather than bend a closed value, the closed configs start from a later point of 
 model: the built-in model after ``--steps`` (18) GRPO steps of the *open* default run
 (seed 1, GBS 256, lr 4e-6) with the group-mean baseline it had then. Its pass@4 is below
 the target (170, 173 and 173 of 251 tasks with validation seeds 1, 2, 3; passing needs
-174), and the closed run's own training at lr 1e-6 lifts it above (README, "Closed
-division and plan"). Model and tokenizer files are copied from ``arithmetic-tiny``;
+174), and the closed run's own training at lr 1e-6 lifts it above (docs/closed-division.md,
+"Closed division and plan"). Model and tokenizer files are copied from ``arithmetic-tiny``;
 only ``model.safetensors`` changes. ``provenance.json`` records how the weights were made.
 """
 

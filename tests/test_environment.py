@@ -1,5 +1,6 @@
 """The one parser of the rules' environment variables (environment.py)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ from mlperf_grpo import environment
 from mlperf_grpo.errors import BAD_INPUT_ERRORS, EnvironmentVariableError
 
 
-@pytest.mark.parametrize("value, deferred", [(None, True), ("", True), ("1", True), (" 0 ", False)])
+@pytest.mark.parametrize("value, deferred", [(None, True), ("", True), ("  ", True), ("1", True), ("0", False)])
 def test_deferred_offline_eval(monkeypatch, value, deferred):
     if value is None:
         monkeypatch.delenv("DEFERRED_OFFLINE_EVAL", raising=False)
@@ -34,6 +35,22 @@ def test_a_bad_switch_is_bad_input_naming_both_values(monkeypatch, name, read):
     with pytest.raises(EnvironmentVariableError, match=rf"^{name} must be 0 \(.*\) or 1 \(.*\), got 'yes'$") as err:
         read()
     assert isinstance(err.value, BAD_INPUT_ERRORS)  # exit 2
+
+
+@pytest.mark.parametrize("value", [" 0 ", "1 ", "\t1", "0\n"])
+@pytest.mark.parametrize("name, read", [("DEFERRED_OFFLINE_EVAL", environment.deferred_offline_eval),
+                                        ("RETAIN_GRPO_CHECKPOINTS", lambda: environment.retain_checkpoints(True))])
+def test_a_switch_with_spaces_around_its_value_is_refused(monkeypatch, name, read, value):
+    """Issue 44: the docs say any other value than 0 or 1 is refused; ' 0 ' was read as 0."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(EnvironmentVariableError, match=rf"^{name} must be 0 .* got {re.escape(repr(value))}$"):
+        read()
+
+
+def test_mllog_file_with_spaces_around_its_value_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLPERF_MLLOG_FILE", f" {tmp_path / 'x.log'} ")
+    with pytest.raises(EnvironmentVariableError, match="MLPERF_MLLOG_FILE has spaces around its value"):
+        environment.mllog_file(tmp_path / "mlperf.log")
 
 
 def test_mllog_file(monkeypatch, tmp_path):

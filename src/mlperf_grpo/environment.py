@@ -6,8 +6,10 @@
   (default) deletes them.
 - ``MLPERF_MLLOG_FILE``: the MLPerf log's path instead of ``<run>/mlperf.log``.
 
-An empty or unset variable takes its default. Torch-free; each reader raises
-:class:`~mlperf_grpo.errors.EnvironmentVariableError` (exit 2) for any other value.
+An empty or unset variable (or one of spaces only) takes its default. Torch-free; each
+reader raises :class:`~mlperf_grpo.errors.EnvironmentVariableError` (exit 2) for any
+other value, a value with spaces around it included (``" 0 "`` is not ``0``: a launcher
+that writes it is refused, not read one way here and another elsewhere).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ MLLOG_ENV = "MLPERF_MLLOG_FILE"
 
 def _switch(name: str, default: str, meaning: dict[str, str]) -> bool:
     """``name``'s value as a 0/1 switch (unset or blank: ``default``); True for ``1``."""
-    value = os.environ.get(name, "").strip() or default
+    raw = os.environ.get(name, "")
+    value = raw if raw.strip() else default
     if value not in meaning:
         raise EnvironmentVariableError(f"{name} must be 0 ({meaning['0']}) or 1 ({meaning['1']}), got {value!r}")
     return value == "1"
@@ -51,6 +54,12 @@ def retain_checkpoints(flag: bool = False) -> bool:
 
 
 def mllog_file(default: Path) -> Path:
-    """``MLPERF_MLLOG_FILE`` when set (and not blank), else ``default``."""
-    value = os.environ.get(MLLOG_ENV, "").strip()
-    return Path(value) if value else default
+    """``MLPERF_MLLOG_FILE`` when set (and not blank), else ``default``.
+
+    Raises:
+        EnvironmentVariableError: the value has spaces around it.
+    """
+    value = os.environ.get(MLLOG_ENV, "")
+    if value.strip() and value != value.strip():
+        raise EnvironmentVariableError(f"{MLLOG_ENV} has spaces around its value {value!r}; set the path alone")
+    return Path(value) if value.strip() else default

@@ -31,6 +31,9 @@ def test_default_is_the_builtin_run():
         ({"optimizer": {"beta_1": 2.0}}, "field 'optimizer.beta_1'"),  # torch's AdamW error, exit 1
         ({"optimizer": {"epsilon": -2e-08}}, "field 'optimizer.epsilon'"),  # torch's AdamW error, exit 1
         ({"optimizer": {"weight_decay": -0.1}}, "field 'optimizer.weight_decay'"),
+        ({"seed": 2**63}, "field 'seed'"),  # issue 44: exit 1, "Overflow when unpacking long long"
+        ({"seed": 2**64 + 5}, "field 'seed'"),
+        ({"seed": -1}, "field 'seed'"),  # was accepted
     ],
 )
 def test_bad_fields_name_the_field(data, needle):

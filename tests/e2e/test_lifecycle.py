@@ -368,6 +368,23 @@ def test_output_that_is_a_file_is_one_error_line_and_nothing_is_made(tmp_path, c
 
 
 @pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("output, needle", [
+    ("", "argument --output: must not be empty"),  # trained into the working directory (issue 44)
+    ("n" * 300, "is 300 bytes, more than the file system's 255; pass a shorter --output"),  # raw errno 36, exit 1
+    ("/".join(["d" * 200] * 25), "the path is longer than the file system's 4096 bytes"),
+])
+def test_an_empty_or_too_long_output_is_one_error_line_and_nothing_is_made(tmp_path, capsys, monkeypatch, command,
+                                                                          output, needle):
+    monkeypatch.chdir(tmp_path)
+    cfg = _write(tmp_path / "c.yaml", TINY_OPEN)
+    assert main([command, "--config", str(cfg), "--output", output]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert captured.out == "" and line.startswith("mlperf-grpo: ") and needle in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
 def test_output_whose_lock_cannot_be_written_is_one_error_line_and_nothing_is_made(tmp_path, capsys, command):
     """An existing ``--output`` where the run's ``.lock`` cannot be made (here a folder
     stands in its place, which refuses even root): one error line naming it, exit 2,

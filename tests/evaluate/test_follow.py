@@ -242,6 +242,23 @@ def test_bad_follow_options_exit_2_with_one_line(tmp_path, capsys, args, needle)
     assert err.count("\n") == 1 and needle in err, err
 
 
+def test_follow_on_an_existing_empty_folder_waits_briefly_and_says_so(tmp_path, capsys, monkeypatch):
+    """Issue 44: it waited START_WAIT_S (300 s) "for a training to create" a folder that existed."""
+    import time
+
+    from mlperf_grpo.evaluate import follow
+
+    monkeypatch.setattr(follow, "START_WAIT_S", 5.0)
+    monkeypatch.setattr(follow, "EMPTY_WAIT_S", 0.3)
+    (tmp_path / "empty").mkdir()
+    t0 = time.monotonic()
+    assert main(["evaluate", str(tmp_path / "empty"), "--follow"]) == 2
+    assert time.monotonic() - t0 < 4.0
+    err = capsys.readouterr().err
+    assert f"note: waiting up to 0 s for a training to start in the empty folder {tmp_path / 'empty'}" in err, err
+    assert err.count("\n") == 2 and "(waited 0 s)" in err, err
+
+
 def test_follow_on_a_directory_without_a_training_exits_2(tmp_path, capsys, monkeypatch):
     from mlperf_grpo.evaluate import follow
 

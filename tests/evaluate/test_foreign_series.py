@@ -511,7 +511,50 @@ def _truncate_log_after_step(step):
     return damage
 
 
+def _hf_shard(step):
+    return f"models/ckpt-{step}/model-00001-of-00001.safetensors"
+
+
+def _hf_stale_copy(series, log):
+    """ckpt-4 gets step 3's tensors as a second shard the index names for one tensor (a
+    re-save cut short): read by name order, every tensor would be step 3's."""
+    folder = series / "models" / "ckpt-4"
+    shutil.copy(series / _hf_shard(3), folder / "model-00002-of-00002.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _hf_left_over(series, log):
+    shutil.copy(series / _hf_shard(3), series / "models" / "ckpt-4" / "model.safetensors")
+
+
+def _hf_missing_shard(series, log):
+    folder = series / "models" / "ckpt-4"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][sorted(index["weight_map"])[0]] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _shift_manifest_times(ms):
+    """The series as if trained later than the log (another run's log: issue 44)."""
+    def damage(series, log):
+        path = series / "manifest.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "training_step_end_time_ms": r["training_step_end_time_ms"] + ms}) + "\n"
+                                for r in rows))
+    return damage
+
+
 BAD = [
+    ("hf-dirs", _shift_manifest_times(86_400_000), "manifest.jsonl: weight-update time"),
+    ("nemo-rl-dcp", lambda series, log: [_set_field(s, "training_step_end_time_ms", json.loads(
+        (series / f"step_{s}" / "training_info.json").read_text())["training_step_end_time_ms"] + 3_600_000)(series, log)
+        for s in (3, 4, 5, 6)], "step_3/training_info.json: weight-update time"),
+    ("hf-dirs", _hf_stale_copy, "model-00001-of-00001.safetensors holds tensor"),
+    ("hf-dirs", _hf_left_over, "ckpt-4/model.safetensors is not named by"),
+    ("hf-dirs", _hf_missing_shard, "ckpt-4/model-00002-of-00002.safetensors is missing (model.safetensors.index.json names it)"),
     ("nemo-rl-dcp", _drop_field(3, "training_step_end_time_ms"), "step_3/training_info.json: field 'training_step_end_time_ms' is missing"),
     ("nemo-rl-dcp", _drop_field(3, "current_step"), "step_3/training_info.json: field 'current_step' is missing"),
     ("nemo-rl-dcp", _set_field(3, "training_step_end_time_ms", 0), "step_3/training_info.json: weight-update time 0 is not after"),
@@ -536,6 +579,8 @@ def test_bad_series_or_log_is_one_line_exit_2(trained, tmp_path, capsys, layout,
     assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml")]) == 2
     assert needle in error_line(capsys.readouterr().err)
     assert log.read_bytes() == before and not (series / "eval" / "summary.json").exists()
+    # the series folder is left as it was found: no eval/source.json, no lock (issue 44)
+    assert not (series / "eval").exists() and not (series / ".lock").exists()
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -136,3 +136,31 @@ def test_generation_runs_without_cudnn_attention_and_restores_the_setting():
     HFEngine.from_model(model, batch_size=4).generate_ids([[3, 4], [5]], SamplingParams(1.0, 1.0, 3), [1, 2])
     assert seen and set(seen) == {(False, True, True, True)}
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_the_models_generation_config_processors_are_ignored_with_one_note(capsys):
+    """Issue 44: ``generate`` filled its unset settings from ``model.generation_config``, so
+    ``repetition_penalty`` & co. changed the distribution the rollouts were drawn from. Now
+    the completions and log-probs are the raw-logits reference's, the model's config is
+    left as it was, and one note names what was ignored."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    processors = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 5, "suppress_tokens": [5, 6]}
+    for key, value in processors.items():
+        setattr(model.generation_config, key, value)
+    gen = random.Random(11)
+    prompts = [[gen.randrange(3, 24) for _ in range(gen.randint(1, 9))] for _ in range(8)]
+    seeds = [gen.getrandbits(63) for _ in prompts]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=10)
+    engine = HFEngine.from_model(model, batch_size=8, model_path="tiny-with-processors")
+    assert engine._decoder is None  # the generate path (a CPU device)
+    completions = engine.generate_ids(prompts, params, seeds)
+    for prompt, seed, c in zip(prompts, seeds, completions):
+        tokens, logprobs = reference_sample(model, prompt, seed, params)
+        assert c.token_ids == tokens
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(logprobs), rtol=1e-5, atol=1e-5)
+    assert all(getattr(model.generation_config, k) == v for k, v in processors.items())  # restored
+    HFEngine.from_model(model, model_path="tiny-with-processors")  # a second engine: no second note
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: tiny-with-processors: generation_config.json sets min_new_tokens=5, no_repeat_ngram_size=2, "
+                     "repetition_penalty=1.3, suppress_tokens=[5, 6]; ignored: every engine samples from the run's "
+                     "temperature and top-p of the raw logits, the distribution the trainer scores"]

@@ -179,3 +179,19 @@ def test_a_successful_run_stop_is_timed_against_the_first_passing_step():
     [f] = [f for f in report.findings if f.rule == "run-stop-time" and "training_info.json" in f.problem]
     assert f"differs from the weight-update time 1795998424706 in {run / 'checkpoints/step_23/training_info.json'}" in f.problem
     assert "run-stop-step" in rules_of(report)
+
+
+def test_another_runs_folder_as_run_dir_is_a_finding_naming_it(tmp_path):
+    """Issue 44: `check LOG --run-dir OTHER_RUN` was CLEAN with notes only."""
+    other = tmp_path / "other"
+    shutil.copytree(live_run(), other)
+    (other / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
+    log = real_run() / "mlperf.log"
+    assert "run-dir" not in rules_of(check_log(log))  # its own folder
+    report = check_log(log, run_dir=other)
+    [f] = [f for f in report.findings if f.rule == "run-dir"]
+    assert f"the run directory {other} is not this log's run: its log {other / 'mlperf.log'} started at" in f.problem
+    assert not report.clean
+    (other / "run.json").unlink()  # no log of its own: its checkpoint records tie it
+    [f] = [f for f in check_log(log, run_dir=other).findings if f.rule == "run-dir"]
+    assert "training_info.json's weight-update time" in f.problem and "is not within step" in f.problem, f.problem

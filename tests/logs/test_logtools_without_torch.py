@@ -2,6 +2,7 @@
 installed: every command, on its success path and on a bad-input path, in a child
 process whose import system refuses `torch` as an uninstalled package would."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -73,8 +74,15 @@ def test_log_tool_never_imports_torch(case, tmp_path):
 
 @pytest.mark.slow
 def test_package_never_imports_torch(tmp_path):
-    """Three copies of the real run: the official checkers run to the end (about 20 s)."""
+    """Three copies of the real run, each logging its own seed (package refuses copies of
+    one run): the official checkers run to the end (about 20 s)."""
     runs = [shutil.copytree(DATA, tmp_path / f"run{i}") for i in range(3)]
+    for i, run in enumerate(runs):
+        log = run / "mlperf.log"
+        text = log.read_text()
+        seeded = re.sub(r'("key": "seed", "value": )\d+', rf"\g<1>{i + 1}", text)
+        assert seeded.count('"key": "seed"') == 1 and (i == 0) == (seeded == text)
+        log.write_text(seeded)
     done = run_without_torch("package", *runs, "--system", "s", "--output", tmp_path / "sub", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TORCH IMPORTED" not in done.stderr and "Traceback" not in done.stderr, done.stderr

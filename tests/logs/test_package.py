@@ -1,6 +1,8 @@
 """`mlperf-grpo package`: refusals (fast) and three closed runs packaged end to end (slow)."""
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +110,69 @@ def test_implementation_folder_holds_what_reproduces_the_run(tmp_path):
     assets = sorted(p.relative_to(root / "src") for p in (root / "src/mlperf_grpo/assets").rglob("*") if p.is_file())
     assert assets and all((dest / "src" / a).is_file() for a in assets)
     assert not list(dest.rglob("__pycache__"))
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "read-only"])
+def test_an_output_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path, capsys, where):
+    """Issue 44: package --output on a read-only file system gave the raw errno text, exit 1."""
+    if where == "under-a-file":
+        (tmp_path / "a-file").write_text("mine\n")
+        output = tmp_path / "a-file" / "submission"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+        output = ro / "submission"
+    try:
+        runs = [str(tmp_path / f"r{i}") for i in range(3)]
+        assert main(["package", *runs, "--system", "s", "--output", str(output)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"mlperf-grpo: error: --output {output}: ") and "choose a folder this user may write" in line
+    finally:
+        if where == "read-only":
+            subprocess.run(["umount", str(tmp_path / "ro")])
+
+
+OPEN_PASSING = {1: 4, 3: 4, 4: 4}
+"""Open runs that pass (seed: max_steps), measured on CPU: the built-in model at learning
+rate 3e-5 passes at step 4 (seeds 1 and 4) and 3 (seed 3); 251 validation tasks, as the
+package checker needs."""
+
+
+@pytest.fixture(scope="module")
+def open_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("open_package")
+    runs = []
+    for seed, steps in OPEN_PASSING.items():
+        cfg = base / f"open{seed}.yaml"
+        cfg.write_text(yaml.safe_dump({"division": "open", "seed": seed, "optimizer": {"learning_rate": 3e-5},
+                                       "grpo": {"num_prompts_per_step": 2, "max_steps": steps, "first_eval_step": 1,
+                                                "micro_batch_size": 32}}))
+        assert main(["run", "--config", str(cfg), "--output", str(base / f"run{seed}")]) == 0
+        runs.append(base / f"run{seed}")
+    return runs
+
+
+@pytest.mark.slow
+def test_open_runs_are_packaged_without_the_rcp_check(open_runs, tmp_path, capsys):
+    """Issue 44: package of open runs exited 1 on the RCP check, which the official package
+    checker runs for the closed division only."""
+    capsys.readouterr()
+    code = main(["package", *map(str, open_runs), "--system", "tiny_cpu", "--output", str(tmp_path / "o")])
+    text = capsys.readouterr().out
+    assert "(system tiny_cpu, open division)" in text and "rcp_checker: SKIPPED" in text, text
+    assert "package_checker: PASS" in text and code == 0, text
+    assert not (tmp_path / "o" / "checker_logs" / "rcp_checker.txt").exists()
+
+
+@pytest.mark.slow
+def test_two_copies_of_one_run_are_refused(open_runs, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(open_runs[0], copy)
+    (copy / "run.json").write_text(json.dumps({"mllog_file": "mlperf.log"}))
+    assert main(["package", str(open_runs[0]), str(copy), str(open_runs[1]), "--system", "s",
+                 "--output", str(tmp_path / "o")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"{copy} and {open_runs[0]} hold the same run" in line, line
+    assert not (tmp_path / "o").exists()

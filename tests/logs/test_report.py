@@ -160,3 +160,58 @@ def test_step_labels_do_not_overlap():
         assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), [t.get_text() for t in lane]
     texts = {t.get_text() for t in labels}
     assert "18" in texts and "58" in texts  # S0, and the passing evaluation
+
+
+def _open_run(eval_times):
+    """An open run at GBS 32 with its own first eval step 3: 6 steps (100 ms each), then
+    the evaluations of steps 3 and 4 logged after training, begun at ``eval_times``."""
+    from logtools_helpers import ev
+
+    gbs = 32
+    events = [ev("submission_benchmark", "qwen35_397b_grpo"), ev("submission_division", "open"),
+              ev("global_batch_size", gbs), ev("run_start", t=1000, et="INTERVAL_START")]
+    for s in range(1, 7):
+        md = {"samples_count": s * gbs, "step": s}
+        events += [ev("block_start", t=1000 + 100 * (s - 1), md={**md, "samples_count": (s - 1) * gbs}, et="INTERVAL_START"),
+                   ev("block_stop", t=1000 + 100 * s - 10, md=md, et="INTERVAL_END")]
+    for s, acc, t in zip((3, 4), (0.5, 0.72), eval_times):
+        md = {"samples_count": s * gbs, "step": s}
+        events += [ev("eval_start", t=t, md=md, et="INTERVAL_START"), ev("eval_accuracy", acc, t=t + 5, md=md),
+                   ev("eval_stop", t=t + 5, md=md, et="INTERVAL_END")]
+    events.append(ev("run_stop", t=1390, md={"status": "success", "samples_count": 4 * gbs, "step": 4}, et="INTERVAL_END"))
+    return build_timeline(parse_log_text(to_text(events)))
+
+
+def test_an_open_run_with_its_own_first_eval_step_draws_its_checkpoints():
+    """Issue 44: the closed formula (S0 = 123 at GBS 32) hid every checkpoint write."""
+    tl = _open_run((1700, 1720))
+    assert tl.first_eval_step == 3
+    assert [step for step, _, _ in tl.checkpoint_writes] == [3, 4, 5, 6]
+    texts, _ = figure_texts(tl)
+    assert any("first eval step S0=3" in t for t in texts), texts
+
+
+def test_the_subtitle_says_when_evaluation_ran_beside_training():
+    """Issue 44: a followed run (evaluations begun during training, merged after it) was
+    titled as evaluated after training."""
+    from mlperf_grpo.logs.report.png import FOLLOW_TEXT, MODE_TEXT
+
+    after = MODE_TEXT["deferred"][1]
+    texts, _ = figure_texts(_open_run((1420, 1530)))  # steps 3 and 4 evaluated while steps 5-6 trained
+    assert FOLLOW_TEXT in texts and after not in texts
+    texts, _ = figure_texts(_open_run((1700, 1720)))
+    assert after in texts and FOLLOW_TEXT not in texts
+
+
+def test_the_default_pictures_labels_stay_inside_their_axes():
+    """Issue 44: run_start's label sat across the timeline's left axis; "pass: backdated"
+    ran past the last evaluation bar toward the right one."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    _, fig = figure_texts(build_timeline(parse_log_text((DATA / "mlperf.log").read_text())))
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    box = ax.get_window_extent(renderer)
+    outside = [t.get_text() for t in ax.texts if t.get_visible() and t.get_text().strip()
+               and not (box.x0 <= t.get_window_extent(renderer).x0 and t.get_window_extent(renderer).x1 <= box.x1)]
+    assert not outside, outside

@@ -203,3 +203,27 @@ def test_math_reward_in_workers_matches_in_process():
     texts = ["\\boxed{0.5}", "#### 1/2", "0.5000001", "so 1/2", "\\boxed{\\frac{2}{4}}", "nothing"]
     # "so 1/2": free text's final answer is its last number, 2 (a fraction must stand alone or be boxed)
     assert score(math_reward, [(t, task) for t in texts]) == [math_reward(t, task) for t in texts] == [1, 1, 0, 0, 1, 0]
+
+
+def test_in_training_a_timed_out_verification_scores_0_and_is_counted():
+    """Issue 44: one pathological completion no longer ends the run; it scores 0, as the
+    reference's math environment scores it, and the count comes back for the step's log."""
+    tasks = arithmetic.validation_tasks(6)
+    score(reward_fixtures.sleepy_reward, [(t.answer, t) for t in tasks])  # workers started, reward imported
+    items = [("sleep 30" if i == 2 else t.answer, t) for i, t in enumerate(tasks)]
+    t0 = time.monotonic()
+    rewards, timeouts = scoring.score_tolerating_timeouts(reward_fixtures.sleepy_reward, items, 0.5, timeout_s=0.3)
+    assert (rewards, timeouts) == ([1.0, 1.0, 0.0, 1.0, 1.0, 1.0], 1)
+    assert time.monotonic() - t0 < 10  # the stuck worker was killed, not waited for
+
+
+def test_in_training_more_timeouts_than_the_share_stop_at_once():
+    tasks = arithmetic.validation_tasks(8)
+    score(reward_fixtures.sleepy_reward, [(t.answer, t) for t in tasks])
+    items = [("sleep 3600" if i % 2 else t.answer, t) for i, t in enumerate(tasks)]  # 4 of 8 hang
+    t0 = time.monotonic()
+    with pytest.raises(VerifierError, match=r"failed on \d+ of 8 completions \(\d+ timeouts, more than the 2 allowed"):
+        scoring.score_tolerating_timeouts(reward_fixtures.sleepy_reward, items, 0.25, timeout_s=0.3)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(VerifierError, match=r"\(1 timeouts\)"):  # share 0: the first timeout stops, as score() does
+        scoring.score_tolerating_timeouts(reward_fixtures.sleepy_reward, items[:2], 0.0, timeout_s=0.3)

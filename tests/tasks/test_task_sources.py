@@ -130,6 +130,9 @@ VALID = [json.dumps(r) for r in rows("validation")]
     ("wrong row count", VALID, 15, "bad.jsonl has 16 rows; validation.num_tasks is 15"),
     ("bad messages", VALID[:1] + [json.dumps({**rows("validation")[1], "messages": "hi"})] + VALID[2:], 16,
      "bad.jsonl:2: 'messages' must be a non-empty list"),
+    ("chat ending with the answer", VALID[:2] + [json.dumps({**rows("validation")[2], "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "#### 4"}]})] + VALID[3:], 16,
+     "bad.jsonl:3: 'messages' ends with a message of role 'assistant'; the last must be the user's"),
 ])
 def test_bad_jsonl_rows_exit_2_with_one_line(tmp_path, capsys, case, lines, num_tasks, needle):
     cfg = jsonl_config(tmp_path, validation=_bad_jsonl(tmp_path, lines), num_tasks=num_tasks)

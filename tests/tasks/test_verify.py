@@ -52,6 +52,24 @@ def test_answers_match_numbers_exactly_and_symbols_by_math_verify(answer, gold, 
     assert answers_match(answer, gold) is want
 
 
+@pytest.mark.parametrize("completion, gold, want", [
+    ("so 70 + 2 = 72.\n#### 72.", "72", 1.0),  # sentence punctuation after the number (issue 44)
+    ("#### 72,", "72", 1.0),
+    ("#### 72 .", "72", 1.0),
+    ("#### $72$.", "72", 1.0),
+    ("#### 1,000.", "1000", 1.0),
+    ("#### 72.", "#### 72.", 1.0),  # a gold answer written the same way
+    ("#### 73.", "72", 0.0),  # and the other direction: the number still decides
+    ("#### 72.5", "72", 0.0),
+    ("#### 72.5.", "72.5", 1.0),
+    ("#### 7.2", "72", 0.0),
+    ("#### 72,5", "72", 0.0),
+    ("#### .", "72", 0.0),
+])
+def test_gsm8k_answers_ignore_the_punctuation_that_ends_the_sentence(completion, gold, want):
+    assert math_reward(completion, Task("t", "q", final_answer(gold))) == want
+
+
 def test_math_reward_reads_the_final_answer_only():
     task = Task("t", "q", "46")
     assert math_reward("12+34 gives \\boxed{46}", task) == 1.0

@@ -21,8 +21,8 @@ headless runs (``codeact_user_response``: :data:`CONTINUE_MESSAGE`), as the refe
 agent does.
 
 Invalid samples (``Trajectory.invalid``; masked out of the advantages, the loss and
-pass@k), as NeMo Gym's ``swe_agents`` masks them (README "GRPO masking and failure
-modes", docs/agentic.md): the trajectory's wall-clock timeout (not graded); the tests'
+pass@k), as NeMo Gym's ``swe_agents`` masks them (its swe_agents/README "GRPO masking
+and failure modes"; docs/agentic.md): the trajectory's wall-clock timeout (not graded); the tests'
 timeout or a sandbox limit during them (``tasks/swe/grade.py``); tests that pass although
 the agent stopped at its turn or context limit ("the reward is accidental").
 """

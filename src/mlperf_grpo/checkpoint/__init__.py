@@ -5,7 +5,8 @@ publish, on every rank), ``staging`` (the host staging copy and its checksums), 
 ``rank_group`` (the ranks' reports to rank 0 through the store), ``engine_weights`` (what
 a rank stages from its engine), ``direct_io`` (shard files written with O_DIRECT from
 aligned memory), ``reader``
-(discovery, header and file checks, verified reads), ``foreign`` (other trainers' layouts)
+(discovery, header and file checks, verified reads), ``foreign`` (other trainers' layouts),
+``hf_index`` (which files of their Hugging Face directories hold the weights)
 and ``dcp_read`` (their torch distributed checkpoints, read in one process).
 """
 

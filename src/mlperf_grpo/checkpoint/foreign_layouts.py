@@ -25,7 +25,8 @@ Two layouts besides our own (``format.py``):
 
 - **Hugging Face directories plus a manifest** (any other trainer): ``manifest.jsonl``,
   one JSON object per checkpoint: ``step``, ``path`` (a Hugging Face model directory,
-  relative to the manifest's folder or absolute), ``training_step_end_time_ms``.
+  relative to the manifest's folder or absolute), ``training_step_end_time_ms``. Its
+  weights are exactly the files its ``model.safetensors.index.json`` names (``hf_index``).
 
 Each becomes a :class:`ForeignCheckpoint`. What these layouts do not record (weight
 hashes, the canary logits, the trainer's non-weight file fingerprints) is listed in
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from mlperf_grpo.checkpoint import dcp_read, megatron_layout
+from mlperf_grpo.checkpoint import dcp_read, hf_index, megatron_layout
 from mlperf_grpo.checkpoint.format import INDEX_FILE, INFO_FILE, NON_WEIGHT_FILES, SAFETENSORS_DTYPES
 from mlperf_grpo.checkpoint.format import CheckpointCorruptError, CheckpointError
 from mlperf_grpo.checkpoint.reader import read_json_record
@@ -166,7 +167,7 @@ def _nemo_weights(step_dir: Path) -> tuple[str, tuple[Path, ...], bool]:
     if (weights / "model" / DCP_METADATA).is_file():
         return "dcp", (weights / "model",), False
     for folder in (weights / "model" / "consolidated", weights / "model", weights):
-        files = tuple(sorted(folder.glob("*.safetensors")))
+        files = hf_index.weight_files(folder)
         if files:
             return "safetensors", files, False
     raise CheckpointError(f"{weights}: no model weights (neither a torch distributed checkpoint's {DCP_METADATA} "
@@ -223,7 +224,9 @@ def read_manifest(manifest: Path, global_batch_size: int) -> list[ForeignCheckpo
     Raises:
         CheckpointError: the manifest is unreadable, a line is not a JSON object, lacks
             ``step``, ``path`` or ``training_step_end_time_ms`` (names the line and field),
-            repeats a step, or names a directory without ``*.safetensors``.
+            repeats a step, or names a directory without ``*.safetensors``; the
+            directory's index names a missing file or not every file
+            (:func:`hf_index.weight_files`).
     """
     try:
         lines = manifest.read_text().splitlines()
@@ -248,7 +251,10 @@ def read_manifest(manifest: Path, global_batch_size: int) -> list[ForeignCheckpo
         if step in found:
             raise CheckpointError(f"{where}: step {step} is listed twice")
         directory = (manifest.parent / record["path"]).resolve()
-        files = tuple(sorted(directory.glob("*.safetensors")))
+        try:
+            files = hf_index.weight_files(directory)
+        except CheckpointError as err:
+            raise CheckpointError(f"{where}: {err}") from None
         if not files:
             raise CheckpointError(f"{where}: {directory} holds no *.safetensors weights")
         info = ForeignInfo(current_step=step, samples_count=step * global_batch_size, training_step_end_time_ms=t_update)
@@ -267,8 +273,9 @@ def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int
     give each tensor's whole shape, assembled from the slices' offsets).
 
     Raises:
-        CheckpointError: a header or the DCP metadata cannot be read, or per-rank slices
-            do not cover a tensor; names the file.
+        CheckpointError: a header or the DCP metadata cannot be read, per-rank slices
+            do not cover a tensor, or whole tensors are not where the folder's index puts
+            them, or are stored twice (:func:`hf_index.check_placement`); names the file.
     """
     if checkpoint.weights_kind == "megatron":
         return megatron(checkpoint).specs()
@@ -279,15 +286,20 @@ def tensor_specs(checkpoint: ForeignCheckpoint) -> dict[str, tuple[str, list[int
     from safetensors import safe_open
 
     specs: dict[str, tuple[str, list[int]]] = {}
+    names_by_file: dict[Path, list[str]] = {}
     for path in checkpoint.weight_files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                names_by_file[path] = list(f.keys())
+                for name in names_by_file[path]:
                     sl = f.get_slice(name)
                     dtype = _TORCH_DTYPES.get(sl.get_dtype())
                     specs[name] = (str(dtype).removeprefix("torch.") if dtype else sl.get_dtype(), list(sl.get_shape()))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
         except Exception as err:  # noqa: BLE001  (safetensors raises several types)
             raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the checkpoint is corrupt") from None
+    hf_index.check_placement(checkpoint.weight_files[0].parent, names_by_file, whole=True)
     return specs
 
 

@@ -240,8 +240,31 @@ def _stop_message(progress: Progress, what: str) -> str:
     if progress.phase != "evaluate":
         return what
     again = progress.resume or f"mlperf-grpo evaluate {progress.run_dir}"
+    if _run_stop_logged(progress):  # stopped in the teardown: the result stands
+        return (f"evaluation {what} after the run_stop was logged (the result stands): '{again}' finishes the "
+                "teardown and reports it")
     return (f"evaluation {what}; the log holds only whole evaluations (no partial one, no run_stop): "
             f"'{again}' resumes it")
+
+
+def _run_stop_logged(progress: Progress) -> bool:
+    """Whether the log the evaluation writes (``progress.log_file``, else the run's: its
+    ``run.json``'s log and a follower's ``eval/mlperf_eval.log``) holds a ``run_stop``;
+    False when it cannot be read (the message then stays the cautious one)."""
+    from mlperf_grpo.config.rundir import RunDir
+    from mlperf_grpo.logs.mllog import read_log
+
+    try:
+        if progress.log_file is not None:
+            logs = [progress.log_file]
+        elif progress.run_dir is None:
+            return False
+        else:
+            run = RunDir(progress.run_dir)
+            logs = [run.load()[1], run.follow_log]
+        return any(path.is_file() and read_log(path).find("run_stop") for path in logs)
+    except (OSError, ValueError, *BAD_INPUT_ERRORS):
+        return False
 
 
 def _note_unfinished_run(progress: Progress) -> None:

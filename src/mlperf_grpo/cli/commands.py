@@ -33,6 +33,8 @@ class Progress:
     made_output: bool = False
     retain_recorded: bool = False
     resume: str | None = None
+    log_file: Path | None = None
+    """The log an evaluation of another trainer's series writes its ``run_stop`` to."""
 
 
 def new_run_dir() -> Path:
@@ -173,13 +175,13 @@ def evaluate(request: EvaluateRequest, progress: Progress, ranks=None):
     if request.mode == "follow":
         from mlperf_grpo.evaluate.follow import follow_run
 
-        progress.phase = "evaluate"
+        progress.phase, progress.run_dir = "evaluate", request.run_dir
         return follow_run(request.run_dir, retain_checkpoints=request.retain_checkpoints,
                           stop_training_at_pass=request.stop_training_at_pass)
     if request.mode == "run":
         from mlperf_grpo.evaluate.offline import evaluate_run
 
-        progress.phase = "evaluate"
+        progress.phase, progress.run_dir = "evaluate", request.run_dir
         return evaluate_run(request.run_dir, retain_checkpoints=request.retain_checkpoints,
                             workers=request.torchrun_world or request.workers, ranks=ranks)
     return _evaluate_foreign(request, progress, ranks)
@@ -204,6 +206,7 @@ def _evaluate_foreign(request: EvaluateRequest, progress: Progress, ranks=None):
     except TrainingLogError as err:
         raise BadInput(str(err)) from None
     progress.phase, progress.run_dir = "evaluate", request.checkpoints
+    progress.log_file = request.eval_log or request.mllog
     return evaluate_checkpoints(CheckpointsRequest(request.checkpoints, request.mllog, request.format or "auto",
                                                    request.eval_log, retain, config_file=request.config), config, ranks)
 

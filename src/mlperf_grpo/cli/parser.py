@@ -55,6 +55,14 @@ def parse_args_one_line(parser: argparse.ArgumentParser, argv: list[str] | None 
     return parser.parse_args(argv)
 
 
+def _path(text: str) -> Path:
+    """argparse type: a path that is not empty (``Path("")`` is the working directory:
+    ``--output ''`` trained into it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty: give a path (the working directory is '.')")
+    return Path(text)
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse reports anything else with exit 2)."""
     try:
@@ -85,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="run config (YAML); default: the built-in default run")
-    p.add_argument("--output", type=Path, default=None, metavar="DIR",
+    p.add_argument("--output", type=_path, default=None, metavar="DIR",
                    help=f"new run directory (default: a new {RUNS_DIR}/YYYYMMDD-HHMMSS); "
                         "one that already holds a run is refused")
 
@@ -112,14 +120,14 @@ def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="evaluate a run's checkpoints offline and write run_stop",
                        description="evaluate a run's checkpoints offline and write run_stop: RUN_DIR (a run of "
                                    "'train'), or another trainer's series with --checkpoints, --mllog and --config")
-    p.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the --output of 'train' or 'run'")
-    p.add_argument("--checkpoints", type=Path, metavar="DIR",
+    p.add_argument("run_dir", type=_path, nargs="?", metavar="RUN_DIR", help="the --output of 'train' or 'run'")
+    p.add_argument("--checkpoints", type=_path, metavar="DIR",
                    help="another trainer's series: NeMo-RL step_N/ dirs, or a manifest.jsonl of Hugging Face dirs")
-    p.add_argument("--mllog", type=Path, metavar="LOG", help="the MLPerf log the series was trained with")
+    p.add_argument("--mllog", type=_path, metavar="LOG", help="the MLPerf log the series was trained with")
     p.add_argument("--config", help="a run config with the series' model, task, validation and batch size")
     p.add_argument("--format", choices=("auto", "ours", "nemo-rl", "hf-dirs"), default=None,
                    help="the series' layout (default: auto, detected)")
-    p.add_argument("--eval-log", type=Path, metavar="PATH",
+    p.add_argument("--eval-log", type=_path, metavar="PATH",
                    help="write evaluations and run_stop to this log instead of --mllog (then 'mlperf-grpo merge')")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="engines evaluating in parallel, one per GPU (or CPU process); the log is committed in step "
@@ -138,9 +146,9 @@ def _add_check(sub) -> None:
     """``check``: the official checkers plus the lint."""
 
     p = sub.add_parser("check", help="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)", description="official compliance checker plus the offline-eval lint (exit 0 clean, 1 findings, 2 unreadable)")
-    p.add_argument("logs", type=Path, nargs="+", metavar="LOG", help="MLPerf log file(s), e.g. RUN_DIR/mlperf.log")
+    p.add_argument("logs", type=_path, nargs="+", metavar="LOG", help="MLPerf log file(s), e.g. RUN_DIR/mlperf.log")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--run-dir", type=Path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
+    p.add_argument("--run-dir", type=_path, help="run directory with checkpoints/ and eval/ (default: the log's folder when it is one)")
     p.add_argument("--no-run-dir", action="store_true", help="check the log alone, without its run directory")
     from mlperf_grpo.logs.check.official import OFFICIAL_TIME_LIMIT_S
 
@@ -152,13 +160,13 @@ def _add_merge_and_report(sub) -> None:
     """``merge`` and ``report``."""
 
     p = sub.add_parser("merge", help="append an evaluator's own log to the training log", description="append an evaluator's own log to the training log")
-    p.add_argument("--train", type=Path, required=True, metavar="TRAIN_LOG")
-    p.add_argument("--eval", type=Path, required=True, metavar="EVAL_LOG")
-    p.add_argument("--output", "-o", type=Path, required=True, metavar="OUT")
+    p.add_argument("--train", type=_path, required=True, metavar="TRAIN_LOG")
+    p.add_argument("--eval", type=_path, required=True, metavar="EVAL_LOG")
+    p.add_argument("--output", "-o", type=_path, required=True, metavar="OUT")
 
     p = sub.add_parser("report", help="timeline of a run as PNG or HTML", description="timeline of a run as PNG or HTML")
-    p.add_argument("log", type=Path, metavar="LOG", help="MLPerf log file, e.g. RUN_DIR/mlperf.log")
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.png or FILE.html")
+    p.add_argument("log", type=_path, metavar="LOG", help="MLPerf log file, e.g. RUN_DIR/mlperf.log")
+    p.add_argument("-o", "--output", type=_path, required=True, metavar="FILE", help="FILE.png or FILE.html")
 
 
 def _add_plan(sub) -> None:
@@ -172,7 +180,7 @@ def _add_plan(sub) -> None:
                    help="per-rank memory of a training layout instead (with --model-shape or --model-config and "
                         "--world-size)")
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPE_NAMES), help="--memory: a named model shape")
-    p.add_argument("--model-config", type=Path, metavar="PATH", help="--memory: a model's config.json (or its folder)")
+    p.add_argument("--model-config", type=_path, metavar="PATH", help="--memory: a model's config.json (or its folder)")
     p.add_argument("--world-size", type=_positive_int, metavar="N", help="--memory: ranks, one accelerator each")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="T",
                    help="--memory: inference.tensor_parallel_size, the sharded engine's group (default 1)")
@@ -192,6 +200,6 @@ def _add_package(sub) -> None:
     """``package``: a submission of >= 3 runs."""
 
     p = sub.add_parser("package", help="submission layout of 3 runs, checked by the official checkers", description="submission layout of 3 runs, checked by the official checkers")
-    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="finished run directories, 3 or more")
+    p.add_argument("run_dirs", type=_path, nargs="+", metavar="RUN_DIR", help="finished run directories, 3 or more")
     p.add_argument("--system", required=True, help="system name (systems/<system>.json)")
-    p.add_argument("--output", type=Path, required=True, help="new folder for the submission")
+    p.add_argument("--output", type=_path, required=True, help="new folder for the submission")

@@ -1,4 +1,4 @@
-"""A run config read: YAML in (YAML 1.2 floats, task paths relative to the file), a
+"""A run config read: YAML in (YAML 1.2 floats, every path relative to the file), a
 mapping validated into a :class:`~mlperf_grpo.config.run.RunConfig` with one-line errors
 that name the field and how to fix it, and YAML out."""
 
@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.run import RunConfig
+from mlperf_grpo.config.sections import BUILTIN_PREFIX
 from mlperf_grpo.errors import ConfigError
 
 
@@ -127,20 +128,36 @@ def load_config(path: str | Path | None) -> RunConfig:
     return _paths_from(config, path.parent)
 
 
+PATH_KEYS = {"model": ("path",), "task": ("train_path", "validation_path"), "agent": ("prompt_files",)}
+"""Every key of a config that names a file or folder (``model.path`` unless ``builtin:``)."""
+
+
 def _paths_from(config: RunConfig, folder: Path) -> RunConfig:
-    """``config`` with relative task data paths (and the agent's prompt files) made absolute against ``folder``."""
-    updates = {}
-    for key in ("train_path", "validation_path"):
-        value = getattr(config.task, key)
-        if value is not None and not Path(value).is_absolute():
-            updates[key] = str((folder / value).resolve())
-    if updates:
-        config = config.model_copy(update={"task": config.task.model_copy(update=updates)})
-    files = config.agent.prompt_files
-    if files is not None and any(not Path(f).is_absolute() for f in files):
-        files = [str((folder / f).resolve()) for f in files]
-        config = config.model_copy(update={"agent": config.agent.model_copy(update={"prompt_files": files})})
-    return config
+    """``config`` with every relative path (:data:`PATH_KEYS`; a list's each item) made
+    absolute against ``folder``, the config file's: the one rule for paths in a config,
+    whatever the working directory. The run's ``config.yaml`` records the absolute paths,
+    so a later ``evaluate RUN`` from anywhere reads the same files."""
+    sections = {}
+    for section, keys in PATH_KEYS.items():
+        part = getattr(config, section)
+        updates = {}
+        for key in keys:
+            value = getattr(part, key)
+            if isinstance(value, str):
+                updates[key] = _absolute(value, folder)
+            elif isinstance(value, list):
+                updates[key] = [_absolute(v, folder) for v in value]
+        updates = {k: v for k, v in updates.items() if v != getattr(part, k)}
+        if updates:
+            sections[section] = part.model_copy(update=updates)
+    return config.model_copy(update=sections) if sections else config
+
+
+def _absolute(value: str, folder: Path) -> str:
+    """``value`` made absolute against ``folder`` (a ``builtin:`` name is kept)."""
+    if value.startswith(BUILTIN_PREFIX) or Path(value).is_absolute():
+        return value
+    return str((folder / value).resolve())
 
 
 def dump_config(config: RunConfig) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from mlperf_grpo import rules
 from mlperf_grpo.config.sections import (
@@ -32,7 +32,8 @@ class RunConfig(Strict):
     """A whole run: what ``mlperf-grpo run|train|evaluate`` read from ``--config``."""
 
     division: Literal["open", "closed"] = "open"
-    seed: int = 1
+    seed: int = Field(1, ge=0, lt=2**63)
+    """The run's seed: 0 .. 2^63 - 1 (what a torch generator and the rows' seeds, int64, hold)."""
     submission: SubmissionConfig = SubmissionConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()

@@ -107,6 +107,28 @@ class RunLock:
             self._fd = None
 
 
+def check_path_length(path: Path, what: str) -> None:
+    """Raises RunDirError when a folder name of ``path`` is longer than the file system
+    allows (``NAME_MAX``, 255 bytes on Linux) or the whole path longer than ``PATH_MAX``
+    (the OS's ``File name too long``, errno 36, as one line naming the limit)."""
+    base = next((p for p in (path.absolute(), *path.absolute().parents) if _exists(p)), Path("/"))
+    name_max, path_max = (os.pathconf(base, key) for key in ("PC_NAME_MAX", "PC_PATH_MAX"))
+    long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise RunDirError(f"{what} {str(path)[:60]}...: the name {long[:20]}... is {len(os.fsencode(long))} bytes, "
+                          f"more than the file system's {name_max}; pass a shorter {what}")
+    if len(os.fsencode(str(path.absolute()))) >= path_max:
+        raise RunDirError(f"{what} {str(path)[:60]}...: the path is longer than the file system's {path_max} bytes; "
+                          f"pass a shorter {what}")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # ENAMETOOLONG: not a usable base
+        return False
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths inside one run directory."""
@@ -192,6 +214,7 @@ class RunDir:
         system or folder; its ``.lock`` not a file), or the directory already holds a run
         (a second run there would mix two runs in one log); the message says how to
         finish or replace it."""
+        check_path_length(self.root, "--output")
         existing = next((p for p in (self.root, *self.root.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():
             raise RunDirError(f"output {self.root}: {existing} is a file, not a directory; pass a new --output directory")

@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mlperf_grpo import rules
 
-BUILTIN_MODEL = "builtin:arithmetic-tiny"
+BUILTIN_PREFIX = "builtin:"
+"""``model.path`` of a model shipped in the package (``builtin:NAME``), not a folder."""
+BUILTIN_MODEL = BUILTIN_PREFIX + "arithmetic-tiny"
 """Model name that resolves to the small model shipped in ``mlperf_grpo/assets``."""
 
 
@@ -92,7 +94,7 @@ class ModelConfig(Strict):
 
 
 class TaskConfig(Strict):
-    """The task that gives prompts and verifies answers (README, "Your own task").
+    """The task that gives prompts and verifies answers (docs/bring-your-own.md, "Your own task").
 
     ``arithmetic``: the built-in task. ``jsonl``: rows of ``train_path`` and
     ``validation_path`` (JSON lines; fields named by ``id_field``, ``prompt_field``,
@@ -224,6 +226,13 @@ class GRPOConfig(Strict):
     step old; needs the IS correction). Closed: 1."""
     first_eval_step: int | None = Field(None, gt=0)
     """``null``: derived, ``ceil(2.5 + 3840/GBS)``. Open division only may set a step."""
+    max_reward_timeout_share: float = Field(0.5, ge=0, le=1)
+    """A training completion whose verification times out (``tasks.scoring.REWARD_TIMEOUT_S``)
+    scores 0 and is counted (``reward_timeouts`` in the step's ``tracked_stats``), as the
+    reference's math environment scores it (NeMo-RL ``HFVerifyWorker.verify``); the run
+    stops only when more than this share of a step's completions time out (a verifier that
+    hangs on everything). 0: the first timeout stops the run; 1: never. Validation always
+    refuses to guess: a timeout there stops the evaluation."""
 
     @property
     def global_batch_size(self) -> int:
@@ -290,7 +299,7 @@ class OptimizerConfig(Strict):
     """AdamW settings. ``null`` learning rate / clip means the closed-division formula."""
 
     learning_rate: float | None = Field(DEFAULT_LEARNING_RATE, gt=0)
-    """Open-division default, calibrated for the built-in model (README, Calibration)."""
+    """Open-division default, calibrated for the built-in model (docs/running.md, "The built-in default and its calibration")."""
     gradient_clip_norm: float | None = Field(None, gt=0)
     beta_1: float = Field(rules.ADAMW_BETA_1, ge=0, lt=1)  # torch's AdamW raises outside [0, 1)
     beta_2: float = Field(rules.ADAMW_BETA_2, ge=0, lt=1)
@@ -364,7 +373,7 @@ class InferenceConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    """Deferred checkpoints (README, Outputs)."""
+    """Deferred checkpoints (docs/running.md, "Outputs")."""
 
     max_in_flight: int = Field(2, gt=0)
     """K: checkpoints staged in host memory but not yet written; when the writers fall
@@ -372,7 +381,7 @@ class CheckpointConfig(Strict):
 
 
 class DistributedConfig(Strict):
-    """Data-parallel training under ``torchrun`` (README, "Distributed training"); read
+    """Data-parallel training under ``torchrun`` (docs/distributed.md, "Distributed training (torchrun + FSDP2)"); read
     only when launched by torchrun."""
 
     @model_validator(mode="before")

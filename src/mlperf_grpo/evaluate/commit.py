@@ -25,6 +25,7 @@ from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.rundir import RunDir
 from mlperf_grpo.evaluate import outcome
 from mlperf_grpo.evaluate.launch import WorkQueue
+from mlperf_grpo.evaluate.logged_result import check_series_in_log
 from mlperf_grpo.evaluate.outcome import Evaluation, SeriesEnd
 from mlperf_grpo.evaluate.series import EvaluationError, SeriesProblem, SeriesSource
 from mlperf_grpo.evaluate.validator import TaskResult
@@ -78,7 +79,9 @@ def plan_evaluation(source: SeriesSource, config: RunConfig, validation: Validat
     settings check) and decide what to evaluate.
 
     Raises:
-        EvaluationError: nothing can be evaluated, or the log is not a prefix of the series.
+        EvaluationError: nothing can be evaluated, the log is not a prefix of the series,
+            or a checkpoint's weight-update time is not within its step's training in the
+            log (the series is another run's: :func:`check_series_in_log`).
     """
     checkpoints, ignored, problem = source.discover()
     for path in ignored:
@@ -88,6 +91,7 @@ def plan_evaluation(source: SeriesSource, config: RunConfig, validation: Validat
         problem = series_problem
     if problem is not None and not checkpoints:
         raise EvaluationError(problem.message)
+    check_series_in_log(checkpoints if problem is None else checkpoints[: problem.index], log, config.global_batch_size)
     for note in notes:
         print(note, file=sys.stderr)
     done = logged_evals(log)

@@ -50,6 +50,9 @@ POLL_S = 1.0
 
 START_WAIT_S = 300.0
 """Seconds ``--follow`` waits for a training to create a run directory that does not exist yet."""
+EMPTY_WAIT_S = 10.0
+"""Seconds ``--follow`` waits on a directory that exists and is empty: a trainer that made
+it writes its lock there at once, so a longer wait only delays the error."""
 
 
 def follow_run(run_dir: Path, retain_checkpoints: bool = False, stop_training_at_pass: bool = False,
@@ -190,13 +193,16 @@ def _trainer_running(run: RunDir) -> bool:
 def _wait_for_run(run: RunDir, poll_s: float) -> tuple[RunConfig, Path]:
     """The run's config and log path, waiting while a trainer sets the run up, and up to
     :data:`START_WAIT_S` for one to create it (a trainer checks its model and data before
-    it creates its ``--output``, so ``train ... & evaluate --follow`` starts first).
+    it creates its ``--output``, so ``train ... & evaluate --follow`` starts first), or
+    :data:`EMPTY_WAIT_S` for one to take an existing empty directory.
 
     Raises:
         RunDirError: no run there, no trainer holding its lock, and none created it in
             time (or the path is not an empty or absent directory).
     """
-    deadline = time.monotonic() + START_WAIT_S
+    empty = run.root.is_dir() and not any(run.root.iterdir())  # a trainer's just made, or the user's
+    wait_s = EMPTY_WAIT_S if empty else START_WAIT_S
+    deadline = time.monotonic() + wait_s
     noted = False
     while True:
         try:
@@ -205,10 +211,11 @@ def _wait_for_run(run: RunDir, poll_s: float) -> tuple[RunConfig, Path]:
             if not ((run.root / ".lock").is_file() and _trainer_running(run)):
                 not_yet = not run.root.exists() or (run.root.is_dir() and not any(run.root.iterdir()))
                 if not not_yet or time.monotonic() >= deadline:
-                    waited = f" (waited {START_WAIT_S:.0f} s)" if not_yet else ""
+                    waited = f" (waited {wait_s:.0f} s)" if not_yet else ""
                     raise RunDirError(f"--follow: {err}{waited}; start 'mlperf-grpo train --output {run.root}' "
                                       "first, then follow it") from None
                 if not noted:
-                    print(f"note: waiting up to {START_WAIT_S:.0f} s for a training to create {run.root}", file=sys.stderr)
+                    what = f"start in the empty folder {run.root}" if empty else f"create {run.root}"
+                    print(f"note: waiting up to {wait_s:.0f} s for a training to {what}", file=sys.stderr)
                     noted = True
         time.sleep(poll_s)

@@ -11,6 +11,7 @@ files our writer made in each ``step_N/``, never ``DIR`` itself or anything else
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -113,11 +114,33 @@ def evaluate_checkpoints(request: CheckpointsRequest, config: RunConfig, ranks=N
     for what in unchecked:
         print(f"note: not checked, the {getattr(source, 'format', 'ours')} layout cannot prove it: {what}", file=sys.stderr)
     record = run.eval_dir / SOURCE_FILE
+    made = [p for p in (run.eval_dir, record, run.root / ".lock") if not p.exists()]
     if not record.is_file():
         run.eval_dir.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(
             {"format": getattr(source, "format", foreign.OURS), "checkpoints": str(checkpoints.resolve()),
              "unchecked": list(unchecked), "global_batch_size": config.global_batch_size}, indent=2) + "\n")
-    return evaluate_series(SeriesRequest(run, source, config, mllog_file, eval_log=eval_log, retain=retain,
-                                         show_progress=request.show_progress,
-                                         workers=1 if ranks is None else ranks.world_size, ranks=ranks))
+    try:
+        return evaluate_series(SeriesRequest(run, source, config, mllog_file, eval_log=eval_log, retain=retain,
+                                             show_progress=request.show_progress,
+                                             workers=1 if ranks is None else ranks.world_size, ranks=ranks))
+    except BaseException:
+        _remove_if_nothing_logged(run, made)
+        raise
+
+
+def _remove_if_nothing_logged(run: RunDir, made: list[Path]) -> None:
+    """An evaluation of a series folder that ended with nothing logged (refused, or
+    stopped before its first result) leaves the folder as it found it: the record, the
+    lock and ``eval/`` it made are removed (``eval/`` only when then empty)."""
+    if any(run.eval_dir.glob("step_*.jsonl")) or run.summary_file.exists():
+        return
+    for path in made:
+        if path.is_dir():
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+    if run.eval_dir in made:
+        with contextlib.suppress(OSError):
+            run.eval_dir.rmdir()

@@ -44,6 +44,7 @@ from mlperf_grpo.evaluate.commit import (
     plan_evaluation,
 )
 from mlperf_grpo.evaluate.launch import TorchrunRanks, WorkQueue, launch
+from mlperf_grpo.evaluate.logged_result import check_run_stop_supported, logged_pass
 from mlperf_grpo.evaluate.prestart import prestart_rank_server
 from mlperf_grpo.evaluate.serial import evaluate_serially
 from mlperf_grpo.evaluate.series import EvalJob, EvaluationError, RunSeries, SeriesSource, series_by_step
@@ -202,10 +203,15 @@ def evaluate_series(request: SeriesRequest) -> EvalOutcome:
         if r.merge and _read_checked_log(mllog_file).find(C.RUN_STOP):
             eval_log = None  # merged already
         log = _read_checked_log(mllog_file, eval_log)
+        target = config.validation.target_accuracy
+        if log.find(C.RUN_STOP):  # a passing step nothing measured is never reported
+            check_run_stop_supported(log, target, config.global_batch_size, eval_log or mllog_file)
         if log.find(C.RUN_STOP) and run.summary_file.is_file():
             return read_outcome(run, mllog_file, eval_log)  # finished earlier: report, touch nothing
         if not log.find(C.RUN_STOP):
-            if _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
+            if (passed := logged_pass(log, target, eval_log or mllog_file)) is not None:
+                _close_at_logged_pass(source, config, eval_log or mllog_file, passed)
+            elif _stopped_before_first_checkpoint(run, source, config, log, mllog_file):
                 _close_aborted(run, config, eval_log or mllog_file, log)
             else:
                 _check_logged_settings(config, log, mllog_file)
@@ -268,6 +274,24 @@ def _close_aborted(run: RunDir, config: RunConfig, mllog_file: Path, log: Parsed
     )
 
 
+def _close_at_logged_pass(source: SeriesSource, config: RunConfig, mllog_file: Path, step: int) -> None:
+    """Write the ``run_stop`` success a logged pass lacks, at its checkpoint's
+    weight-update time (:mod:`~mlperf_grpo.evaluate.logged_result`), and say so.
+
+    Raises:
+        EvaluationError: the passing step's checkpoint is gone (its time is unknown).
+    """
+    passing = next((c for c in source.discover()[0] if c.step == step), None)
+    if passing is None:
+        raise EvaluationError(f"{mllog_file} logs step {step} passing but no run_stop, and step {step}'s checkpoint (its "
+                              f"weight-update time, the run_stop's time) is not in {source.root}: restore it and run "
+                              "evaluate again")
+    writer = MLLogWriter(mllog_file)
+    outcome.commit_evaluations(writer, [], config.global_batch_size, passing)
+    print(f"note: {mllog_file} logged step {step} passing without a run_stop; closed it there (run_stop success at "
+          "its weight-update time), nothing evaluated", file=sys.stderr)
+
+
 def _check_logged_settings(config: RunConfig, log: ParsedLog, mllog_file: Path) -> None:
     """The config's seed and validation settings are those the training log recorded
     (``evaluate.settings.LOGGED_KEYS``; a key the log lacks is not compared): the one check
@@ -315,6 +339,10 @@ def _read_checked_log(mllog_file: Path, eval_log: Path | None = None) -> ParsedL
         log = _read_logs(mllog_file, eval_log)
     except OSError as err:
         raise EvaluationError(f"cannot read the MLPerf log {err.filename}: {err.strerror}") from None
+    if not log.events and not log.bad_lines:
+        what = "is empty" if mllog_file.stat().st_size == 0 else "holds no MLPerf lines"
+        raise EvaluationError(f"the MLPerf log {mllog_file} {what}: training writes its lines there; point run.json "
+                              "(or --mllog) at the training's log, or train again")
     if log.bad_lines:
         line_no, reason = log.bad_lines[0]
         raise EvaluationError(f"{mllog_file}:{line_no}: not a valid MLPerf line ({reason}); was a writer killed mid-line? repair the log first")

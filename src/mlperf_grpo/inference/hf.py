@@ -44,6 +44,7 @@ from mlperf_grpo.inference.base import (
     weight_pairs,
 )
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
+from mlperf_grpo.inference.generation_defaults import generating_with, neutral_generation_config, print_ignored_note
 from mlperf_grpo.inference.sampling import RowSeededSampler
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
 from mlperf_grpo.inference.slot_probe import slot_decoder_drives
@@ -178,6 +179,9 @@ class HFEngine:
         self._decode = decode
         self._unprobed = False  # a slot decoder built before the weights were set: probed at the first generate
         self._decoder = self._slot_decoder(decode, decoder, weights_set)
+        self._generation_config = neutral_generation_config(model.generation_config)
+        """What ``generate`` runs with: the token ids only (``generation_defaults``)."""
+        print_ignored_note(model_path, model.generation_config)
 
     def _slot_decoder(self, decode: str, decoder: DecodeOptions, weights_set: bool = True) -> SlotDecoder | None:
         """The :class:`SlotDecoder` that ``decode`` asks for, or None for ``generate``;
@@ -407,7 +411,7 @@ class HFEngine:
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P], left-padded
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
         sampler = RowSeededSampler(seeds, params.temperature, params.top_p, params.max_new_tokens)
-        with sdpa_kernel(GENERATION_SDPA_BACKENDS):
+        with sdpa_kernel(GENERATION_SDPA_BACKENDS), generating_with(self.model, self._generation_config):
             sequences = self.model.generate(
                 input_ids=input_ids.to(self.model.device),
                 attention_mask=attention_mask.to(self.model.device),

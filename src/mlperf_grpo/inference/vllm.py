@@ -63,6 +63,7 @@ from mlperf_grpo.inference.base import (
     weight_pairs,
 )
 from mlperf_grpo.inference.head_padding import HeadPadding, HeadPaddingError, head_padding_for
+from mlperf_grpo.inference.generation_defaults import print_ignored_note
 from mlperf_grpo.inference.vllm_worker import WORKER_EXTENSION
 from mlperf_grpo.model.files import DTYPES, check_device, check_model_path, load_generation_config
 from mlperf_grpo.model.fingerprint import CANARY_LOGITS, canary_input_ids
@@ -145,7 +146,9 @@ class VLLMEngine:
         directory = check_model_path(model_path)
         check_weights(directory)  # vLLM loads them: a bad file is one line here, not a traceback from its engine core
         self.tokenizer = load_tokenizer(model_path)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, load_generation_config(model_path))
+        generation_config = load_generation_config(model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, generation_config)
+        print_ignored_note(model_path, generation_config)
         self.model_path = model_path
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
@@ -171,6 +174,7 @@ class VLLMEngine:
             logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
+            generation_config="vllm",  # not the folder's: sampling is the request's alone (generation_defaults)
             distributed_executor_backend="uni" if options.tensor_parallel_size == 1 else None,
             **padded,
         )

@@ -46,6 +46,7 @@ from mlperf_grpo.logs.values import (
     logged_global_batch_size,
     ms_text,
     samples_count_of,
+    step_window,
 )
 
 MERGED_KEYS = (*EVAL_KEYS, "run_stop")
@@ -131,22 +132,6 @@ def _swapped_hint(train: ParsedLog, ev: ParsedLog, train_log: Path, eval_log: Pa
             f"is {eval_log} and the evaluator's is {train_log}, so swap them: --train {eval_log} --eval {train_log}")
 
 
-def _step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None, LogEvent | None]:
-    """The training log's bounds on the weight-update time of ``step``: the ``block_stop``
-    that ends step - 1 (at ``(step - 1) * GBS``; ``run_start`` for step 1) and the first
-    event that ends ``step`` (``block_stop`` or ``tracked_stats`` at ``step * GBS``). The
-    update happens after the first and no later than the second (right after the optimizer
-    step, inside the step's block; a step's stats are logged after it). None where the log
-    has no such event (one block spanning many steps has no ``block_stop`` between them:
-    no lower bound)."""
-    def ends(sc: int, keys: tuple[str, ...]) -> list[LogEvent]:
-        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and is_number(e.time_ms)]
-    before = ends((step - 1) * gbs, ("block_stop",)) if step > 1 else train.find("run_start")
-    after = ends(step * gbs, ("block_stop", "tracked_stats")) if step > 0 else train.find("run_start")
-    return (max(before, key=lambda e: e.time_ms) if before else None,
-            min(after, key=lambda e: e.time_ms) if after else None)
-
-
 def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: dict[int, list[LogEvent]],
                     stops: list[LogEvent], first_pass: int | None, gbs: int) -> str:
     """Refuse an evaluation log that cannot be of this training; say how it is tied.
@@ -157,7 +142,7 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
     (aborted). The strongest tie available is used: that step's
     ``training_step_end_time_ms`` in ``<run>/checkpoints/step_N/training_info.json`` next to
     the training log (equal, to the ms); else the training log's own window for the
-    step (:func:`_step_window`: after the previous step ended, no later than its own
+    step (:func:`step_window`: after the previous step ended, no later than its own
     ``block_stop``).
 
     Returns:
@@ -171,7 +156,7 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
         if sc > last:
             raise MergeError(f"evaluation log {eval_log} line {events[0].line_no}: an evaluation of step {sc // gbs}, but "
                              f"the training log trained to step {last // gbs}; the logs are of different runs")
-        start, _ = _step_window(train, sc // gbs, gbs)
+        start, _ = step_window(train, sc // gbs, gbs)
         begun = min((e for e in events if is_number(e.time_ms)), key=lambda e: e.time_ms, default=None)
         if start is not None and begun is not None and begun.time_ms < start.time_ms:
             raise MergeError(f"evaluation log {eval_log} line {begun.line_no}: the evaluation of step {sc // gbs} began at "
@@ -191,7 +176,7 @@ def tie_to_training(train_log: Path, train: ParsedLog, eval_log: Path, groups: d
             raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop at {ms_text(stop.time_ms)} ms is not "
                              f"step {step}'s weight-update time {t_update} ms ({path}); the evaluation is of another run")
         return f"run_stop equals step {step}'s weight-update time in {path}"
-    lo, hi = _step_window(train, step, gbs)
+    lo, hi = step_window(train, step, gbs)
     if hi is None:
         raise MergeError(f"evaluation log {eval_log} line {stop.line_no}: run_stop names step {step}, which the training log "
                          "never trained; the logs are of different runs")

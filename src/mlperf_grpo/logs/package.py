@@ -14,7 +14,9 @@ Then, each as ``python -m`` in a subprocess, judged by its text as well as its e
 - ``mlperf_logging.package_checker OUT training 6.1.0``: always exits 0; passes when it
   prints ``PACKAGE CHECKER FOUND NO ERRORS`` and no ``ERROR`` line.
 - ``mlperf_logging.rcp_checker <benchmark folder> --rcp_version 6.1.0`` (its default
-  ruleset is older): exit 0 and ``RCP test PASSED``.
+  ruleset is older): exit 0 and ``RCP test PASSED``. Closed division only, as the package
+  checker runs it (``package_checker.check_training_package_folder``: the RCP check for
+  ``division == "closed"``); an open submission lists it as skipped.
 - ``mlperf_logging.result_summarizer.compute_score``: crashes on 6.1.0 (it unpacks four
   values from ``_compute_strong_score_standalone(..., return_full_scores=True)``, which
   returns five). We run it and report the crash, then compute the score with that same
@@ -71,6 +73,8 @@ class CheckerResult:
     returncode: int
     summary: list[str] = field(default_factory=list)
     log_file: str = ""
+    skipped: bool = False
+    """Not run (it does not apply to this division); ``passed`` is then True."""
 
 
 @dataclass
@@ -112,6 +116,7 @@ def _read_run(run_dir: Path) -> tuple[Path, dict]:
         "status": stops[0].metadata.get(C.STATUS) if stops else None,
         "samples_count": evals[-1].metadata.get(C.SAMPLES_COUNT) if evals else None,
         "ttt_ms": time_to_train_ms(log),
+        "run_start_ms": log.find(C.RUN_START)[0].time_ms if log.find(C.RUN_START) else None,
     }
     if info["status"] is None:
         raise PackageError(f"{run_dir}: the log {mllog_file} has no run_stop; evaluate the run first")
@@ -287,9 +292,10 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
 
     Raises:
         PackageError: fewer than 3 runs, one run directory given twice, a run without a
-            log or ``run_stop``, runs of another benchmark or of mixed division/GBS, a bad
-            system name, an ``output`` folder that exists and is not empty, or no source
-            tree to copy as the implementation (see :func:`project_root`).
+            log or ``run_stop``, two copies of one run, runs of another benchmark or of
+            mixed division/GBS, a bad system name, an ``output`` folder that exists and is
+            not empty or cannot be written, or no source tree to copy as the
+            implementation (see :func:`project_root`).
     """
     need = 3
     output = output.resolve()  # the checkers run with another working directory
@@ -305,8 +311,10 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
             raise PackageError(f"run directory {d} is given twice (also as {seen[Path(d).resolve()]}); "
                                f"a submission needs {need} different runs")
         seen[Path(d).resolve()] = Path(d)
+    _check_writable(output)
     root = project_root()
     runs = [(Path(d), *_read_run(Path(d))) for d in run_dirs]
+    _refuse_copies(runs, need)
     for key in ("benchmark", "division", "gbs"):
         values = {info[key] for _, _, info in runs}
         if len(values) != 1:
@@ -316,9 +324,50 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
         raise PackageError(f"runs are of benchmark {first['benchmark']!r}, not {rules.BENCHMARK}")
 
     bench_dir = output / "results" / system / rules.BENCHMARK
+    logs = output / "checker_logs"
+    try:
+        summaries = _lay_out(output, bench_dir, logs, system, first, root, runs)
+    except OSError as err:
+        raise PackageError(f"cannot write the submission under {output}: {err.strerror} ({err.filename}); "
+                           "choose a folder this user may write") from None
+    rcp = run_rcp_checker(bench_dir, logs) if first["division"] == "closed" else CheckerResult(
+        "rcp_checker", True, 0, ["not run: the RCP check is for the closed division (package_checker runs it for "
+                                 "closed submissions only)"], skipped=True)
+    checkers = [run_package_checker(output, logs), rcp]
+    summarizer, summarizer_score = run_summarizer(bench_dir, system, logs)
+    checkers.append(summarizer)
+    scaling = bench_dir / "scaling.json"
+    factor = json.loads(scaling.read_text())["scaling_factor"] if scaling.is_file() else 1.0
+    score = olympic_score_min([r.time_to_train_ms for r in summaries], factor)
+    return PackageResult(str(output), system, first["division"], summaries, checkers, score, summarizer_score)
+
+
+def _check_writable(output: Path) -> None:
+    """Raises PackageError when ``output``'s nearest existing folder is not a writable
+    directory (a read-only file system, a file in the way): before anything is read or run."""
+    existing = next((p for p in (output, *output.parents) if p.exists()), Path("/"))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is a file" if not existing.is_dir() else "is not writable (a read-only file system or folder?)"
+        raise PackageError(f"--output {output}: {existing} {why}; choose a folder this user may write")
+
+
+def _refuse_copies(runs: list[tuple[Path, Path, dict]], need: int) -> None:
+    """Raises PackageError when two run directories hold one run (copies: the same
+    ``run_start`` time and seed), which would count one training as two."""
+    seen: dict[tuple, Path] = {}
+    for run_dir, _, info in runs:
+        key = (info["run_start_ms"], info["seed"])
+        if key in seen:
+            raise PackageError(f"{run_dir} and {seen[key]} hold the same run (run_start at {info['run_start_ms']} ms, "
+                               f"seed {info['seed']}): copies of one training; a submission needs {need} different runs")
+        seen[key] = run_dir
+
+
+def _lay_out(output: Path, bench_dir: Path, logs: Path, system: str, first: dict, root: Path,
+             runs: list[tuple[Path, Path, dict]]) -> list[RunSummary]:
+    """The submission's folders and files (see the module docstring); the runs' summaries."""
     bench_dir.mkdir(parents=True)
     (output / "systems").mkdir()
-    logs = output / "checker_logs"
     logs.mkdir()
     desc = _system_description(system, first["org"] or FILL_IN, first["division"])
     (output / "systems" / f"{system}.json").write_text(json.dumps(desc, indent=2) + "\n")
@@ -329,14 +378,7 @@ def build_package(run_dirs: list[Path], system: str, output: Path) -> PackageRes
         shutil.copyfile(mllog_file, result)
         summaries.append(RunSummary(str(run_dir), str(result), info["status"], info["seed"],
                                     info["samples_count"], info["ttt_ms"] if info["status"] == C.SUCCESS else None))
-
-    checkers = [run_package_checker(output, logs), run_rcp_checker(bench_dir, logs)]
-    summarizer, summarizer_score = run_summarizer(bench_dir, system, logs)
-    checkers.append(summarizer)
-    scaling = bench_dir / "scaling.json"
-    factor = json.loads(scaling.read_text())["scaling_factor"] if scaling.is_file() else 1.0
-    score = olympic_score_min([r.time_to_train_ms for r in summaries], factor)
-    return PackageResult(str(output), system, first["division"], summaries, checkers, score, summarizer_score)
+    return summaries
 
 
 def format_result(result: PackageResult) -> str:
@@ -347,7 +389,10 @@ def format_result(result: PackageResult) -> str:
         lines.append(f"  {Path(r.result_file).name}: {r.status}, samples_count {r.samples_count}, "
                      f"seed {r.seed}, time-to-train {ttt}  <- {r.run_dir}")
     for c in result.checkers:
-        lines.append(f"{c.name}: {'PASS' if c.passed else 'FAIL'} (exit {c.returncode}; {c.log_file})")
+        if c.skipped:
+            lines.append(f"{c.name}: SKIPPED")
+        else:
+            lines.append(f"{c.name}: {'PASS' if c.passed else 'FAIL'} (exit {c.returncode}; {c.log_file})")
         lines += [f"    {s}" for s in c.summary]
     ours = "none" if result.score_min is None else f"{result.score_min:.6f} min"
     theirs = "none" if result.summarizer_score_min is None else f"{result.summarizer_score_min:.6f} min"

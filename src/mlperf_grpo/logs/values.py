@@ -112,3 +112,19 @@ def checkpoint_records(run_dir: Path | None) -> dict[int, tuple[Path, int]]:
         if isinstance(record, dict) and is_int(record.get("samples_count")) and is_int(record.get("training_step_end_time_ms")):
             found[record["samples_count"]] = (path, record["training_step_end_time_ms"])
     return found
+
+
+def step_window(train: ParsedLog, step: int, gbs: int) -> tuple[LogEvent | None, LogEvent | None]:
+    """The training log's bounds on the weight-update time of ``step``: the ``block_stop``
+    that ends step - 1 (at ``(step - 1) * GBS``; ``run_start`` for step 1) and the first
+    event that ends ``step`` (``block_stop`` or ``tracked_stats`` at ``step * GBS``). The
+    update happens after the first and no later than the second (right after the optimizer
+    step, inside the step's block; a step's stats are logged after it). None where the log
+    has no such event (one block spanning many steps has no ``block_stop`` between them:
+    no lower bound)."""
+    def ends(sc: int, keys: tuple[str, ...]) -> list[LogEvent]:
+        return [e for e in train.events if e.key in keys and samples_count_of(e) == sc and is_number(e.time_ms)]
+    before = ends((step - 1) * gbs, ("block_stop",)) if step > 1 else train.find("run_start")
+    after = ends(step * gbs, ("block_stop", "tracked_stats")) if step > 0 else train.find("run_start")
+    return (max(before, key=lambda e: e.time_ms) if before else None,
+            min(after, key=lambda e: e.time_ms) if after else None)

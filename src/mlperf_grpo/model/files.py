@@ -13,7 +13,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, GenerationConfig
 
-from mlperf_grpo.config.sections import BUILTIN_MODEL
+from mlperf_grpo.config.sections import BUILTIN_MODEL, BUILTIN_PREFIX
 from mlperf_grpo.errors import ModelLoadError
 from mlperf_grpo.model import random_init
 
@@ -21,7 +21,6 @@ ASSETS = Path(__file__).parents[1] / "assets"
 """The shipped model directories (``builtin:NAME``)."""
 BUILTIN_MODEL_DIR = ASSETS / "arithmetic-tiny"
 """The built-in default model (:data:`mlperf_grpo.config.sections.BUILTIN_MODEL`)."""
-BUILTIN_PREFIX = "builtin:"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``model.dtype`` names -> torch dtypes."""
@@ -43,7 +42,7 @@ def resolve_model_path(path: str) -> Path:
     """``builtin:NAME`` -> the shipped ``assets/NAME`` directory; anything else is a local path.
 
     Shipped: ``arithmetic-tiny`` (the default), ``arithmetic-tiny-closed`` (its
-    starting weights for closed-division runs, README "Closed division and plan") and
+    starting weights for closed-division runs, docs/closed-division.md "Closed division and plan") and
     ``swe-tiny`` (the agentic suite's byte-level model, random init). A directory with
     ``random_init.json`` and no weights resolves to its cached random-init copy
     (:mod:`mlperf_grpo.model.random_init`).

@@ -13,6 +13,9 @@ row of a local Hugging Face dataset: :mod:`mlperf_grpo.tasks.hf_datasets`). The 
   model's tokenizer has a chat template, the prompt is
   ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
   (the same string in training and evaluation); without a template, ``prompt`` is used.
+  The last message must be the user's: a chat ending with the assistant's answer (a
+  supervised fine-tuning row) would put the answer in every prompt, and is refused
+  naming the row and the role.
 
 The validation file must hold exactly ``validation.num_tasks`` rows; the training pool is
 ``task.num_train_tasks`` rows of the training file, drawn with the run seed. A validation
@@ -39,6 +42,10 @@ def _messages(value: object, where: str) -> list[dict]:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
     if not ok:
         raise TaskError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+    if value[-1]["role"] != "user":
+        raise TaskError(f"{where}: 'messages' ends with a message of role {value[-1]['role']!r}; the last must be the user's "
+                        "(the chat template would put it, an answer included, in every prompt): drop the trailing "
+                        "messages or the field")
     return value
 
 

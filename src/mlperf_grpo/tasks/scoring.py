@@ -22,7 +22,15 @@ reward calls in a persistent pool of :data:`REWARD_WORKERS` worker processes and
   died fails the whole ``score`` call; nothing is counted as a wrong answer. When as many
   calls have timed out (or lost their worker) as there are workers, the verifier is taken
   to hang: calls not yet started are not scored and the error comes at once (seconds, not
-  ``len(items) x timeout``).
+  ``len(items) x timeout``). Validation scores this way.
+- **Timeouts in training** (:func:`score_tolerating_timeouts`): a call that times out
+  scores 0.0 and is counted, as the reference trainer's math environment scores a
+  verification that raises or times out (NeMo-RL ``nemo_rl/environments/math_environment.py``,
+  ``HFVerifyWorker.verify``: ``except (Exception, TimeoutException): results.append(0.0)``;
+  TRL's ``trl/rewards/accuracy_rewards.py`` gives such a completion ``None``, skipped); the
+  call fails only when more than ``max_timeout_share`` of the completions time out (a
+  verifier that hangs on everything is broken, not one pathological completion), and stops
+  scheduling as soon as that is certain. A call that raises still fails it.
 - **Values** (:class:`RewardValueError`): a reward must be a finite real number (``int``,
   ``float``, ``bool``, a numpy or 0-d torch scalar). NaN, an infinity or anything else (a
   string, ``None``, a list) fails the whole ``score`` call, naming the task and the value:
@@ -240,25 +248,27 @@ class RewardPool:
                 worker.kill()
             self._workers = []
 
-    def score(self, reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: float) -> list[float]:
-        """Rewards of ``items`` in order; see :func:`score`."""
+    def score(self, reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: float,
+              timeouts_allowed: int = 0) -> tuple[list[float], int]:
+        """``(rewards of items in order, timeouts)``; see :func:`score` (``timeouts_allowed``
+        0) and :func:`score_tolerating_timeouts`."""
         ref = reward_ref(reward_fn)
         with self._lock:
             clean = False
             try:
-                outcome = self._run(ref, items, timeout_s)
+                outcome = self._run(ref, items, timeout_s, timeouts_allowed)
                 clean = True
             finally:
                 if not clean:  # interrupted: calls in progress would answer the next score()
                     for worker in [w for w in self._workers if w.call is not None]:
                         self._replace(worker)
-        return _rewards_or_error(ref, items, timeout_s, *outcome)
+        return _rewards_or_error(ref, items, timeout_s, timeouts_allowed, outcome)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         self._workers[self._workers.index(worker)] = _start_worker()
 
-    def _run(self, ref: str, items: list[tuple[str, Task]], timeout_s: float):
+    def _run(self, ref: str, items: list[tuple[str, Task]], timeout_s: float, timeouts_allowed: int):
         while len(self._workers) < self.num_workers:
             self._workers.append(_start_worker())
         self._lost = 0  # workers killed on a timeout or dead in a call, this call
@@ -269,7 +279,10 @@ class RewardPool:
         timed_out: list[int] = []
         while True:
             now = time.monotonic()
-            if self._lost < self.num_workers:  # a verifier that hangs or kills every worker: stop
+            # a verifier that hangs or kills every worker (tolerating timeouts: more than allowed): stop
+            hopeless = (len(timed_out) > timeouts_allowed or bool(errors)) if timeouts_allowed else \
+                self._lost >= self.num_workers
+            if not hopeless:
                 for worker in self._workers:
                     if pending and worker.ready and worker.call is None:
                         i = pending.popleft()
@@ -284,7 +297,7 @@ class RewardPool:
                         worker.call = i
                         worker.deadline = now + (timeout_s if ref in worker.loaded else LOAD_TIMEOUT_S)
             busy = [w for w in self._workers if w.call is not None]
-            if not busy and (not pending or self._lost >= self.num_workers):
+            if not busy and (not pending or hopeless):
                 break
             waiting = [w for w in self._workers if w.call is not None or not w.ready]
             next_deadline = min(w.deadline if w.call is not None else w.started + LOAD_TIMEOUT_S for w in waiting)
@@ -337,15 +350,20 @@ class RewardPool:
             raise VerifierError(f"reward worker exited with code {code} before it was ready")
 
 
-def _rewards_or_error(ref, items, timeout_s, rewards, bad_values, errors, timed_out, not_scored) -> list[float]:
+def _rewards_or_error(ref: str, items: list, timeout_s: float, timeouts_allowed: int,
+                     outcome: tuple) -> tuple[list[float], int]:
+    """``(rewards, timeouts)`` of a pool call, or its error; ``outcome`` is what
+    :meth:`RewardPool._run` returns: ``(rewards, bad_values, errors, timed_out, not_scored)``."""
+    rewards, bad_values, errors, timed_out, not_scored = outcome
     if bad_values:  # the reward's own defect: reported before errors and timeouts
         first = min(bad_values)
         raise RewardValueError(
             f"reward function {ref} returned {bad_values[first]} on task {items[first][1].task_id} "
             f"({len(bad_values)} of {len(items)} completions); a reward must be a finite number: fix the reward function"
         )
-    if not errors and not timed_out and not not_scored:
-        return [rewards[i] for i in range(len(items))]
+    if not errors and not not_scored and len(timed_out) <= timeouts_allowed:
+        zero = set(timed_out)
+        return [0.0 if i in zero else rewards[i] for i in range(len(items))], len(timed_out)
     first_error = min(errors) if errors else None
     first_timeout = min(timed_out) if timed_out else None
     if first_error is not None and (first_timeout is None or first_error < first_timeout):
@@ -354,6 +372,8 @@ def _rewards_or_error(ref, items, timeout_s, rewards, bad_values, errors, timed_
         first = f"timed out after {timeout_s} s on task {items[first_timeout][1].task_id}"
     failed = len(errors) + len(timed_out) + len(not_scored)
     stuck = f", {len(not_scored)} not scored: every worker was stuck" if not_scored else ""
+    if timeouts_allowed and not errors:
+        stuck = f", more than the {timeouts_allowed} allowed" + (f"; {len(not_scored)} not scored" if not_scored else "")
     raise VerifierError(
         f"reward function failed on {failed} of {len(items)} completions ({len(timed_out)} timeouts{stuck}); first: {first}"
     )
@@ -397,4 +417,25 @@ def score(reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: f
         timeout_s = REWARD_TIMEOUT_S
     if not items:
         return []
-    return _pool().score(reward_fn, items, timeout_s)
+    return _pool().score(reward_fn, items, timeout_s)[0]
+
+
+def score_tolerating_timeouts(reward_fn: RewardFn | str, items: list[tuple[str, Task]], max_timeout_share: float,
+                              timeout_s: float | None = None) -> tuple[list[float], int]:
+    """As :func:`score`, but a call that times out scores 0.0 and is counted (the
+    reference's rule: module docstring), unless more than ``max_timeout_share`` of
+    ``items`` time out.
+
+    Returns:
+        ``(rewards in item order, number of calls that timed out)``.
+    Raises:
+        RewardValueError: as :func:`score`.
+        VerifierError: a call raised or lost its worker, or more than
+            ``floor(max_timeout_share * len(items))`` calls timed out (``max_timeout_share``
+            0: any timeout, as :func:`score`).
+    """
+    if timeout_s is None:
+        timeout_s = REWARD_TIMEOUT_S
+    if not items:
+        return [], 0
+    return _pool().score(reward_fn, items, timeout_s, math.floor(max_timeout_share * len(items)))

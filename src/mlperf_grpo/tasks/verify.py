@@ -10,7 +10,13 @@ Final answer of free text, :func:`final_answer`, the first that applies:
 
 1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; one never
    closed, ``\\boxed{4^{``, gives no answer: rule 4 read 4 in it);
-2. the text after the last ``####`` up to the end of its line (GSM8K);
+2. the text after the last ``####`` up to the end of its line (GSM8K), less the sentence
+   punctuation (``.``, ``,``, ``;``, ``:``) that ends it: ``#### 72.`` and ``#### 72,``
+   give ``72``, as the GSM8K references extract it (openai/grade-school-math
+   ``grade_school_math/dataset.py``: ``ANS_RE = r"#### (\\-?[0-9\\.\\,]+)"`` with the
+   commas removed; EleutherAI lm-evaluation-harness ``lm_eval/tasks/gsm8k/gsm8k.yaml``:
+   the same regex, and ``regexes_to_ignore`` ``","`` and ``"\\.$"``: a final period
+   ignored). ``#### 72.5`` stays ``72.5`` and ``#### 1,000`` ``1,000``;
 3. the whole text, when it is one number (``-12``, ``1,000``, ``2.50``, ``3/4``,
    ``\\frac{3}{4}``; ``$...$`` around it allowed);
 4. the last number in the text.
@@ -64,6 +70,8 @@ _NUMBER = re.compile(rf"^(?:(?P<num>{_INTEGER})\s*/\s*(?P<den>{_INTEGER})|(?P<de
                      rf"|\\[dt]?frac\{{\s*(?P<fnum>{_INTEGER})\s*\}}\{{\s*(?P<fden>{_INTEGER})\s*\}})$")
 _NUMBER_IN_TEXT = re.compile(rf"(?<![\w.])(?:{_INTEGER}(?:\.\d+)?)(?![\w])")
 _GSM8K_MARK = "####"
+_SENTENCE_END = ".,;:"
+"""Punctuation that ends a sentence after a ``####`` answer, never part of it."""
 _BOXED = re.compile(r"\\(?:boxed|fbox)\{")
 _LATEX_ONLY = (LatexExtractionConfig(),)
 _SIGNIFICANT_DIGITS = 15
@@ -120,7 +128,8 @@ def final_answer(text: str) -> str | None:
         return boxed or None
     if _GSM8K_MARK in text:
         after = text.rsplit(_GSM8K_MARK, 1)[1].strip().splitlines()
-        return after[0].strip() if after and after[0].strip() else None
+        answer = after[0].strip().rstrip(_SENTENCE_END).rstrip() if after else ""
+        return answer or None
     if as_number(text) is not None:
         return text.strip().strip("$").strip()
     numbers = _NUMBER_IN_TEXT.findall(text)

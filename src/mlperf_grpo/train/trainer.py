@@ -55,7 +55,7 @@ from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.model.compile import compile_decoder_layers, compile_policy_layers
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.model.load import load_model
-from mlperf_grpo.tasks.scoring import score
+from mlperf_grpo.tasks.scoring import score_tolerating_timeouts
 from mlperf_grpo.train import collectives, ranks
 from mlperf_grpo.train.async_rollout import RolloutProducer, RolloutSettings
 from mlperf_grpo.train.engine_setup import engine_from_policy
@@ -84,6 +84,9 @@ class StepStats:
     (``step - 1`` when synchronous, ``step - 2`` with one-step-async from step 2)."""
     num_sequences_masked_by_is: int = 0
     """Sequences ``seq-mask-tis`` dropped from the loss."""
+    reward_timeouts: int = 0
+    """Completions (all ranks) whose verification timed out and scored 0
+    (``grpo.max_reward_timeout_share``)."""
 
 
 @dataclass
@@ -264,11 +267,15 @@ class Trainer:
         rollouts = self.producer.take(step)  # with age 1, also starts generating step + 1
         mine = rank_share(len(rollouts.tasks), self.engine.tp_rank, self.engine.tp_size)  # T > 1: 1/T of the group's
         prompts, completions = rollouts.tasks[mine], rollouts.completions[mine]
+        timeouts = 0  # an agentic trajectory is graded in its sandbox, under its own time limits
         if is_agentic(self.inputs.suite):  # graded in each trajectory's sandbox
             rewards = trajectory_rewards(completions)  # [P/N, G] this rank's
         else:
-            scored = score(self.inputs.suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group])
+            scored, timeouts = score_tolerating_timeouts(  # a timeout scores 0, up to the configured share
+                self.inputs.suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group],
+                g.max_reward_timeout_share)
             rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
+        timeouts = int(collectives.all_reduce_sum([float(timeouts)])[0])  # the step's, every rank's share
         batch = training_batch(completions, rewards, g, self.engine.tokenizer.pad_token_id,
                                self.engine.eos_token_ids)  # a group never spans ranks
         train_start_s = time.perf_counter()
@@ -287,7 +294,7 @@ class Trainer:
             "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
             "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
             "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
-            "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is,
+            "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is, "reward_timeouts": timeouts,
         })
         self.completed, self.completed_ms = step, block_stop_ms
         return StepStats(
@@ -299,6 +306,7 @@ class Trainer:
             weight_update_time_ms=weight_update_time_ms,
             rollout_weights_version=rollouts.weights_version,
             num_sequences_masked_by_is=optimized.num_sequences_masked_by_is,
+            reward_timeouts=timeouts,
         )
 
     def after_step(self, stats: StepStats) -> bool:

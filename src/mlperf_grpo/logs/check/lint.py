@@ -28,6 +28,7 @@ from mlperf_grpo.logs.check.lint_evals import (
     run_stop_time,
 )
 from mlperf_grpo.logs.check.lint_input import LintInput, first_passing_eval, samples_count_value, short
+from mlperf_grpo.logs.check.run_dir import run_dir_of_log
 from mlperf_grpo.logs.mllog import LogEvent, loads_line
 from mlperf_grpo.logs.values import EVAL_KEYS, int_or_none, is_number, ms_text
 
@@ -252,6 +253,7 @@ def block_pairing(inp: LintInput) -> list[Finding]:
 
 
 RULES: list[Callable[[LintInput], list[Finding]]] = [
+    run_dir_of_log,
     invalid_lines,
     long_lines,
     metadata_types,

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from mlperf_grpo.logs.check.shape import DEFERRED, INLINE
-from mlperf_grpo.logs.report.timeline import EvalSpan, Timeline, fmt_duration, title_of
+from mlperf_grpo.logs.report.timeline import EvalSpan, Timeline, evaluated_beside_training, fmt_duration, title_of
 
 TRAIN_COLORS = ("#4C72B0", "#7EA6D8")
 CKPT_COLOR = "#DD8452"
@@ -30,6 +30,7 @@ MODE_TEXT = {
     INLINE: ("evaluation (inline)", "timeline: evaluation runs inline, on the clock (training waits for it)"),
 }
 UNKNOWN_TEXT = ("evaluation", "timeline: the log does not show whether evaluation ran inline or deferred")
+FOLLOW_TEXT = "timeline: evaluation ran beside training (evaluate --follow) and is taken off the clock"
 
 
 def run_stop_label(tl: Timeline) -> str:
@@ -91,6 +92,8 @@ def render_png(tl: Timeline) -> bytes:
         ax2 = None
     fig.suptitle(title_of(tl), fontsize=13, fontweight="bold")
     eval_lane, timeline_title = MODE_TEXT.get(tl.mode.mode, UNKNOWN_TEXT)
+    if tl.mode.mode == DEFERRED and evaluated_beside_training(tl):
+        timeline_title = FOLLOW_TEXT
     # no checkpoint-writes lane for a log without deferred checkpoints (inline runs, killed before S0)
     lanes = {"training steps": 2.0, "checkpoint writes": 1.0, eval_lane: 0.0} if tl.checkpoint_writes else {
         "training steps": 1.0, eval_lane: 0.0}
@@ -179,7 +182,7 @@ def _draw_markers(p: _Panel, tl: Timeline) -> None:
             ax.text(x(s0[0]), p.top + 0.72, f" first eval step S0={tl.first_eval_step}", fontsize=8, color="#555", va="bottom")
     if tl.run_start_ms is not None:
         ax.axvline(x(tl.run_start_ms), color="#444", linestyle="--", linewidth=1)
-        ax.text(x(tl.run_start_ms), -0.95, "run_start ", ha="right", fontsize=8, color="#444")
+        ax.text(x(tl.run_start_ms), -0.95, " run_start", ha="left", fontsize=8, color="#444")  # inside the axes
     if tl.run_stop_ms is not None:
         _draw_run_stop(p, tl)
 
@@ -198,7 +201,7 @@ def _draw_run_stop(p: _Panel, tl: Timeline) -> None:
         y = p.lanes[p.eval_lane] + p.h / 2
         ax.annotate("", xy=(xs, p.top - 0.2), xytext=(x(passing.stop_ms), y),
                     arrowprops={"arrowstyle": "->", "color": stop_color, "linestyle": "--", "connectionstyle": "arc3,rad=0.25"})
-        ax.text(x(passing.stop_ms), y + 0.1, " pass: backdated", fontsize=8, color=stop_color, ha="left")
+        ax.text(x(passing.stop_ms), y + 0.1, "pass: backdated", fontsize=8, color=stop_color, ha="right")  # ends at its bar
     if tl.run_start_ms is None:
         return
     x0 = x(tl.run_start_ms)

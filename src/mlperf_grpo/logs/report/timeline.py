@@ -120,6 +120,7 @@ def build_timeline(log: ParsedLog) -> Timeline:
                 if repr(span.samples_count) == repr(e.metadata.get("samples_count")):
                     span.stop_ms = max(span.stop_ms, e.time_ms)
                     break
+    tl.first_eval_step = _first_eval_step(tl)
     block_starts = sorted(t for _, t, _ in tl.steps)
     last: list[tuple[int, float]] = []
     for step, _, stop_ms in tl.steps:
@@ -135,6 +136,22 @@ def build_timeline(log: ParsedLog) -> Timeline:
     median = widths[len(widths) // 2] if widths else 0.0
     tl.checkpoint_writes += [(step, stop_ms, stop_ms + median) for step, stop_ms in last]
     return tl
+
+
+def _first_eval_step(tl: Timeline) -> int | None:
+    """The step of the first logged evaluation (an open run may set its own
+    ``grpo.first_eval_step``; the evaluator starts there), else the closed formula
+    ``ceil(2.5 + 3840 / GBS)`` when the log has no evaluation."""
+    steps = [e.step for e in tl.evals if e.step is not None]
+    return min(steps) if steps else tl.first_eval_step
+
+
+def evaluated_beside_training(tl: Timeline) -> bool:
+    """An evaluation began before training ended (``evaluate --follow``: a deferred
+    run's evaluator ran beside the trainer; its lines were merged after training's)."""
+    last_step_end = max((b for _, _, b in tl.steps), default=None)
+    starts = [e.start_ms for e in tl.evals if e.start_ms is not None]
+    return last_step_end is not None and bool(starts) and min(starts) < last_step_end
 
 
 def fmt_duration(ms: float | None) -> str:
