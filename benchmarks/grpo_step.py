@@ -132,10 +132,11 @@ def _sync(device: str) -> None:
 
 @contextlib.contextmanager
 def phase_timers(device: str):
-    """Wrap the loop's ``score`` and ``optimize_step`` with timers;
-    yields ``{name: [seconds per call]}`` (restored on exit)."""
+    """Wrap the loop's reward scoring (``score``) and ``optimize_step`` with timers;
+    yields ``{phase: [seconds per call]}`` (restored on exit)."""
     seconds: dict[str, list[float]] = defaultdict(list)
-    originals = {name: getattr(trainer_module, name) for name in ("score", "optimize_step")}
+    phases = {"score_tolerating_timeouts": "score", "optimize_step": "optimize_step"}  # trainer name -> phase
+    originals = {name: getattr(trainer_module, name) for name in phases}
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -149,7 +150,7 @@ def phase_timers(device: str):
         return wrapper
 
     for name, fn in originals.items():
-        setattr(trainer_module, name, timed(name, fn))
+        setattr(trainer_module, name, timed(phases[name], fn))
     try:
         yield seconds
     finally:
