@@ -62,3 +62,14 @@ def test_prompt_files_are_read_from_the_config_files_folder_and_rendered(tmp_pat
     system, user = runner._messages(task)
     assert system == {"role": "system", "content": "You fix bugs in /testbed. Never ask for help."}
     assert user["content"] == f"Issue {task.task_id}: {task.problem_statement}".strip()
+
+
+def test_a_sandbox_root_that_cannot_be_a_folder_is_a_one_line_error(tmp_path):
+    import pytest
+
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.errors import ConfigError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"agent.sandbox_root .*a_file.* cannot be made a folder"):
+        AgentRunner(AgentConfig(sandbox_root=str(tmp_path / "a_file")))

@@ -15,6 +15,7 @@ from mlperf_grpo.agent.loop import AgentSettings, RolloutStats, run_trajectories
 from mlperf_grpo.agent.swe_session import SweSession, SweSessionSettings
 from mlperf_grpo.agent.tools import TOOL_SCHEMAS
 from mlperf_grpo.agent.trajectory import Trajectory
+from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers
 from mlperf_grpo.tasks.swe import SweTask
@@ -43,17 +44,23 @@ class AgentRunner:
     sandboxes of killed runs under the sandbox root.
 
     Raises:
-        ConfigError: no sandbox runtime on this machine (``sandbox.backend_name``).
+        ConfigError: no sandbox runtime on this machine (``sandbox.backend_name``), or a
+            sandbox root that cannot be a folder (made here when missing).
         TaskError: ``agent.prompt_files`` that cannot be read.
     """
 
     def __init__(self, agent) -> None:
+        root = sandbox_root(agent)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"agent.sandbox_root {str(root)!r} cannot be made a folder ({error.strerror}); "
+                              "give a writable folder") from None
         backend_name()  # refuses a machine without a sandbox runtime, before anything runs
         self.settings = AgentSettings(
             max_turns=agent.max_turns, max_context_tokens=agent.max_context_tokens,
             max_new_tokens_per_turn=agent.max_new_tokens_per_turn, trajectory_timeout_s=agent.trajectory_timeout_s,
             max_observation_chars=agent.max_observation_chars, tool_threads=agent.tool_threads)
-        root = sandbox_root(agent)
         cleanup_leftovers(root)  # sandboxes of runs that were killed
         self.session = SweSessionSettings(SandboxLimits(command_timeout_s=agent.command_timeout_s), agent.test_timeout_s,
                                           root)
