@@ -73,3 +73,18 @@ def test_a_sandbox_root_that_cannot_be_a_folder_is_a_one_line_error(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ConfigError, match=r"agent.sandbox_root .*a_file.* cannot be made a folder"):
         AgentRunner(AgentConfig(sandbox_root=str(tmp_path / "a_file")))
+
+
+def test_a_model_without_a_chat_tokenizer_is_refused_before_the_run_directory(tmp_path, capsys):
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.cli import app as cli
+
+    require_bwrap()
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: 'builtin:arithmetic-tiny'}\ntask: {name: swe, suite: tiny, num_train_tasks: 24}\n"
+                    f"validation: {{num_tasks: 12}}\nagent: {{sandbox_root: {tmp_path / 'sandboxes'}}}\n")
+    assert cli.main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "model.path 'builtin:arithmetic-tiny' cannot run task swe" in error[0], error
+    assert "chat template" in error[0] and not (tmp_path / "out").exists()

@@ -70,6 +70,18 @@ class AgentRunner:
         self._messages = partial(agent_messages, workspace_path=INSIDE_WORKDIR, templates=templates)
         self._chat: dict[int, ChatTokens] = {}
 
+    def check_tokenizer(self, tokenizer, model_path: str) -> None:
+        """Refuse a model whose tokenizer cannot write the agent's chat (no chat template,
+        no ``<|im_end|>`` token: the arithmetic builtin), before the run directory exists.
+
+        Raises:
+            ConfigError: one line naming ``model_path`` and the model to use.
+        """
+        try:
+            self.chat(tokenizer)
+        except ValueError as error:
+            raise ConfigError(f"model.path {model_path!r} cannot run task swe: {error}") from None
+
     def chat(self, tokenizer) -> ChatTokens:
         """The chat format of ``tokenizer`` with these tools (built once per tokenizer)."""
         if id(tokenizer) not in self._chat:
