@@ -88,3 +88,12 @@ def test_a_model_without_a_chat_tokenizer_is_refused_before_the_run_directory(tm
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "model.path 'builtin:arithmetic-tiny' cannot run task swe" in error[0], error
     assert "chat template" in error[0] and not (tmp_path / "out").exists()
+
+
+def test_an_agent_without_tools_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="agent|tools|at least 1"):
+        AgentConfig(tools=[])
+    assert AgentConfig(tools=["execute_bash"]).tools == ["execute_bash"]
