@@ -97,3 +97,19 @@ def test_an_agent_without_tools_is_refused():
     with pytest.raises(ValidationError, match="agent|tools|at least 1"):
         AgentConfig(tools=[])
     assert AgentConfig(tools=["execute_bash"]).tools == ["execute_bash"]
+
+
+def test_an_agent_context_that_no_prompt_fits_is_refused_before_the_run_directory(tmp_path, capsys):
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.cli import app as cli
+
+    require_bwrap()
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: 'builtin:swe-tiny'}\ntask: {name: swe, suite: tiny, num_train_tasks: 24}\n"
+                    "validation: {num_tasks: 12}\n"
+                    f"agent: {{max_context_tokens: 1000, prompt_style: compact, sandbox_root: {tmp_path / 'sbx'}}}\n")
+    assert cli.main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no room left in agent.max_context_tokens 1000 (24 of 24 training" in error[0], error
+    assert not (tmp_path / "out").exists()

@@ -18,6 +18,7 @@ from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.inference.base import SamplingParams
 from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers
+from mlperf_grpo.tasks.lengths import PromptTooLongError
 from mlperf_grpo.tasks.swe import SweTask
 from mlperf_grpo.tasks.swe.prompt import agent_messages, load_templates
 
@@ -81,6 +82,25 @@ class AgentRunner:
             self.chat(tokenizer)
         except ValueError as error:
             raise ConfigError(f"model.path {model_path!r} cannot run task swe: {error}") from None
+
+    def check_prompt_lengths(self, tokenizer, task_sets: dict[str, list[SweTask]]) -> None:
+        """Refuse tasks whose first prompt (system and user turns, tool schemas, generation
+        prompt) leaves no room for one sampled token in ``agent.max_context_tokens``: each
+        such trajectory would end at once as overlong. Checked before the run directory exists.
+
+        Raises:
+            PromptTooLongError: one line naming the longest such prompt's task, set and tokens.
+        """
+        chat, limit = self.chat(tokenizer), self.settings.max_context_tokens
+        for kind, tasks in task_sets.items():
+            lengths = [len(chat.prompt_ids(self._messages(task))) for task in tasks]
+            over = [i for i, n in enumerate(lengths) if n >= limit]
+            if over:
+                worst = max(over, key=lengths.__getitem__)
+                raise PromptTooLongError(
+                    f"{kind} task {tasks[worst].task_id!r}: the agent's first prompt is {lengths[worst]} tokens, "
+                    f"no room left in agent.max_context_tokens {limit} ({len(over)} of {len(tasks)} {kind} prompts "
+                    "are over it); raise agent.max_context_tokens, use agent.prompt_style: compact, or drop those tasks")
 
     def chat(self, tokenizer) -> ChatTokens:
         """The chat format of ``tokenizer`` with these tools (built once per tokenizer)."""

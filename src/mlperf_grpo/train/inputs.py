@@ -67,6 +67,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
         RunDirError: the output already holds a run.
         ConfigError: ``task.name: swe`` on a machine without a sandbox runtime, prompt
             files that cannot be read, or a model whose tokenizer has no chat template.
+        PromptTooLongError: a swe task whose agent prompt fills ``agent.max_context_tokens``.
     """
     suite = tasks.load_suite(config)
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
@@ -79,7 +80,9 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     check_engine_available(config)
     if is_agentic(suite):
         # a sandbox runtime, readable prompt files and a chat tokenizer, before the run directory exists
-        AgentRunner(config.agent).check_tokenizer(load_tokenizer(config.model.path), config.model.path)
+        runner, tokenizer = AgentRunner(config.agent), load_tokenizer(config.model.path)
+        runner.check_tokenizer(tokenizer, config.model.path)
+        runner.check_prompt_lengths(tokenizer, {"training": train_pool, "validation": validation})
     if check_output:
         run.check_unused()
     return TrainingInputs(suite, train_pool, validation, step_fit)
