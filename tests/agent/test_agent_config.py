@@ -62,3 +62,54 @@ def test_prompt_files_are_read_from_the_config_files_folder_and_rendered(tmp_pat
     system, user = runner._messages(task)
     assert system == {"role": "system", "content": "You fix bugs in /testbed. Never ask for help."}
     assert user["content"] == f"Issue {task.task_id}: {task.problem_statement}".strip()
+
+
+def test_a_sandbox_root_that_cannot_be_a_folder_is_a_one_line_error(tmp_path):
+    import pytest
+
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.errors import ConfigError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"agent.sandbox_root .*a_file.* cannot be made a folder"):
+        AgentRunner(AgentConfig(sandbox_root=str(tmp_path / "a_file")))
+
+
+def test_a_model_without_a_chat_tokenizer_is_refused_before_the_run_directory(tmp_path, capsys):
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.cli import app as cli
+
+    require_bwrap()
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: 'builtin:arithmetic-tiny'}\ntask: {name: swe, suite: tiny, num_train_tasks: 24}\n"
+                    f"validation: {{num_tasks: 12}}\nagent: {{sandbox_root: {tmp_path / 'sandboxes'}}}\n")
+    assert cli.main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "model.path 'builtin:arithmetic-tiny' cannot run task swe" in error[0], error
+    assert "chat template" in error[0] and not (tmp_path / "out").exists()
+
+
+def test_an_agent_without_tools_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="agent|tools|at least 1"):
+        AgentConfig(tools=[])
+    assert AgentConfig(tools=["execute_bash"]).tools == ["execute_bash"]
+
+
+def test_an_agent_context_that_no_prompt_fits_is_refused_before_the_run_directory(tmp_path, capsys):
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.cli import app as cli
+
+    require_bwrap()
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: 'builtin:swe-tiny'}\ntask: {name: swe, suite: tiny, num_train_tasks: 24}\n"
+                    "validation: {num_tasks: 12}\n"
+                    f"agent: {{max_context_tokens: 1000, prompt_style: compact, sandbox_root: {tmp_path / 'sbx'}}}\n")
+    assert cli.main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no room left in agent.max_context_tokens 1000 (24 of 24 training" in error[0], error
+    assert not (tmp_path / "out").exists()

@@ -136,6 +136,16 @@ def test_bad_limits_and_a_missing_repository_are_one_line_errors(tmp_path):
         Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes", ro_paths=[tmp_path])
 
 
+def test_the_sandbox_user_can_read_its_etc(tmp_path):
+    """A root run's bwrap makes /etc 0700: its passwd, hosts and loader cache were unreadable
+    to the sandbox's uid (``whoami`` failed, ``localhost`` did not resolve)."""
+    require_bwrap()
+    with Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes") as box:
+        result = box.run("whoami && python3 -c \"import socket; print(socket.gethostbyname('localhost'))\"")
+    assert result.exit_code == 0, result.output
+    assert result.output.split() == ["sandbox", "127.0.0.1"]
+
+
 def test_limits_are_set_inside_by_bash_and_cannot_be_raised(tmp_path):
     limits = SandboxLimits(memory_bytes=1 << 30, processes=99, cpu_s=7, file_bytes=1 << 20)
     argv = [*limited_shell(limits), "ulimit -v; ulimit -u; ulimit -t; ulimit -f; ulimit -u 1000"]

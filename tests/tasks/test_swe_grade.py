@@ -4,6 +4,7 @@ leaves where the hidden tests go does not count."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,37 @@ def test_what_the_agent_leaves_in_r2e_tests_does_not_count(suite, tmp_path):
     extra = ("mkdir -p r2e_tests && printf 'import unittest\\nclass X(unittest.TestCase):\\n"
              "    def test_x(self): pass\\n' > r2e_tests/test_x.py")
     assert _grade(task, tmp_path, known_fix(task.task_id), setup=extra).reward == 1.0  # stale files are removed
+
+
+FAKE_PASS = """import os, re, sys
+for name in sorted(os.listdir("r2e_tests")):
+    if name.startswith("test_"):
+        cls = None
+        for line in open(os.path.join("r2e_tests", name)):
+            cls = (re.match(r"class (\\w+)", line) or [0, cls])[1]
+            test = re.match(r"    def (test\\w*)", line)
+            if test:
+                sys.stderr.write(f"{test[1]} (r2e_tests.{name[:-3]}.{cls}.{test[1]}) ... ok\\n")
+os._exit(0)
+"""
+"""Prints a passing unittest line for every hidden test and exits 0, wherever it runs."""
+RUNNER_SHADOWS = ("sitecustomize.py", "usercustomize.py", "unittest.py", "unittest/__init__.py",
+                  "unittest/__main__.py", "conftest.py")
+
+
+def test_files_planted_to_shadow_the_test_runner_do_not_earn_a_reward(suite, tmp_path):
+    """Reward hacking through the repository's root: ``-I`` keeps it off ``sys.path`` until
+    discovery starts, so no planted ``unittest`` or site hook runs (code the tests import
+    still runs in their process: docs/agentic.md, "What grading cannot rule out")."""
+    task = next(t for t in suite if t.task_id == "swe-tiny__05_fizzbuzz")
+    planted = " && ".join(f"mkdir -p \"$(dirname {path})\" && printf %s {shlex.quote(FAKE_PASS)} > {path}"
+                          for path in RUNNER_SHADOWS)
+    result = _grade(task, tmp_path, setup=planted)
+    assert (result.reward, result.invalid) == (0.0, False), result.reason
+    assert "FAILED" in result.reason or "ERROR" in result.reason, result.reason
+    assert _grade(task, tmp_path, known_fix(task.task_id), setup=planted).reward == 1.0  # a fix still counts
+    in_the_code = f"printf %s {shlex.quote(FAKE_PASS)} > games/__init__.py"  # the same script, imported by the tests
+    assert _grade(task, tmp_path, setup=in_the_code).reward == 1.0  # the documented opening (and the script works)
 
 
 def test_a_planted_link_where_the_hidden_tests_go_changes_nothing_outside(suite, tmp_path):

@@ -28,7 +28,7 @@ class ChatTokens:
             template writes after an assistant message.
         template_kwargs: passed to ``apply_chat_template`` (``enable_thinking=False``).
     Raises:
-        ValueError: the tokenizer has no chat template, or its assistant turn does not end
+        ValueError: the tokenizer has no chat template or no ``end_of_turn`` token, or its assistant turn does not end
             with ``end_of_turn`` followed by text.
     """
 
@@ -40,6 +40,9 @@ class ChatTokens:
         self.tools = tools
         self.end_of_turn = end_of_turn
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+        if self.end_of_turn_id is None or self.end_of_turn_id == tokenizer.unk_token_id:
+            raise ValueError(f"the model's tokenizer has no {end_of_turn} token; the agent needs one "
+                             "(model.path: builtin:swe-tiny)")
         self.kwargs = dict(template_kwargs or {})
         self._base = self._render(_ANCHOR, generation_prompt=False)
         cut = self._base.rfind(end_of_turn)

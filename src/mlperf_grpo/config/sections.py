@@ -159,8 +159,9 @@ class AgentConfig(Strict):
     """The hidden tests' run; past it the sample is invalid."""
     max_observation_chars: int = Field(30000, gt=0)
     """A tool output longer than this is clipped (head and tail kept, a marker between)."""
-    tools: list[Literal["execute_bash", "str_replace_editor", "finish"]] = ["execute_bash", "str_replace_editor", "finish"]
-    """The tools the model is shown and may call."""
+    tools: list[Literal["execute_bash", "str_replace_editor", "finish"]] = Field(
+        ["execute_bash", "str_replace_editor", "finish"], min_length=1)
+    """The tools the model is shown and may call (at least one)."""
     prompt_style: Literal["reference", "compact"] = "reference"
     """``reference``: the reference agent's system and user prompts' structure; ``compact``: a
     short prompt for small models (``tasks/swe/prompt.py``)."""

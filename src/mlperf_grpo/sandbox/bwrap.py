@@ -106,6 +106,7 @@ def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list
         "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
         "--setenv", "PATH", ":".join(dict.fromkeys(path_dirs)), "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
+        "--perms", "0755", "--dir", "/etc",  # bwrap makes it 0700 when privileged: passwd, hosts unreadable
         *system_args(),
     ]
     for path in dict.fromkeys(str(Path(p)) for p in ro_paths):

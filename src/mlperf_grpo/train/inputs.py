@@ -21,6 +21,7 @@ from mlperf_grpo.inference.factory import check_engine_available
 from mlperf_grpo.model.check import check_model
 from mlperf_grpo.model.files import check_device, check_model_path
 from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
+from mlperf_grpo.model.load import load_tokenizer
 from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
@@ -64,8 +65,9 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
         MemoryPlanError: T does not divide, or the layout's planned bytes exceed the
             device (:func:`check_planned_memory`).
         RunDirError: the output already holds a run.
-        ConfigError: ``task.name: swe`` on a machine without a sandbox runtime, or prompt
-            files that cannot be read.
+        ConfigError: ``task.name: swe`` on a machine without a sandbox runtime, prompt
+            files that cannot be read, or a model whose tokenizer has no chat template.
+        PromptTooLongError: a swe task whose agent prompt fills ``agent.max_context_tokens``.
     """
     suite = tasks.load_suite(config)
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
@@ -77,7 +79,10 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     step_fit = check_planned_memory(config, longest["training"])
     check_engine_available(config)
     if is_agentic(suite):
-        AgentRunner(config.agent)  # a sandbox runtime and readable prompt files, before the run directory exists
+        # a sandbox runtime, readable prompt files and a chat tokenizer, before the run directory exists
+        runner, tokenizer = AgentRunner(config.agent), load_tokenizer(config.model.path)
+        runner.check_tokenizer(tokenizer, config.model.path)
+        runner.check_prompt_lengths(tokenizer, {"training": train_pool, "validation": validation})
     if check_output:
         run.check_unused()
     return TrainingInputs(suite, train_pool, validation, step_fit)
