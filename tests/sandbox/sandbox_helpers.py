@@ -58,3 +58,9 @@ def processes_with(marker: str) -> list[int]:
             if marker.encode() in cmdline:
                 found.append(int(entry))
     return found
+
+
+def new_descendants(before: set[int]) -> list[int]:
+    """This process's live descendants that were not among ``before`` (the suite's own
+    long-lived children, e.g. reward workers of earlier tests, are not the sandbox's)."""
+    return [pid for pid in descendants(os.getpid()) if pid not in before]

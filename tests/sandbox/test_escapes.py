@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import descendants, make_repo, processes_with, require_bwrap
+from sandbox_helpers import descendants, make_repo, new_descendants, processes_with, require_bwrap
 
 import mlperf_grpo
 from mlperf_grpo.sandbox import Sandbox, SandboxLimits, seccomp
@@ -22,11 +22,12 @@ LIMITS = SandboxLimits(command_timeout_s=10, memory_bytes=512 * MIB, processes=6
 @pytest.fixture
 def sandbox(tmp_path):
     require_bwrap()
+    before = set(descendants(os.getpid()))
     box = Sandbox(make_repo(tmp_path / "repo"), LIMITS, tmp_path / "run" / "sandboxes")
     yield box
     box.close()
     assert not box.folder.exists()
-    assert descendants(os.getpid()) == []
+    assert new_descendants(before) == []
 
 
 def still_works(box: Sandbox) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import descendants, make_repo, processes_with, require_bwrap
+from sandbox_helpers import descendants, make_repo, new_descendants, processes_with, require_bwrap
 
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers
@@ -28,6 +28,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 def test_each_sandbox_has_its_own_copy_and_close_leaves_nothing(tmp_path):
     require_bwrap()
+    before = set(descendants(os.getpid()))
     repo = make_repo(tmp_path / "repo")
     (repo / "link").symlink_to("calc.py")
     root = tmp_path / "sandboxes"
@@ -36,7 +37,7 @@ def test_each_sandbox_has_its_own_copy_and_close_leaves_nothing(tmp_path):
         assert one.run("sed -i 's/a - b/a + b/' calc.py && cat link").output == "def add(a, b):\n    return a + b\n"
         assert "a - b" in two.run("cat calc.py").output and "a - b" in (repo / "calc.py").read_text()
         assert (one.workdir / "link").is_symlink()
-    assert sorted(root.iterdir()) == [] and descendants(os.getpid()) == []
+    assert sorted(root.iterdir()) == [] and new_descendants(before) == []
     assert one.run("echo late").kill_reason == "closed"
     one.close()  # idempotent
 
@@ -65,6 +66,7 @@ def test_write_file_and_copy_in_do_not_follow_a_link_planted_by_the_model(tmp_pa
 
 def test_close_from_another_thread_ends_a_running_command(tmp_path):
     require_bwrap()
+    before = set(descendants(os.getpid()))
     box = Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), tmp_path / "sandboxes")
     results = []
     worker = threading.Thread(target=lambda: results.append(box.run("sleep 1000")))
@@ -75,7 +77,7 @@ def test_close_from_another_thread_ends_a_running_command(tmp_path):
     worker.join(10)
     assert not worker.is_alive() and time.monotonic() - start < 10
     assert results[0].exit_code is None and results[0].kill_reason == "closed"
-    assert not box.folder.exists() and descendants(os.getpid()) == []
+    assert not box.folder.exists() and new_descendants(before) == []
 
 
 CHILD = textwrap.dedent("""
@@ -186,6 +188,7 @@ def test_the_seccomp_program_is_well_formed():
 
 def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
     require_bwrap()
+    before = set(descendants(os.getpid()))
     repo, root = make_repo(tmp_path / "repo"), tmp_path / "sandboxes"
     boxes = [Sandbox(repo, SandboxLimits(), root) for _ in range(6)]
     outputs: dict[int, list[str]] = {index: [] for index in range(len(boxes))}
@@ -202,7 +205,7 @@ def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
     for box in boxes:
         box.close()
     assert all(outputs[index] == ["1\n", "2\n", "3\n", "4\n"] for index in outputs), outputs
-    assert list(root.iterdir()) == [] and descendants(os.getpid()) == []
+    assert list(root.iterdir()) == [] and new_descendants(before) == []
 
 
 def test_a_sandbox_dropped_without_close_is_removed_at_exit(tmp_path):
