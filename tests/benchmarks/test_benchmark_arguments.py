@@ -39,7 +39,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: cannot write there"),
     ("evaluate.py", ["--dir", "/proc"], "--dir /proc: cannot make a folder there"),  # os.access says yes to root
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
-    ("grpo_step.py", ["--micro-batch-size", "7", "--no-trl"], "must divide the global batch"),  # a ConfigError one
+    ("grpo_step.py", ["--max-new-tokens", "100000", "--no-trl"], "over the model's context"),  # a ConfigError one
     ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
