@@ -94,7 +94,7 @@ def test_report_labels_a_deferred_run_as_deferred():
     tl = build_timeline(parse_log_text(to_text(synth())))
     texts, _ = figure_texts(tl)
     assert "timeline: evaluation runs after training and is taken off the clock" in texts
-    assert "evaluation (offline)" in texts and " pass: backdated" in texts
+    assert "evaluation (offline)" in texts and "pass: backdated" in texts
     assert " run_stop (success) = weight update of step 20" in texts
     assert any(t.endswith("(evaluation excluded)") for t in texts)
 
