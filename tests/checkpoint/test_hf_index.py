@@ -75,6 +75,17 @@ def test_a_tensor_the_index_places_in_a_shard_that_lacks_it_is_refused(tmp_path)
         read(tmp_path, folder)
 
 
+def test_an_index_naming_the_wrong_shard_is_not_called_a_stale_copy(tmp_path):
+    """The index places a.weight in shard 2, which lacks it; shard 1 holds its only copy:
+    the line names the shard that lacks it, never 'remove the copy' (breaker finding)."""
+    folder = sharded_dir(tmp_path / "ckpt-4", STEP4)
+    save_file({"a.weight": STEP4["a.weight"], "c.weight": torch.ones(1)}, str(folder / SHARDS[0]))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a.weight": SHARDS[1], "b.weight": SHARDS[1], "c.weight": SHARDS[0]}}))
+    with pytest.raises(CheckpointError, match=f"{SHARDS[1]} lacks tensor 'a.weight'"):
+        read(tmp_path, folder)
+
+
 def test_without_an_index_a_tensor_stored_twice_is_refused(tmp_path):
     folder = sharded_dir(tmp_path / "ckpt-4", STEP4, index=False)
     save_file({"a.weight": STEP3["a.weight"]}, str(folder / "model-extra.safetensors"))

@@ -583,6 +583,18 @@ def test_bad_series_or_log_is_one_line_exit_2(trained, tmp_path, capsys, layout,
     assert not (series / "eval").exists() and not (series / ".lock").exists()
 
 
+def test_a_refused_evaluation_leaves_no_eval_log_it_created(trained, tmp_path, capsys):
+    """A series refused mid-evaluation (a stale shard found at ckpt-4's refit) with a new
+    --eval-log: the path is left as given, not an empty file (breaker finding, issue 44)."""
+    series, log = convert(trained, tmp_path, "hf-dirs")
+    _hf_stale_copy(series, log)
+    eval_log = tmp_path / "eval.log"
+    assert main(["evaluate", "--checkpoints", str(series), "--mllog", str(log), "--config", str(trained / "config.yaml"),
+                 "--eval-log", str(eval_log)]) == 2
+    assert "holds tensor" in error_line(capsys.readouterr().err)
+    assert not eval_log.exists() and not (series / "eval").exists()
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--format", "hf-dirs"], "--format hf-dirs, but"),
     (["RUNDIR"], "give RUN_DIR (a run our trainer wrote) or --checkpoints"),

@@ -55,6 +55,8 @@ def test_answers_match_numbers_exactly_and_symbols_by_math_verify(answer, gold, 
 @pytest.mark.parametrize("completion, gold, want", [
     ("so 70 + 2 = 72.\n#### 72.", "72", 1.0),  # sentence punctuation after the number (issue 44)
     ("#### 72,", "72", 1.0),
+    ("#### 72?", "72", 1.0),  # the references' regex reads 72 (breaker finding)
+    ("#### 5!", "120", 1.0),  # but ! is a factorial, kept
     ("#### 72 .", "72", 1.0),
     ("#### $72$.", "72", 1.0),
     ("#### 1,000.", "1000", 1.0),

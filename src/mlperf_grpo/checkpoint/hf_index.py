@@ -78,6 +78,10 @@ def check_placement(folder: Path, names_by_file: dict[Path, list[str]], whole: b
             or missing from the file the index names; names the tensor and the files.
     """
     mapping = weight_map(folder)
+    for name, file in (mapping or {}).items() if whole else ():  # before any copy is called stale
+        if name not in names_by_file.get(folder / file, [name]):
+            raise CheckpointError(f"{folder / file} lacks tensor {name!r}, which {INDEX_FILE} places there; "
+                                  "the checkpoint is incomplete (or its index wrong): re-save the checkpoint")
     seen: dict[str, Path] = {}
     for path, names in names_by_file.items():
         for name in names:

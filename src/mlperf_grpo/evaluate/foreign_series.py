@@ -115,6 +115,7 @@ def evaluate_checkpoints(request: CheckpointsRequest, config: RunConfig, ranks=N
         print(f"note: not checked, the {getattr(source, 'format', 'ours')} layout cannot prove it: {what}", file=sys.stderr)
     record = run.eval_dir / SOURCE_FILE
     made = [p for p in (run.eval_dir, record, run.root / ".lock") if not p.exists()]
+    new_eval_log = eval_log if eval_log is not None and not eval_log.exists() else None
     if not record.is_file():
         run.eval_dir.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(
@@ -126,6 +127,8 @@ def evaluate_checkpoints(request: CheckpointsRequest, config: RunConfig, ranks=N
                                              workers=1 if ranks is None else ranks.world_size, ranks=ranks))
     except BaseException:
         _remove_if_nothing_logged(run, made)
+        if new_eval_log is not None and new_eval_log.is_file() and new_eval_log.stat().st_size == 0:
+            new_eval_log.unlink()  # created for lines that never came: the path is left as given
         raise
 
 

@@ -11,7 +11,7 @@ Final answer of free text, :func:`final_answer`, the first that applies:
 1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; one never
    closed, ``\\boxed{4^{``, gives no answer: rule 4 read 4 in it);
 2. the text after the last ``####`` up to the end of its line (GSM8K), less the sentence
-   punctuation (``.``, ``,``, ``;``, ``:``) that ends it: ``#### 72.`` and ``#### 72,``
+   punctuation (``.``, ``,``, ``;``, ``:``, ``?``; not ``!``, a factorial) that ends it: ``#### 72.`` and ``#### 72,``
    give ``72``, as the GSM8K references extract it (openai/grade-school-math
    ``grade_school_math/dataset.py``: ``ANS_RE = r"#### (\\-?[0-9\\.\\,]+)"`` with the
    commas removed; EleutherAI lm-evaluation-harness ``lm_eval/tasks/gsm8k/gsm8k.yaml``:
@@ -70,7 +70,7 @@ _NUMBER = re.compile(rf"^(?:(?P<num>{_INTEGER})\s*/\s*(?P<den>{_INTEGER})|(?P<de
                      rf"|\\[dt]?frac\{{\s*(?P<fnum>{_INTEGER})\s*\}}\{{\s*(?P<fden>{_INTEGER})\s*\}})$")
 _NUMBER_IN_TEXT = re.compile(rf"(?<![\w.])(?:{_INTEGER}(?:\.\d+)?)(?![\w])")
 _GSM8K_MARK = "####"
-_SENTENCE_END = ".,;:"
+_SENTENCE_END = ".,;:?"
 """Punctuation that ends a sentence after a ``####`` answer, never part of it."""
 _BOXED = re.compile(r"\\(?:boxed|fbox)\{")
 _LATEX_ONLY = (LatexExtractionConfig(),)
