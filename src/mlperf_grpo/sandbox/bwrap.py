@@ -108,19 +108,21 @@ def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list
         "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
         "--perms", "0755", "--dir", "/etc",  # bwrap makes it 0700 when privileged: passwd, hosts unreadable
         *system_args(),
-    ]
-    for path in dict.fromkeys(str(Path(p)) for p in ro_paths):
-        for parent in reversed(Path(path).parents[:-1]):  # traversable by the sandbox's uid
-            args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", path, path]
-    for path in layout.hidden:
-        args += ["--size", "4096", "--tmpfs", str(path)]
-    args += [
         "--ro-bind", str(layout.etc_dir / "passwd"), "/etc/passwd",
         "--ro-bind", str(layout.etc_dir / "group"), "/etc/group",
         "--proc", "/proc", "--dev", "/dev",
         "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",  # POSIX semaphores
         "--perms", "01777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+    ]
+    # after the tmpfs mounts: a Python installation under /tmp (a checkout there) stays visible
+    for path in dict.fromkeys(str(Path(p)) for p in ro_paths):
+        for parent in reversed(Path(path).parents[:-1]):  # traversable by the sandbox's uid
+            if str(parent) not in ("/tmp", "/dev/shm"):  # mount points: keep their own modes
+                args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", path, path]
+    for path in layout.hidden:
+        args += ["--size", "4096", "--tmpfs", str(path)]
+    args += [
         "--bind", str(layout.workdir), layout.inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev",
         "--chdir", layout.inside_workdir,
         "--", *shell, command,
