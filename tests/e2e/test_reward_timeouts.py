@@ -35,9 +35,13 @@ from mlperf_grpo.tasks import arithmetic
 
 
 def reward(completion, task):
-    if task.task_id == {task_id!r} and not os.path.exists({str(mark)!r}):
-        open({str(mark)!r}, "w").close()
-        time.sleep(600)
+    if task.task_id == {task_id!r}:
+        try:  # exactly once: two workers scoring this prompt's completions at once race on an exists() check
+            os.close(os.open({str(mark)!r}, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            time.sleep(600)
     return arithmetic.reward(completion, task)
 
 
