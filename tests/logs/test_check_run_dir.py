@@ -181,6 +181,7 @@ def test_a_successful_run_stop_is_timed_against_the_first_passing_step():
     assert "run-stop-step" in rules_of(report)
 
 
+@pytest.mark.slow
 def test_another_runs_folder_as_run_dir_is_a_finding_naming_it(tmp_path):
     """Issue 44: `check LOG --run-dir OTHER_RUN` was CLEAN with notes only."""
     other = tmp_path / "other"
