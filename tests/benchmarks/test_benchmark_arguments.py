@@ -96,7 +96,7 @@ def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     line = json.loads(done.stdout.splitlines()[-1])
     arms = line["decode_arms"]
     assert arms["generate"]["engine"] == ["transformers.generate"]
-    assert arms["slots"]["engine"] == ["slot decoder (static KV cache, refilled slots)"]
+    assert arms["slots"]["engine"] == ["slot decoder (KV cache grown to the rows' lengths, refilled slots)"]
     assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0
 
 

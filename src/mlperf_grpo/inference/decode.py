@@ -1,9 +1,11 @@
-"""A decode loop over a static per-slot KV cache, with refilled slots and (on CUDA)
-each decode step captured as a CUDA graph.
+"""A decode loop over a per-slot KV cache, with refilled slots and (on CUDA) each
+decode step captured as a CUDA graph.
 
 ``SlotDecoder.generate`` keeps ``slots`` rows in flight. Each slot holds one prompt's
-keys and values in a static ``[slots, kv_heads, length, head_dim]`` cache per layer
-(:class:`SlotCache`) and has its own write column, position and token count, so a slot
+keys and values in a ``[slots, kv_heads, length, head_dim]`` cache per layer
+(:class:`SlotCache`: allocated at the call's full length where that fits its budget,
+else grown with the live rows' lengths, fewer rows as they end) and has its own write
+column, position and token count, so a slot
 whose row has finished (EOS or the token limit) takes the next waiting prompt at once
 (its prefill: the prompts admitted together, left-padded to their longest).
 A decode step feeds every slot its last token at its own position and attends to the
@@ -61,8 +63,13 @@ from transformers import PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
 from mlperf_grpo.inference.slot_prefill import PrefillInputs, PrefillSteps, bucket_rows, round_up
-from mlperf_grpo.inference.slot_state import DecodeCall, SlotCache, SlotState
+from mlperf_grpo.inference.slot_state import DecodeCall, SlotCache, SlotState, cache_bytes
 from mlperf_grpo.inference.slot_step import DecodeSteps
+
+
+FREE_FRACTION = 0.8
+"""Without ``kv_cache_bytes``, the share of the device's free memory a CUDA call's KV
+cache may take (the rest: the steps' and prefills' activations, the graphs' pool)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class DecodeOptions:
     top_p_candidates: int = 0
     fused_kernels: bool | None = None
     prefill_graphs: bool = False
+    kv_cache_bytes: int | None = None
 
 
 class SlotDecoder(PrefillSteps, DecodeSteps):
@@ -107,11 +115,26 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             a capture that fails, or whose replay differs from the eager run it follows,
             turns them off with one warning line). On the CPU the bucketed prefill runs
             eagerly. Default off.
+        kv_cache_bytes: the bytes the KV cache may take. A call whose rows all fit it at
+            full length (the longest prompt + ``max_new_tokens``) allocates them at once
+            (a static cache); else the cache starts at the first steps' columns and grows
+            as the rows get longer (:meth:`_grow`). None: on CUDA
+            :data:`FREE_FRACTION` of the device's free memory at the call's start
+            (with what the cache and the caching allocator already hold); on the CPU
+            no limit.
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
     multiples of ``key_block``), so repeated calls of one shape (an evaluator's
     checkpoints, a training's rollouts) capture nothing new.
+
+    A growing cache: its columns are the first power-of-two multiple of ``key_block``
+    that holds the next block of steps (at most the call's full length), and before a
+    block that needs more it is widened (:meth:`SlotCache.grow`) holding only the first
+    ``rows`` slots, the step's bucket (the live slots, compacted to the front once no
+    prompt waits): ``rows x columns``, not ``slots x length``. The graphs captured on the
+    old tensors are dropped and captured again as the steps need them. The tokens are
+    those of a static cache (the same columns, read the same way).
     """
 
     def __init__(self, model: PreTrainedModel, slots: int, pad_token_id: int,
@@ -146,6 +169,9 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         self.graph_captures = 0  # of the last call: decode steps and prefills captured as new CUDA graphs
         self.prefills = 0  # of the last call: admissions (each one eager forward over the prompts admitted together)
         self.prefill_ms = 0.0  # of the last call: their time on the device (CUDA events; the CPU: wall time)
+        self.kv_cache_bytes = options.kv_cache_bytes
+        self.cache_grows = 0  # of the last call: times the KV cache was widened
+        self.kv_cache_peak_bytes = 0  # of the last call: the most bytes its KV cache tensors held at once
         self._prefill_times: list = []  # this call's (start, end) events, or wall seconds on the CPU
         if self.check_every < 1:
             raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
@@ -167,14 +193,13 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             ValueError: prompts and seeds differ in number, a prompt is empty, or
                 ``max_new_tokens`` < 1.
         """
-        self.decode_steps = self.rerun_steps = self.graph_captures = self.prefills = 0
+        self.decode_steps = self.rerun_steps = self.graph_captures = self.prefills = self.cache_grows = 0
         self.prefill_ms, self._prefill_times = 0.0, []
         _check_arguments(prompts, seeds, max_new_tokens)
         if not prompts:
             return []
         call = DecodeCall(temperature, top_p, max_new_tokens, tuple(sorted(set(eos_token_ids))) or (-1,))
-        slots = min(self.slots, len(prompts))
-        length = round_up(self._prefill_width(max(len(p) for p in prompts)) + max_new_tokens, self.key_block)
+        slots, length = self._start(prompts, max_new_tokens)
         waiting = deque(range(len(prompts)))
         owner = [-1] * slots  # prompt index per slot; -1: empty
         results: list[tuple[list[int], list[float]] | None] = [None] * len(prompts)
@@ -185,7 +210,7 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
             if taken:
                 self._prefill(free[: len(taken)], [prompts[i] for i in taken], [seeds[i] for i in taken],
-                              call, slots, length)
+                              call, slots)
                 for slot, index in zip(free, taken):
                     owner[slot] = index
 
@@ -222,6 +247,8 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             if steps < 1:
                 continue
             key_length = min(length, round_up(max(state.column_cpu[s] for s in live) + steps, self.key_block))
+            if key_length > self.cache.length:  # the live rows at their next columns (at most ``length``)
+                self._grow(rows, self._width(key_length, length))
             block = self._run_block(call, rows, key_length, steps, exact=False)
             self.decode_steps += steps
         # the loop's last look synchronized after every prefill, so their events are complete
@@ -233,23 +260,80 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         (back to the device: ``torch.cuda.empty_cache``); the next call allocates them
         again and captures its graphs anew. For a policy that trains on the same device
         between rollouts (``train/memory_fit.py``)."""
-        self._graphs.clear()
-        self._prefill_graphs.clear()
-        self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
+        self._drop_graphs()
         self.cache = self.state = None
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _ensure(self, shapes: list[tuple[int, int]], slots: int, length: int, max_new_tokens: int,
-                dtype: torch.dtype) -> None:
-        """A cache and state large enough for this call; new ones drop the graphs (which
-        read the old ones' memory)."""
-        if (self.cache is not None and self.cache.fits(shapes, slots, length, dtype)
-                and self.state.fits(slots, max_new_tokens, length)):
-            return
-        self.release()
-        self.cache = SlotCache(shapes, slots, length, dtype, self.model.device)
-        self.state = SlotState(slots, max_new_tokens, length, self.model.device)
+    def _start(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
+        """A call's slots and ``length``, the most columns a row takes (its longest prompt +
+        ``max_new_tokens``); the cache and state it starts with (:meth:`_ensure`)."""
+        slots = min(self.slots, len(prompts))
+        first = self._prefill_width(max(len(p) for p in prompts))
+        length = round_up(first + max_new_tokens, self.key_block)
+        self._ensure(slots, length, self._first_width(slots, first, length), max_new_tokens)
+        self.kv_cache_peak_bytes = self.cache.nbytes
+        return slots, length
+
+    def _ensure(self, slots: int, length: int, width: int, max_new_tokens: int) -> None:
+        """A state for ``slots`` rows of ``max_new_tokens`` tokens and ``length`` columns,
+        and a cache of at least ``slots`` rows and ``width`` columns; a new cache drops the
+        graphs (which read the old one's memory). The cache never has more rows than the
+        state (its spare row is a state row no call's slot uses)."""
+        shapes, dtype = self._layout()
+        if self.state is None or not self.state.fits(slots, max_new_tokens, length):
+            self.release()
+            self.state = SlotState(slots, max_new_tokens, length, self.model.device)
+        if self.cache is None or not self.cache.fits(shapes, slots, width, dtype):
+            self._drop_graphs()
+            self.cache = None
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.cache = SlotCache(shapes, slots, width, dtype, self.model.device)
+
+    def _first_width(self, slots: int, first: int, length: int) -> int:
+        """The cache's columns at a call's start: all ``length`` where ``slots`` rows of
+        them fit the budget (``kv_cache_bytes``), else the first block's
+        (:meth:`_width`: the prompts' ``first`` columns and ``check_every`` steps)."""
+        budget = self._budget()
+        shapes, dtype = self._layout()
+        if budget is None or cache_bytes(shapes, slots, length, dtype) <= budget:
+            return length
+        return self._width(first + self.check_every, length)
+
+    def _width(self, need: int, length: int) -> int:
+        """The cache's columns for ``need``: the first power-of-two multiple of
+        ``key_block`` that holds it, at most ``length``."""
+        width = self.key_block
+        while width < need:
+            width *= 2
+        return min(width, length)
+
+    def _budget(self) -> int | None:
+        """``kv_cache_bytes``, or its default (the class docstring)."""
+        if self.kv_cache_bytes is not None or self.model.device.type != "cuda":
+            return self.kv_cache_bytes
+        device = self.model.device
+        free = torch.cuda.mem_get_info(device)[0]
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(FREE_FRACTION * (free + held + (self.cache.nbytes if self.cache is not None else 0)))
+
+    def _grow(self, rows: int, width: int) -> None:
+        """Widen the cache to ``width`` columns, keeping its first ``rows`` rows (every
+        live slot: the loop grows after it compacts them); drops the graphs, which read
+        the old tensors (called after the loop's host sync, so no replay is in flight)."""
+        self._drop_graphs()
+        self.kv_cache_peak_bytes = max(self.kv_cache_peak_bytes, self.cache.grow(rows, width))
+        self.cache_grows += 1
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old tensors' blocks, which fit no later allocation of a wider cache
+
+    def _drop_graphs(self) -> None:
+        """Drop the decode-step and prefill graphs and their memory pool (the next
+        captures take a new one)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._pool = None  # a pool outlives its graphs only while one holds it (CUDACachingAllocator)
 
 
 def _check_arguments(prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> None:

@@ -9,8 +9,8 @@ so no step's full-vocabulary logits outlive it (memory grows with tokens, not to
 vocabulary).
 
 On CUDA, models whose layers are all full attention decode instead through
-:class:`~mlperf_grpo.inference.decode.SlotDecoder` (a static per-slot KV cache, refilled
-slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
+:class:`~mlperf_grpo.inference.decode.SlotDecoder` (a per-slot KV cache grown with the
+rows' lengths, refilled slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
 (:func:`~mlperf_grpo.inference.sampling.sample_tokens`); ``decode="generate"`` or a CPU
 device keeps ``generate`` (the CPU calibration's path).
 
@@ -103,9 +103,10 @@ class HFEngine:
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
     for ids and log-probabilities, and full-vocabulary logits of one step at a time.
-    With slot decoding the static KV cache (``2 x layers x (batch_size + 1) x kv_heads x
+    With slot decoding the KV cache (at most ``2 x layers x (batch_size + 1) x kv_heads x
     columns x head_dim`` elements, columns = longest prompt + ``max_new_tokens`` rounded
-    up to 64, plus one) and the captured graphs stay allocated between calls until :meth:`close`.
+    up to 64, plus one; else grown with the rows' lengths, ``decode.SlotDecoder``) and the
+    graphs stay allocated between calls until :meth:`close` or :meth:`release_memory`.
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
@@ -310,7 +311,7 @@ class HFEngine:
         import transformers
 
         return {
-            "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
+            "engine": "transformers.generate" if self._decoder is None else "slot decoder (KV cache grown to the rows' lengths, refilled slots)",
             "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
             "top_p_candidates": 0 if self._decoder is None else self._decoder.top_p_candidates,
             "prefill_graphs": self._decoder is not None and self._decoder.prefill_graphs and self._decoder.cuda_graphs,
@@ -331,11 +332,13 @@ class HFEngine:
         top-p candidates; ``graph_captures``: decode steps and prefills captured as new
         CUDA graphs; ``prefills``: admissions of waiting prompts, each a forward (eager, or
         a graph's replay with ``prefill_graphs``); ``prefill_ms``:
-        their device time, ms); ``{}`` with ``generate``."""
+        their device time, ms; ``cache_grows``: KV cache widenings; ``kv_cache_peak_bytes``:
+        the most bytes its tensors held at once); ``{}`` with ``generate``."""
         d = self._decoder
         return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,
                                      "graph_captures": d.graph_captures, "prefills": d.prefills,
-                                     "prefill_ms": round(d.prefill_ms, 2)}
+                                     "prefill_ms": round(d.prefill_ms, 2), "cache_grows": d.cache_grows,
+                                     "kv_cache_peak_bytes": d.kv_cache_peak_bytes}
 
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors

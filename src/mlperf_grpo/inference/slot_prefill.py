@@ -50,29 +50,28 @@ class PrefillSteps:
     """The prefill half of :class:`~mlperf_grpo.inference.decode.SlotDecoder` (its
     attributes: ``model``, ``cache``, ``state``, ``prefill_graphs``, ...)."""
 
-    def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall, slots: int,
-                 length: int) -> None:
+    def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall,
+                 slots: int) -> None:
         """:meth:`_prefill_ops`, counted and timed (``prefills``, ``prefill_ms``)."""
         self.prefills += 1
         if self.model.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            self._prefill_ops(free, prompts, seeds, call, slots)
             end.record()
             self._prefill_times.append((start, end))
         else:
             start_s = time.perf_counter()
-            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            self._prefill_ops(free, prompts, seeds, call, slots)
             self._prefill_times.append((time.perf_counter() - start_s) * 1e3)
 
-    def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall, slots: int,
-                     length: int) -> None:
+    def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall,
+                     slots: int) -> None:
         """Start the ``free`` slots' rows: their prompts left-padded to their longest (or,
         with ``prefill_graphs``, to a bucket of rows and width), their keys and values
         written into their cache rows, and each one's first token sampled
-        (:meth:`_prefill_body`)."""
-        shapes, dtype = self._layout()
-        self._ensure(shapes, slots, length, call.max_new_tokens, dtype)
+        (:meth:`_prefill_body`). The cache (``_ensure``) holds the call's ``slots`` rows
+        and its longest prompt's columns."""
         n, width = len(prompts), self._prefill_width(max(len(p) for p in prompts))
         rows = bucket_rows(n, slots) if self.prefill_graphs else n
         pads = [width - len(p) for p in prompts]

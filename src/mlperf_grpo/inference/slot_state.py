@@ -11,15 +11,16 @@ import torch
 
 
 class SlotCache:
-    """A static KV cache of ``slots`` rows and ``length`` columns per layer, written at
-    one column per row (the rows' own write columns), read as the first ``rows`` rows
+    """A KV cache of ``slots`` rows and ``length`` columns per layer, written at one
+    column per row (the rows' own write columns), read as the first ``rows`` rows
     (attention reads the columns its mask covers: :func:`~mlperf_grpo.inference.decode.slot_attention`).
-    Handed to the model as its cache: attention layers call :meth:`update`.
+    Handed to the model as its cache: attention layers call :meth:`update`. :meth:`grow`
+    widens it (fewer rows: the live ones) as the rows get longer.
 
     Memory: ``2 x layers x (slots + 1) x kv_heads x (length + 1) x head_dim`` elements
-    of the model's dtype, allocated once: one column more than any key length (the column
-    the steps after a row ended at its limit write to) and one spare row (row ``slots``,
-    :attr:`spare_row`: a bucketed prefill's padding rows write there).
+    of the model's dtype (:func:`cache_bytes`): one column more than any key length (the
+    column the steps after a row ended at its limit write to) and one spare row (row
+    ``slots``, :attr:`spare_row`: a bucketed prefill's padding rows write there).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
@@ -47,11 +48,43 @@ class SlotCache:
         values.scatter_(2, index, value_states)
         return keys, values
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def grow(self, rows: int, length: int) -> int:
+        """Keep the first ``rows`` rows (their columns and write columns) in ``length``
+        >= :attr:`length` columns, one tensor at a time: each old one is freed once
+        copied, so at most the new tensors and one old one are allocated together.
+        Returns that peak's bytes. The new columns are zeros (attention gives masked
+        columns weight 0, which times a stale NaN would still be NaN)."""
+        peak = 0
+        for tensors in (self.keys, self.values):
+            for i in range(len(tensors)):
+                old = tensors[i]
+                new = old.new_zeros(rows + 1, old.shape[1], length + 1, old.shape[3])
+                new[:rows, :, : old.shape[2]] = old[:rows]
+                tensors[i] = new
+                peak = max(peak, self.nbytes + old.numel() * old.element_size())
+                del old, new
+        columns = self.write_columns.new_zeros(rows + 1)
+        columns[:rows] = self.write_columns[:rows]
+        self.write_columns, self.slots, self.spare_row, self.length = columns, rows, rows, length
+        return peak
+
     def permute_rows(self, order: torch.Tensor) -> None:
         """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row ``order[i]``."""
         n = order.shape[0]
         for tensor in (*self.keys, *self.values, self.write_columns):
             tensor[:n] = tensor[:n].index_select(0, order)
+
+
+def cache_bytes(shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a :class:`SlotCache` of ``slots`` rows and ``length`` columns; ``shapes``:
+    per layer ``(kv_heads, head_dim)``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * (slots + 1) * (length + 1) * itemsize * sum(h * d for h, d in shapes)
 
 
 class PrefillWriter:
