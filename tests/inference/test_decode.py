@@ -344,7 +344,7 @@ def test_slot_decoding_equals_generate_on_the_builtin_model():
         shapes, dtype = slots._decoder._layout()
         assert slots._decoder.cache.length == 64
         assert stats == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0, "cache_grows": 0,
-                         "kv_cache_peak_bytes": cache_bytes(shapes, 16, 64, dtype)}
+                         "preempted": 0, "kv_cache_peak_bytes": cache_bytes(shapes, 16, 64, dtype)}
         assert generate.generation_stats() == {}
 
 

@@ -9,11 +9,8 @@ import torch
 from test_generation import EOS, tiny_qwen3
 
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
-from mlperf_grpo.inference.slot_state import cache_bytes
-
-GROW = 1
-"""A budget (``kv_cache_bytes``) no full-length cache fits: the cache always grows."""
-
+from mlperf_grpo.inference.slot_schedule import KVCacheBudgetError
+from mlperf_grpo.inference.slot_state import SlotCache, cache_bytes
 
 def _long_tail(n: int = 48) -> tuple[list[list[int]], list[int]]:
     """Prompts of 1 to 9 tokens whose completions (temperature 1, EOS 2 of 24 ids: about
@@ -27,35 +24,82 @@ def _decoder(model, slots: int, budget: int | None, **options) -> SlotDecoder:
     return SlotDecoder(model, slots, 0, DecodeOptions(cuda_graphs=False, key_block=4, kv_cache_bytes=budget, **options))
 
 
-@pytest.mark.parametrize("slots, options, top_p, length, grows", [
-    # all admitted at once: compaction, then growth over the live rows only (16, 32, 64, 112 columns)
-    (48, {"check_every": 4}, 1.0, 112, 3),
-    # refilled slots: growth while prompts wait; prefills 16 columns wide (32, 64, 116)
-    (12, {"check_every": 1, "prefill_graphs": True}, 1.0, 116, 2),
-    # blocks run again (3 candidates) around growths
-    (16, {"check_every": 3, "top_p_candidates": 3}, 0.9, 112, 3),
-])
-def test_a_growing_cache_gives_the_full_length_caches_completions(slots, options, top_p, length, grows):
-    """Rows ending at EOS early, one at the limit (100 tokens): a cache that starts at the
-    first block's columns and doubles up to the call's (9-token prompts + 100, in blocks
-    of 4) gives the tokens and log-probabilities of one allocated at full length at once,
-    bit for bit (the same columns, read by the same kernels), twice in a row (the second
-    call starts from the first one's cache, or again where that holds fewer rows)."""
-    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+def _full_length(model, slots: int, max_new_tokens: int, top_p: float, **options):
+    """The completions of a cache allocated at full length (no budget), and its bytes."""
     prompts, seeds = _long_tail()
     static = _decoder(model, slots, None, **options)
-    want = static.generate(prompts, seeds, 1.0, top_p, 100, [EOS])
+    out = static.generate(prompts, seeds, 1.0, top_p, max_new_tokens, [EOS])
+    assert static.cache_grows == 0 and static.kv_cache_peak_bytes == static.cache.nbytes
+    return out, static.cache.nbytes
+
+
+@pytest.mark.parametrize("slots, options, top_p, max_new_tokens, grows", [
+    # all admitted at once: compaction, then growth over the live rows only (16, 32, 64, 112
+    # columns); rows ending at EOS early, one at the limit
+    (48, {"check_every": 4}, 1.0, 100, 3),
+    # refilled slots: growth while prompts wait; prefills 16 columns wide (32, 64, 128)
+    (12, {"check_every": 1, "prefill_graphs": True}, 1.0, 400, 2),
+    # blocks run again (3 candidates) around growths (16, 32, 64, 128)
+    (16, {"check_every": 3, "top_p_candidates": 3}, 0.9, 400, 3),
+])
+def test_a_growing_cache_gives_the_full_length_caches_completions(slots, options, top_p, max_new_tokens, grows):
+    """A budget 1 byte short of the full-length cache: the cache starts at the first
+    block's columns and doubles (9-token prompts, columns in blocks of 4), and gives the
+    tokens and log-probabilities of one allocated at full length at once, bit for bit
+    (the same columns, read by the same kernels), twice in a row (the second call starts
+    from the first one's cache, or again where that holds fewer rows); no row is
+    preempted (the budget holds every growth)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    want, full = _full_length(model, slots, max_new_tokens, top_p, **options)
     lengths = sorted(len(tokens) for tokens, _ in want)
-    assert lengths[len(lengths) // 2] < 25 and lengths[-1] == 100 and lengths[-2] < 100, lengths
-    assert static.cache_grows == 0 and static.cache.length == length
-    grown = _decoder(model, slots, GROW, **options)
+    assert lengths[len(lengths) // 2] < 25 and lengths[-1] > 4 * lengths[len(lengths) // 2], lengths
+    assert (lengths[-1] == max_new_tokens) is (max_new_tokens == 100), lengths
+    grown = _decoder(model, slots, full - 1, **options)
+    prompts, seeds = _long_tail()
     for call in range(2):
-        got = grown.generate(prompts, seeds, 1.0, top_p, 100, [EOS])
-        assert got == want
-        # the second call reuses the first one's cache where it holds the slots (refilled: all 12)
-        assert grown.cache_grows == (grows if call == 0 or slots == 48 else 0) and grown.cache.length == length
+        got = grown.generate(prompts, seeds, 1.0, top_p, max_new_tokens, [EOS])
+        assert got == want and grown.preempted == 0
+        assert grown.cache_grows == (grows if call == 0 or slots == 48 else 0)
     if options.get("top_p_candidates"):
-        assert static.rerun_steps > 0 and grown.rerun_steps == static.rerun_steps
+        assert grown.rerun_steps > 0
+
+
+@pytest.mark.parametrize("slots, options, top_p, fraction", [
+    (48, {"check_every": 4}, 1.0, 0.25),
+    (12, {"check_every": 1, "prefill_graphs": True}, 1.0, 0.5),
+    (16, {"check_every": 3, "top_p_candidates": 3}, 0.9, 0.5),
+])
+def test_a_budget_too_small_for_the_live_rows_preempts_and_resumes_them(slots, options, top_p, fraction,
+                                                                        monkeypatch):
+    """A budget of a fraction of the full-length cache: growths preempt the live rows of
+    fewest columns (their prompt and tokens prefilled again when a slot frees, sampling
+    on at their next uniform) and copy the kept rows through host memory where the new
+    tensors beside the old would not fit; the cache never holds more than the budget
+    (with what a growth holds at once), and every completion is the full-length cache's:
+    the same tokens, the log-probabilities within 1e-5 (keys and values recomputed by a
+    prefill: float32 sums over at most 112 columns in another order, a few ulps through
+    2 layers)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    want, full = _full_length(model, slots, 100, top_p, **options)
+    budget = int(full * fraction)
+    decoder = _decoder(model, slots, budget, **options)
+    prompts, seeds = _long_tail()
+    staged, grow = [], SlotCache.grow
+    monkeypatch.setattr(SlotCache, "grow", lambda cache, rows, length, stage=False: staged.append(stage) or
+                        grow(cache, rows, length, stage))
+    got = decoder.generate(prompts, seeds, 1.0, top_p, 100, [EOS])
+    assert decoder.preempted > 0 and decoder.kv_cache_peak_bytes <= budget and any(staged)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, logprobs), (_, expected) in zip(got, want):
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_budget_that_holds_no_row_is_one_line():
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    prompts, seeds = _long_tail()
+    with pytest.raises(KVCacheBudgetError) as err:
+        _decoder(model, 48, 1000).generate(prompts, seeds, 1.0, 1.0, 100, [EOS])
+    assert "holds no row of 16 columns" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_grown_cache_holds_the_live_rows_not_every_slot():
@@ -66,7 +110,9 @@ def test_the_grown_cache_holds_the_live_rows_not_every_slot():
     few live rows (a bucket of at most 4 and the spare row), not 48."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     prompts, seeds = _long_tail()
-    decoder = _decoder(model, 48, GROW, check_every=4)
+    shapes, dtype = _decoder(model, 1, None)._layout()
+    full = cache_bytes(shapes, 48, 412, dtype)  # 49 rows x 413 columns: 9-token prompts + 400
+    decoder = _decoder(model, 48, full - 1, check_every=4)
     seen = []  # per block: (rows the step runs, live rows, cache rows, cache columns, cache tensors' bytes)
     run_block = decoder._run_block
 
@@ -78,12 +124,9 @@ def test_the_grown_cache_holds_the_live_rows_not_every_slot():
 
     decoder._run_block = counted
     out = decoder.generate(prompts, seeds, 1.0, 1.0, 400, [EOS])
-    assert max(len(t) for t, _ in out) < 400  # every row stopped at EOS
-    shapes, dtype = decoder._layout()
-    full = cache_bytes(shapes, 48, decoder.state.length, dtype)  # 49 rows x 413 columns
-    assert decoder.state.length == 412
+    assert max(len(t) for t, _ in out) < 400 and decoder.state.length == 412  # every row stopped at EOS
     widest = max(length for *_, length, _ in seen)
-    assert widest == 128 and decoder.cache_grows == 3  # 16, 32, 64, 128: the longest row's columns
+    assert widest == 128 and decoder.cache_grows == 3 and decoder.preempted == 0  # 16, 32, 64, 128 columns
     assert all(rows <= 4 and live <= 4 for _, live, rows, length, _ in seen if length == widest)
     observed = max(nbytes for *_, nbytes in seen)
     # the largest moment: the growth to 64 columns (19 rows live, compacted into a bucket of
@@ -98,36 +141,36 @@ def test_a_cache_that_fits_the_budget_is_allocated_at_full_length_once():
     """A budget that holds every slot at full length: one allocation, no growth, and the
     second call reuses the cache (nothing allocated or captured again)."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
-    prompts, seeds = _long_tail(16)
-    decoder = _decoder(model, 16, None, check_every=4)
-    decoder.generate(prompts, seeds, 1.0, 1.0, 100, [EOS])
-    shapes, dtype = decoder._layout()
-    full = cache_bytes(shapes, 16, decoder.cache.length, dtype)
-    budgeted = _decoder(model, 16, full, check_every=4)
-    first = budgeted.generate(prompts, seeds, 1.0, 1.0, 100, [EOS])
+    want, full = _full_length(model, 48, 100, 1.0, check_every=4)
+    budgeted = _decoder(model, 48, full, check_every=4)
+    prompts, seeds = _long_tail()
+    assert budgeted.generate(prompts, seeds, 1.0, 1.0, 100, [EOS]) == want
     cache = budgeted.cache
-    assert budgeted.generate(prompts, seeds, 1.0, 1.0, 100, [EOS]) == first
+    assert budgeted.generate(prompts, seeds, 1.0, 1.0, 100, [EOS]) == want
     assert budgeted.cache is cache and budgeted.cache_grows == 0 and budgeted.kv_cache_peak_bytes == full
-    smaller = _decoder(model, 16, full - 1, check_every=4)
-    assert smaller.generate(prompts, seeds, 1.0, 1.0, 100, [EOS]) == first and smaller.cache_grows > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and memory statistics need a CUDA device")
-def test_growth_on_cuda_drops_the_graphs_and_lowers_the_peak():
-    """On CUDA with graphs: the growing cache's completions equal the eager full-length
-    cache's (graphs captured on freed tensors are dropped and captured again), and the
-    device's peak allocated memory of the call is below the full-length cache's bytes."""
+@pytest.mark.parametrize("max_new_tokens, fraction", [(400, 1.0), (100, 0.25)])
+def test_growth_on_cuda_drops_the_graphs_and_lowers_the_peak(max_new_tokens, fraction):
+    """On CUDA with graphs: the growing cache's tokens (growth alone; growth and
+    preemption) equal the eager full-length cache's (graphs captured on freed tensors are
+    dropped and captured again), and the device's peak allocated memory during the call
+    (the cache, the slots' state, the steps' activations, the graphs' pool) stays below
+    half the full-length cache's bytes."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
     prompts, seeds = _long_tail()
-    options = DecodeOptions(cuda_graphs=False, key_block=8, check_every=4, fused_kernels=False)
-    want = SlotDecoder(model, 48, 0, options).generate(prompts, seeds, 1.0, 1.0, 400, [EOS])
+    eager = SlotDecoder(model, 48, 0, DecodeOptions(cuda_graphs=False, key_block=8, check_every=4,
+                                                    fused_kernels=False, kv_cache_bytes=1 << 40))
+    want = eager.generate(prompts, seeds, 1.0, 1.0, max_new_tokens, [EOS])
+    full = eager.cache.nbytes
     decoder = SlotDecoder(model, 48, 0, DecodeOptions(cuda_graphs=True, key_block=8, check_every=4,
-                                                      fused_kernels=False, kv_cache_bytes=GROW))
+                                                      fused_kernels=False, kv_cache_bytes=int(full * fraction) - 1))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    got = decoder.generate(prompts, seeds, 1.0, 1.0, 400, [EOS])
+    got = decoder.generate(prompts, seeds, 1.0, 1.0, max_new_tokens, [EOS])
     peak = torch.cuda.max_memory_allocated() - start
-    assert [t for t, _ in got] == [t for t, _ in want] and decoder.cache_grows >= 3 and decoder.graph_captures > 0
-    shapes, dtype = decoder._layout()
-    assert peak < cache_bytes(shapes, 48, decoder.state.length, dtype) / 2
+    assert [t for t, _ in got] == [t for t, _ in want] and decoder.cache_grows >= 2 and decoder.graph_captures > 0
+    assert (decoder.preempted > 0) is (fraction < 1) and decoder.kv_cache_peak_bytes < full * fraction
+    assert peak < full / 2, (peak, full)

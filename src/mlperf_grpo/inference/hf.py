@@ -331,14 +331,14 @@ class HFEngine:
         after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
         top-p candidates; ``graph_captures``: decode steps and prefills captured as new
         CUDA graphs; ``prefills``: admissions of waiting prompts, each a forward (eager, or
-        a graph's replay with ``prefill_graphs``); ``prefill_ms``:
-        their device time, ms; ``cache_grows``: KV cache widenings; ``kv_cache_peak_bytes``:
-        the most bytes its tensors held at once); ``{}`` with ``generate``."""
+        a graph's replay with ``prefill_graphs``); ``prefill_ms``: their device time, ms;
+        ``cache_grows``: KV cache widenings; ``preempted``: rows preempted to keep it in its
+        budget; ``kv_cache_peak_bytes``: the most it held); ``{}`` with ``generate``."""
         d = self._decoder
         return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,
                                      "graph_captures": d.graph_captures, "prefills": d.prefills,
                                      "prefill_ms": round(d.prefill_ms, 2), "cache_grows": d.cache_grows,
-                                     "kv_cache_peak_bytes": d.kv_cache_peak_bytes}
+                                     "preempted": d.preempted, "kv_cache_peak_bytes": d.kv_cache_peak_bytes}
 
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors
