@@ -1,4 +1,4 @@
-"""The slot decoder (inference/decode.py): a static per-slot KV cache with refilled slots.
+"""The slot decoder (inference/decode.py): a per-slot KV cache with refilled slots.
 On CPU it runs without CUDA graphs; the bookkeeping (refill, compaction, key-length
 buckets) is the same code the graphs capture."""
 

@@ -20,7 +20,7 @@ split over the T ranks of this process's group by transformers' own DTensor plan
 (:meth:`HFEngine.weights`, :meth:`HFEngine.weight_slices`), every rank of the group calls
 ``generate`` with the same prompts and seeds and gets the same completions (the sampler
 sees the gathered full-vocabulary logits), and decoding is ``generate`` (the slot
-decoder's static cache is not split by heads).
+decoder's cache is not split by heads).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class HFEngine:
         """
         if decode not in ("auto", "generate", "slots"):
             raise ValueError(f"decode is {decode!r}; use auto, generate or slots")
-        supported = supports_slot_decoding(self.model) and self.tp_size == 1  # its static cache holds every head
+        supported = supports_slot_decoding(self.model) and self.tp_size == 1  # its cache holds every head
         if decode == "slots" and not supported:
             raise ValueError(f"{type(self.model).__name__} has layers other than full attention, or is tensor-parallel: "
                              "use decode='generate'")

@@ -1,6 +1,8 @@
-"""The slot decoder's device state: the static per-slot KV cache (:class:`SlotCache`)
-and each slot's sampling state with its host mirrors (:class:`SlotState`), allocated
-once and reused by every call and every captured CUDA graph."""
+"""The slot decoder's device state: the per-slot KV cache (:class:`SlotCache`, widened
+as rows get longer), the caches a prefill hands the model (:class:`PrefillWriter`,
+:class:`ChunkWriter`) and each slot's sampling state with its host mirrors
+(:class:`SlotState`), reused by every call and every captured CUDA graph until the cache
+grows."""
 
 from __future__ import annotations
 
