@@ -224,15 +224,18 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
                 block = None
                 continue
             done, counts = status[:rows], status[rows:-1]
-            finished = [s for s in plan.live() if done[s]]
-            plan.finish(finished, state.take(finished, [counts[s] for s in finished]))
-            self._admit(plan, prompts, seeds, call)  # the empty slots (those, and any a preemption left)
+            finished = [s for s in range(rows) if plan.owner[s] >= 0 and done[s]]
+            if finished:
+                plan.finish(finished, state.take(finished, [counts[s] for s in finished]))
+            if plan.waiting:
+                self._admit(plan, prompts, seeds, call)  # the empty slots (those, and any a preemption left)
             live = plan.live()
             if not live:
                 break
             if not plan.waiting and bucket_rows(len(live), rows) < rows:  # the live slots to the front
                 plan.compact(state, self.cache, bucket_rows(len(live), rows))
-            steps, key_length = self._next_block(plan.live(), length, max_new_tokens)
+                live = plan.live()
+            steps, key_length = self._next_block(live, length, max_new_tokens)
             if steps < 1:
                 continue
             if key_length > self.cache.length:  # the live rows at their next columns (at most ``length``)
