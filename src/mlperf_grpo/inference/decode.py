@@ -115,7 +115,8 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             a capture that fails, or whose replay differs from the eager run it follows,
             turns them off with one warning line). On the CPU the bucketed prefill runs
             eagerly. Default off.
-        kv_cache_bytes: the most bytes the KV cache takes, growths included. A call
+        kv_cache_bytes: the most bytes the KV cache takes, growths included (a
+            compaction's reorder copies one tensor's rows at a time beside it). A call
             whose rows all fit it at full length (the longest prompt +
             ``max_new_tokens``) allocates them at once (a static cache); else the cache
             starts at the first steps' columns and grows as the rows get longer
@@ -356,7 +357,7 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
 
     def _make_room(self, plan: Schedule, key_length: int, length: int) -> None:
         """Widen the cache for ``key_length`` columns. Where the budget does not hold the
-        step's rows at the new width (with the one old tensor a growth copies at a time),
+        step's rows at the new width (with what a growth holds at once: :meth:`_growth_rows`),
         the live rows of fewest columns are preempted (their prompts and tokens wait
         first, recomputed when a slot frees) and the rest moved to the front: the rows the
         budget holds, or fewer (their bucket) when nothing waits."""

@@ -84,7 +84,8 @@ class SlotCache:
         return peak
 
     def permute_rows(self, order: torch.Tensor) -> None:
-        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row ``order[i]``."""
+        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row
+        ``order[i]`` (one tensor at a time: a copy of its first rows beside the cache)."""
         n = order.shape[0]
         for tensor in (*self.keys, *self.values, self.write_columns):
             tensor[:n] = tensor[:n].index_select(0, order)
