@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_generation import EOS, tiny_qwen3
 
+from mlperf_grpo.inference import slot_prefill
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.slot_schedule import KVCacheBudgetError
 from mlperf_grpo.inference.slot_state import SlotCache, cache_bytes
@@ -64,12 +65,12 @@ def test_a_growing_cache_gives_the_full_length_caches_completions(slots, options
         assert grown.rerun_steps > 0
 
 
-@pytest.mark.parametrize("slots, options, top_p, fraction", [
-    (48, {"check_every": 4}, 1.0, 0.25),
-    (12, {"check_every": 1, "prefill_graphs": True}, 1.0, 0.5),
-    (16, {"check_every": 3, "top_p_candidates": 3}, 0.9, 0.5),
+@pytest.mark.parametrize("slots, options, top_p, fraction, chunk", [
+    (48, {"check_every": 4}, 1.0, 0.25, 1024),
+    (12, {"check_every": 1, "prefill_graphs": True}, 1.0, 0.5, 16),  # resumed prefills of several chunks
+    (16, {"check_every": 3, "top_p_candidates": 3}, 0.9, 0.5, 7),
 ])
-def test_a_budget_too_small_for_the_live_rows_preempts_and_resumes_them(slots, options, top_p, fraction,
+def test_a_budget_too_small_for_the_live_rows_preempts_and_resumes_them(slots, options, top_p, fraction, chunk,
                                                                         monkeypatch):
     """A budget of a fraction of the full-length cache: growths preempt the live rows of
     fewest columns (their prompt and tokens prefilled again when a slot frees, sampling
@@ -78,13 +79,14 @@ def test_a_budget_too_small_for_the_live_rows_preempts_and_resumes_them(slots, o
     (with what a growth holds at once), and every completion is the full-length cache's:
     the same tokens, the log-probabilities within 1e-5 (keys and values recomputed by a
     prefill: float32 sums over at most 112 columns in another order, a few ulps through
-    2 layers)."""
+    2 layers), also where a resumed row's prefill runs in chunks of ``chunk`` columns."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     want, full = _full_length(model, slots, 100, top_p, **options)
     budget = int(full * fraction)
     decoder = _decoder(model, slots, budget, **options)
     prompts, seeds = _long_tail()
     staged, grow = [], SlotCache.grow
+    monkeypatch.setattr(slot_prefill, "RESUME_CHUNK", chunk)
     monkeypatch.setattr(SlotCache, "grow", lambda cache, rows, length, stage=False: staged.append(stage) or
                         grow(cache, rows, length, stage))
     got = decoder.generate(prompts, seeds, 1.0, top_p, 100, [EOS])
