@@ -119,7 +119,7 @@ def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int
     the plan bounds it), freed first when ``released``, then a second step on
     ``train_rows`` rows (0 ``kv_rows``: no cache)."""
     from mlperf_grpo.inference.slot_schedule import rows_fitting
-    from mlperf_grpo.inference.slot_state import SlotCache, cache_bytes
+    from mlperf_grpo.inference.slot_state import SlotCache, row_column_bytes
     from mlperf_grpo.plan.sequences import KEY_BLOCK
 
     g = config.grpo
@@ -141,7 +141,7 @@ def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int
         columns = -(-length // KEY_BLOCK) * KEY_BLOCK
         if kv_budget is not None:
             shapes = [(text.num_key_value_heads, text.head_dim)] * text.num_hidden_layers
-            kv_rows = min(kv_rows, rows_fitting(kv_budget, cache_bytes(shapes, 0, 0, torch.bfloat16), columns))
+            kv_rows = min(kv_rows, rows_fitting(kv_budget, row_column_bytes(shapes, torch.bfloat16), columns))
         kv = SlotCache([(text.num_key_value_heads, text.head_dim)] * text.num_hidden_layers, kv_rows, columns,
                        torch.bfloat16, torch.device(config.model.device))
     if released:

@@ -63,7 +63,7 @@ from transformers import PreTrainedModel
 from mlperf_grpo.inference import fused_decode
 from mlperf_grpo.inference.slot_prefill import PrefillInputs, PrefillSteps, bucket_rows, round_up
 from mlperf_grpo.inference.slot_schedule import KVCacheBudgetError, Resumed, Schedule, rows_fitting
-from mlperf_grpo.inference.slot_state import DecodeCall, SlotCache, SlotState, cache_bytes
+from mlperf_grpo.inference.slot_state import DecodeCall, SlotCache, SlotState, row_column_bytes
 from mlperf_grpo.inference.slot_step import DecodeSteps
 
 
@@ -292,11 +292,12 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         first = self._prefill_width(max(len(p) for p in prompts))
         length = round_up(first + max_new_tokens, self.key_block)
         budget = self._budget()
-        static = budget is None or rows_fitting(budget, self._row_column_bytes(), length) >= slots
+        spare = self.prefill_graphs  # a spare row for the padding rows of bucketed prefills
+        static = budget is None or rows_fitting(budget, self._row_column_bytes(), length, spare=spare) >= slots
         width = length if static else self._width(first + self.check_every, length)
         shapes, dtype = self._layout()
         if self.cache is None or not self.cache.fits(shapes, slots, width, dtype):  # a new cache: as many rows as fit
-            slots = min(slots, self._fitting(budget, width))
+            slots = min(slots, self._fitting(budget, width, spare))
         self._ensure(slots, length, width, max_new_tokens)
         self.kv_cache_peak_bytes = self.cache.nbytes
         return slots, length
@@ -315,7 +316,7 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             self.cache = None
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.cache = SlotCache(shapes, slots, width, dtype, self.model.device)
+            self.cache = SlotCache(shapes, slots, width, dtype, self.model.device, spare=self.prefill_graphs)
 
     def _width(self, need: int, length: int) -> int:
         """The cache's columns for ``need``: the first power-of-two multiple of
@@ -336,23 +337,23 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
 
     def _row_column_bytes(self) -> int:
         """Bytes of one row's column of the cache (keys and values of every layer)."""
-        shapes, dtype = self._layout()
-        return cache_bytes(shapes, 0, 0, dtype)
+        return row_column_bytes(*self._layout())
 
-    def _fitting(self, budget: int | None, width: int) -> int:
-        """The most rows the budget holds at ``width`` columns (no limit: a large number).
+    def _fitting(self, budget: int | None, width: int, spare: bool) -> int:
+        """The most rows the budget holds at ``width`` columns (and a ``spare`` row; no
+        limit: a large number).
 
         Raises:
             KVCacheBudgetError: not one.
         """
         if budget is None:
             return 1 << 62
-        rows = rows_fitting(budget, self._row_column_bytes(), width)
+        rows = rows_fitting(budget, self._row_column_bytes(), width, spare=spare)
         if rows < 1:
             raise KVCacheBudgetError(
                 f"the KV cache's budget of {budget:,} bytes holds no row of {width:,} columns "
-                f"({2 * (width + 1) * self._row_column_bytes():,} bytes with the spare row): give the "
-                "engine more memory (kv_cache_bytes) or generate fewer tokens")
+                f"({(1 + spare) * (width + 1) * self._row_column_bytes():,} bytes{' with the spare row' * spare}): "
+                "give the engine more memory (kv_cache_bytes) or generate fewer tokens")
         return rows
 
     def _make_room(self, plan: Schedule, key_length: int, length: int) -> None:
@@ -382,14 +383,14 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         Raises:
             KVCacheBudgetError: not one row, even staged.
         """
-        staged = self._fitting(budget, width)
+        cache, itemsize = self.cache, self.cache.keys[0].element_size()
+        staged = self._fitting(budget, width, cache.spare)
         if budget is None:
             return staged, False
-        cache, itemsize = self.cache, self.cache.keys[0].element_size()
         largest = max(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
         per_tensor = max(k.shape[1] * k.shape[3] for k in cache.keys) * itemsize  # a row's column of one tensor
-        on_device = min(rows_fitting(budget, self._row_column_bytes(), width, largest),
-                        rows_fitting(budget - cache.nbytes, per_tensor, width))
+        on_device = min(rows_fitting(budget, self._row_column_bytes(), width, largest, cache.spare),
+                        rows_fitting(budget - cache.nbytes, per_tensor, width, spare=cache.spare))
         return (on_device, False) if on_device >= min(live, staged) else (staged, True)
 
     def _grow(self, rows: int, width: int, staged: bool = False) -> None:

@@ -75,9 +75,9 @@ class Schedule:
         self.rows = rows
 
 
-def rows_fitting(budget: int, row_column_bytes: int, columns: int, transient: int = 0) -> int:
+def rows_fitting(budget: int, row_column_bytes: int, columns: int, transient: int = 0, spare: bool = False) -> int:
     """The most rows a cache of ``columns`` columns may have within ``budget`` bytes, with
-    ``transient`` bytes allocated beside it (a growth's one old tensor): ``(rows + 1)
-    (columns + 1) row_column_bytes + transient <= budget`` (the spare row and column,
-    :class:`~mlperf_grpo.inference.slot_state.SlotCache`). Below 1: not even one row."""
-    return (budget - transient) // (row_column_bytes * (columns + 1)) - 1
+    ``transient`` bytes allocated beside it (what a growth holds at once): ``(rows +
+    spare) (columns + 1) row_column_bytes + transient <= budget`` (the spare row and
+    column, :class:`~mlperf_grpo.inference.slot_state.SlotCache`). Below 1: not even one row."""
+    return (budget - transient) // (row_column_bytes * (columns + 1)) - spare

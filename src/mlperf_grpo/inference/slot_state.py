@@ -19,18 +19,20 @@ class SlotCache:
     Handed to the model as its cache: attention layers call :meth:`update`. :meth:`grow`
     widens it (fewer rows: the live ones) as the rows get longer.
 
-    Memory: ``2 x layers x (slots + 1) x kv_heads x (length + 1) x head_dim`` elements
+    Memory: ``2 x layers x (slots + spare) x kv_heads x (length + 1) x head_dim`` elements
     of the model's dtype (:func:`cache_bytes`): one column more than any key length (the
-    column the steps after a row ended at its limit write to) and one spare row (row
-    ``slots``, :attr:`spare_row`: a bucketed prefill's padding rows write there).
+    column the steps after a row ended at its limit write to) and, with ``spare``, one
+    spare row (row ``slots``, :attr:`spare_row`: a bucketed prefill's padding rows write
+    there; no other prefill writes it).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, spare: bool = False) -> None:
         """``shapes``: per layer ``(kv_heads, head_dim)``."""
-        self.keys = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
-        self.slots, self.length = slots, length
+        rows = slots + spare
+        self.keys = [torch.zeros(rows, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.values = [torch.zeros(rows, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.slots, self.length, self.spare = slots, length, spare
         self.spare_row = slots
         self.write_columns = torch.zeros(slots + 1, dtype=torch.long, device=device)  # [slots + 1]
 
@@ -72,7 +74,7 @@ class SlotCache:
         for tensors in (self.keys, self.values):
             for i in range(len(tensors)):
                 old = tensors[i]
-                new = old.new_zeros(rows + 1, old.shape[1], length + 1, old.shape[3])
+                new = old.new_zeros(rows + self.spare, old.shape[1], length + 1, old.shape[3])
                 source = kept.pop(0) if staged else old[:rows]
                 new[:rows, :, : source.shape[2]] = source.to(new.device)
                 tensors[i] = new
@@ -112,11 +114,16 @@ class ChunkWriter:
         return out[0], out[1]
 
 
-def cache_bytes(shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of a :class:`SlotCache` of ``slots`` rows and ``length`` columns; ``shapes``:
-    per layer ``(kv_heads, head_dim)``."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * (slots + 1) * (length + 1) * itemsize * sum(h * d for h, d in shapes)
+def cache_bytes(shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
+                spare: bool = False) -> int:
+    """Bytes of a :class:`SlotCache` of ``slots`` rows (and a spare one) and ``length``
+    columns; ``shapes``: per layer ``(kv_heads, head_dim)``."""
+    return (slots + spare) * (length + 1) * row_column_bytes(shapes, dtype)
+
+
+def row_column_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
+    """Bytes of one row's column of a :class:`SlotCache`: keys and values of every layer."""
+    return 2 * torch.empty(0, dtype=dtype).element_size() * sum(h * d for h, d in shapes)
 
 
 class PrefillWriter:

@@ -29,12 +29,13 @@ The log-probs are computed ``chunk`` positions at a time (``train/logprobs.py``)
 backward holds the chunk's ``b``-dtype logits, their float32 copy, log-softmax and its
 gradient, ``(b + 12) V chunk``. A pass of packed rows gets a ``[S, S]`` boolean
 block-diagonal mask, which SDPA turns into an additive ``b``-dtype one: ``(1 + b) S^2``.
-The ``hf`` engine's KV cache at full length: ``2 L (rows + 1) kv (length + 1)`` elements
-of the rollout dtype, ``length`` rounded up to 64 (``inference/slot_state.py``,
-``decode.py``), allocated at once where it fits. Where it does not, the engine is given
-the bytes left (``kv_cache_bytes``), which its cache never exceeds, growths included: it
-grows with the live rows' lengths and preempts rows that do not fit (recomputed later);
-it needs at least one row at full length (``2 L 2 kv (length + 1)``, the spare row too).
+The ``hf`` engine's KV cache at full length: ``2 L (rows + s) kv (length + 1)`` elements
+of the rollout dtype, ``length`` rounded up to 64, ``s`` 1 with ``inference.prefill_graphs``
+(a spare row for its padding rows) else 0 (``inference/slot_state.py``, ``decode.py``),
+allocated at once where it fits. Where it does not, the engine is given the bytes left
+(``kv_cache_bytes``), which its cache never exceeds, growths included: it grows with the
+live rows' lengths and preempts rows that do not fit (recomputed later); it needs at
+least one row at full length (``2 L (1 + s) kv (length + 1)``).
 
 These are estimates of the allocator's live bytes; the CUDA context, the allocator's
 slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
@@ -62,7 +63,8 @@ class SequenceShape:
     pass (the token budget, or rows x their longest), ``packed`` whether that pass packs
     several rows (a block-diagonal mask), ``engine_rows`` the rows the engine decodes at
     once, ``engine_length`` their longest prompt + new tokens, ``compute_bytes`` 2
-    (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes."""
+    (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes, ``spare_row``
+    whether its cache has a spare row (``inference.prefill_graphs``)."""
 
     pass_tokens: int
     packed: bool
@@ -70,6 +72,7 @@ class SequenceShape:
     engine_length: int
     compute_bytes: int = 2
     rollout_bytes: int = 2
+    spare_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class SequenceMemory:
     kv_cache_bytes: int
     checkpointing: bool
     kv_cache_min_bytes: int = 0
-    """One row at full length (and the spare row): the least the engine decodes with."""
+    """One row at full length (and the spare row, if any): the least the engine decodes with."""
 
     @property
     def training_bytes(self) -> int:
@@ -99,17 +102,17 @@ ENGINE_BATCH_SIZE = 256
 
 
 def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None = None, compute_bytes: int = 2,
-               rollout_bytes: int = 2) -> SequenceShape:
+               rollout_bytes: int = 2, spare_row: bool = False) -> SequenceShape:
     """A rank's step: ``rows`` rows of at most ``longest`` tokens, training passes of
     ``budget`` tokens (``grpo.micro_batch_tokens``; a longer row alone) and at most
     ``max_rows`` rows (``grpo.micro_batch_size``), or without a budget ``max_rows``
-    right-padded rows."""
+    right-padded rows; ``spare_row``: ``inference.prefill_graphs``."""
+    engine = (min(ENGINE_BATCH_SIZE, rows), longest)
     if budget is None:
-        return SequenceShape(min(max_rows, rows) * longest, False, min(ENGINE_BATCH_SIZE, rows), longest,
-                             compute_bytes, rollout_bytes)
+        return SequenceShape(min(max_rows, rows) * longest, False, *engine, compute_bytes, rollout_bytes, spare_row)
     per_pass = rows if max_rows is None else min(rows, max_rows)
     tokens = max(longest, min(budget, per_pass * longest))
-    return SequenceShape(tokens, tokens > longest, min(ENGINE_BATCH_SIZE, rows), longest, compute_bytes, rollout_bytes)
+    return SequenceShape(tokens, tokens > longest, *engine, compute_bytes, rollout_bytes, spare_row)
 
 
 def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
@@ -129,7 +132,7 @@ def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> l
             ("log-prob chunks", off.logits_bytes, on.logits_bytes),
             ("packed attention mask", off.attention_mask_bytes, on.attention_mask_bytes),
             ("engine KV cache, all rows full", off.kv_cache_bytes, on.kv_cache_bytes),
-            ("  or at least (1 row + the spare)", off.kv_cache_min_bytes, on.kv_cache_min_bytes),
+            ("  or at least (one row)", off.kv_cache_min_bytes, on.kv_cache_min_bytes),
             ("= device peak (with all rows)", static_bytes + off.kv_cache_bytes + off.training_bytes,
              static_bytes + on.kv_cache_bytes + on.training_bytes)]
     head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
@@ -176,9 +179,9 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
     logits = (b + 12) * vocab * chunk
     mask = (1 + b) * s * s if shape.packed else 0
     columns = -(-shape.engine_length // KEY_BLOCK) * KEY_BLOCK + 1  # the slot cache's (inference/decode.py)
-    kv_cache = 2 * layers * (shape.engine_rows + 1) * kv * columns * shape.rollout_bytes
-    return SequenceMemory(activations, logits, mask, kv_cache, checkpointing, 2 * layers * 2 * kv * columns
-                          * shape.rollout_bytes)
+    row_bytes = 2 * layers * kv * columns * shape.rollout_bytes  # one row at full length
+    return SequenceMemory(activations, logits, mask, (shape.engine_rows + shape.spare_row) * row_bytes, checkpointing,
+                          (1 + shape.spare_row) * row_bytes)
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
     }[largest]
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
             f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache"
-            f"{' (one row at full length and the spare: the least it decodes with)' if verdict.bounded else ''} + "
+            f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
             f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
             f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "

@@ -26,7 +26,7 @@ def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> Seque
     return sequences.step_shape(longest_prompt + g.max_new_tokens, max(1, config.global_batch_size // world_size),
                                 g.micro_batch_tokens, g.micro_batch_size,
                                 2 if config.model.train_compute_dtype == "bfloat16" else 4,
-                                memory_plan.DTYPE_BYTES[config.model.dtype])
+                                memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs)
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
