@@ -190,7 +190,8 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
             result = measure_real(config, tmp, checked)
         elif fit is not None:
             result = measure_synthetic(config, ckpt, args.train_rows, min(256, config.global_batch_size),
-                                       fit.release_engine_memory, fit.kv_cache_bytes if fit.verdict.bounded else None)
+                                       fit.release_engine_memory,
+                                       fit.kv_cache_bytes if fit.verdict is not None and fit.verdict.bounded else None)
         else:
             result = measure_synthetic(config, ckpt, args.train_rows, 0, False)
     except torch.OutOfMemoryError as err:  # the planner let through a step that does not fit: say so
