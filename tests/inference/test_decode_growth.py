@@ -157,9 +157,10 @@ def test_a_cache_that_fits_the_budget_is_allocated_at_full_length_once():
 def test_growth_on_cuda_drops_the_graphs_and_lowers_the_peak(max_new_tokens, fraction):
     """On CUDA with graphs: the growing cache's tokens (growth alone; growth and
     preemption) equal the eager full-length cache's (graphs captured on freed tensors are
-    dropped and captured again), and the device's peak allocated memory during the call
-    (the cache, the slots' state, the steps' activations, the graphs' pool) stays below
-    half the full-length cache's bytes."""
+    dropped and captured again); the decoder's count of its cache at its largest stays
+    below half the full-length cache (and within the budget), and the device's peak
+    allocated memory during the call is that count but for at most 1 MiB (the slots'
+    state, the steps' activations, the graphs' pool of this 2-layer model)."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS).cuda()
     prompts, seeds = _long_tail()
     eager = SlotDecoder(model, 48, 0, DecodeOptions(cuda_graphs=False, key_block=8, check_every=4,
@@ -174,5 +175,5 @@ def test_growth_on_cuda_drops_the_graphs_and_lowers_the_peak(max_new_tokens, fra
     got = decoder.generate(prompts, seeds, 1.0, 1.0, max_new_tokens, [EOS])
     peak = torch.cuda.max_memory_allocated() - start
     assert [t for t, _ in got] == [t for t, _ in want] and decoder.cache_grows >= 2 and decoder.graph_captures > 0
-    assert (decoder.preempted > 0) is (fraction < 1) and decoder.kv_cache_peak_bytes < full * fraction
-    assert peak < full / 2, (peak, full)
+    assert (decoder.preempted > 0) is (fraction < 1) and decoder.kv_cache_peak_bytes < full * min(fraction, 0.5)
+    assert decoder.kv_cache_peak_bytes <= peak < decoder.kv_cache_peak_bytes + (1 << 20), (peak, full)
