@@ -15,8 +15,8 @@ context, random weights, the default config otherwise (``grpo.micro_batch_tokens
   every completion run to N tokens (no EOS id); the peak is ``max_memory_allocated`` over
   the run, the step time step 2's (``block_stop`` to ``block_stop``);
 - otherwise ``synthetic``: the trainer's policy and engine, the engine's KV cache
-  allocated for the rows it decodes at once as planned (as during a rollout; freed
-  before training where the plan frees it), and two optimizer steps (``optimize_step``)
+  allocated for its rows at full length, as many as the planned budget holds (the most
+  a rollout holds; freed before training where the plan frees it), and two optimizer steps (``optimize_step``)
   on random ``--train-rows`` rows of the case's length (every pass of the case has one
   row: the same peak; ``update_s`` is one pass's time x rows); a refused case is
   measured without the KV cache, against the planner's figure without it.
@@ -111,12 +111,15 @@ def measure_real(config, tmp: Path, checked) -> dict:
             "step_s": (stops[-1] - stops[-2]) / 1000 if len(stops) > 1 else None}
 
 
-def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int, released: bool) -> dict:
+def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int, released: bool,
+                      kv_budget: int | None = None) -> dict:
     """The trainer's policy and engine; after a first optimizer step (AdamW's state, as
-    from step 2 on): the engine's KV cache of ``kv_rows`` rows allocated as the slot
-    decoder does (the generation's peak), freed first when ``released``, then a second
-    step on ``train_rows`` rows (0 ``kv_rows``: no cache)."""
-    from mlperf_grpo.inference.slot_state import SlotCache
+    from step 2 on): the engine's KV cache of ``kv_rows`` rows at full length allocated as
+    the slot decoder does (the generation's peak; as many as ``kv_budget`` holds where
+    the plan bounds it), freed first when ``released``, then a second step on
+    ``train_rows`` rows (0 ``kv_rows``: no cache)."""
+    from mlperf_grpo.inference.slot_schedule import rows_fitting
+    from mlperf_grpo.inference.slot_state import SlotCache, row_column_bytes
     from mlperf_grpo.plan.sequences import KEY_BLOCK
 
     g = config.grpo
@@ -136,6 +139,9 @@ def measure_synthetic(config, checkpointing: bool, train_rows: int, kv_rows: int
     if kv_rows:
         text = engine.model.config
         columns = -(-length // KEY_BLOCK) * KEY_BLOCK
+        if kv_budget is not None:
+            shapes = [(text.num_key_value_heads, text.head_dim)] * text.num_hidden_layers
+            kv_rows = min(kv_rows, rows_fitting(kv_budget, row_column_bytes(shapes, torch.bfloat16), columns))
         kv = SlotCache([(text.num_key_value_heads, text.head_dim)] * text.num_hidden_layers, kv_rows, columns,
                        torch.bfloat16, torch.device(config.model.device))
     if released:
@@ -167,7 +173,8 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
     if fit is not None and fit.verdict is not None:
         planned, ckpt = fit.verdict.peak_bytes, fit.checkpointing
         out.update(planned_gib=round(planned / GIB, 2), checkpointing=ckpt, note=fit.note(),
-                   engine_rows=fit.verdict.shape.engine_rows, kv_released=fit.release_engine_memory)
+                   kv_budget_gib=round(fit.kv_cache_bytes / GIB, 2), kv_bounded=fit.verdict.bounded,
+                   kv_released=fit.release_engine_memory)
     else:  # refused: measure the training phase (checkpointed, no KV cache) against its own figure
         from mlperf_grpo.plan import memory as memory_plan
         from mlperf_grpo.plan import sequences as seq
@@ -182,8 +189,9 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
         if real and checked is not None:
             result = measure_real(config, tmp, checked)
         elif fit is not None:
-            result = measure_synthetic(config, ckpt, args.train_rows, fit.engine_rows if fit.engine_rows < 256 else
-                                       min(256, config.global_batch_size), fit.release_engine_memory)
+            result = measure_synthetic(config, ckpt, args.train_rows, min(256, config.global_batch_size),
+                                       fit.release_engine_memory,
+                                       fit.kv_cache_bytes if fit.verdict is not None and fit.verdict.bounded else None)
         else:
             result = measure_synthetic(config, ckpt, args.train_rows, 0, False)
     except torch.OutOfMemoryError as err:  # the planner let through a step that does not fit: say so

@@ -32,6 +32,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("decode_step.py", ["--params", "inf"], "--params inf"),  # config_for_params looped forever
     ("decode_step.py", ["--hidden", "100"], "--hidden 100"),  # head_dim 25: a RoPE traceback
     ("generation.py", ["--params", "inf"], "--params inf"),
+    ("kv_growth.py", ["--budget-fraction", "1"], "--budget-fraction 1: must be in (0, 1)"),
+    ("kv_growth.py", ["--rows", "0"], "--rows, --prompt-tokens"),
     ("generation.py", ["--params", "-5"], "--params -5"),
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
     ("evaluate.py", ["--dir", "missing"], "--dir missing is not a directory"),  # tracebacks, these three
@@ -50,6 +52,21 @@ def test_bad_benchmark_arguments_are_one_line_exit_2(tmp_path, script, arguments
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and named in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing made
+
+
+def test_kv_growth_benchmark_grows_and_bounds_the_cache(tmp_path):
+    """The smallest run: one JSON line; the grown arm gives the full arm's tokens with
+    less KV cache (8 rows of which a few run long), the bounded arm stays in its budget
+    (its rows run in other batches: the same tokens only up to float rounding over a
+    151,936-id vocabulary of nearly equal probabilities)."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "kv_growth.py"), "--rows", "8", "--new-tokens", "128",
+                           "--mean-tokens", "16"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["full"]["cache_grows"] == 0 and line["grown"]["cache_grows"] > 0
+    assert line["grown"]["identical"] == 1.0
+    for arm in ("grown", "bounded"):
+        assert line[arm]["kv_peak_ratio"] < 1 and line[arm]["kv_cache_peak_bytes"] <= line[arm]["budget_bytes"]
 
 
 def test_decode_step_benchmark_prints_every_section(tmp_path):
@@ -96,7 +113,7 @@ def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     line = json.loads(done.stdout.splitlines()[-1])
     arms = line["decode_arms"]
     assert arms["generate"]["engine"] == ["transformers.generate"]
-    assert arms["slots"]["engine"] == ["slot decoder (static KV cache, refilled slots)"]
+    assert arms["slots"]["engine"] == ["slot decoder (KV cache grown to the rows' lengths, refilled slots)"]
     assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0
 
 

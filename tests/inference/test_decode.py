@@ -1,4 +1,4 @@
-"""The slot decoder (inference/decode.py): a static per-slot KV cache with refilled slots.
+"""The slot decoder (inference/decode.py): a per-slot KV cache with refilled slots.
 On CPU it runs without CUDA graphs; the bookkeeping (refill, compaction, key-length
 buckets) is the same code the graphs capture."""
 
@@ -22,7 +22,7 @@ from mlperf_grpo.inference.sampling import (
     sample_tokens_from_candidates,
 )
 from mlperf_grpo.inference.slot_attention import supports_slot_decoding
-from mlperf_grpo.inference.slot_state import DecodeCall
+from mlperf_grpo.inference.slot_state import DecodeCall, cache_bytes
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
 
@@ -109,7 +109,8 @@ def test_a_prefill_writes_the_prompts_keys_into_their_slots():
     for bucketed in (False, True):
         decoder = SlotDecoder(model, 4, 0, DecodeOptions(cuda_graphs=False, key_block=4, prefill_graphs=bucketed))
         call = DecodeCall(PARAMS.temperature, PARAMS.top_p, PARAMS.max_new_tokens, (EOS,))
-        decoder._prefill([2, 0], prompts, seeds, call, 4, 32)
+        decoder._ensure(4, 32, 32, PARAMS.max_new_tokens)
+        decoder._prefill([2, 0], prompts, seeds, call, 4)
         width = 16 if bucketed else 5
         for slot, prompt in zip([2, 0], prompts):
             alone = DynamicCache(config=model.config)
@@ -339,7 +340,11 @@ def test_slot_decoding_equals_generate_on_the_builtin_model():
         assert stats.pop("prefill_ms") > 0
         # the first 16 admitted together, then the other 9 in at least one admission, at most one each
         assert 2 <= stats.pop("prefills") <= 1 + 9
-        assert stats == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0}
+        # the CPU: no budget, the cache allocated at full length once (16 slots, prompts + 8 in 64 columns)
+        shapes, dtype = slots._decoder._layout()
+        assert slots._decoder.cache.length == 64
+        assert stats == {"decode_steps": steps, "rerun_steps": 0, "graph_captures": 0, "cache_grows": 0,
+                         "preempted": 0, "kv_cache_peak_bytes": cache_bytes(shapes, 16, 64, dtype)}
         assert generate.generation_stats() == {}
 
 

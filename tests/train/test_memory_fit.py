@@ -63,7 +63,10 @@ def test_qwen3_1_4b_figures_by_hand():
     assert m.activation_bytes == (4 * 2048 * 28 + 133288 + 12 * 2048) * 16384
     assert m.logits_bytes == 14 * 151_936 * 1766  # (2 + 12) V x one chunk of 1 GiB of float32 logits
     assert m.attention_mask_bytes == 3 * 16384**2
-    assert m.kv_cache_bytes == 2 * 28 * 257 * 1024 * (1088 + 1) * 2  # columns: 1,030 rounded up to 64, + 1
+    assert m.kv_cache_bytes == 2 * 28 * 256 * 1024 * (1088 + 1) * 2  # columns: 1,030 rounded up to 64, + 1
+    assert m.kv_cache_min_bytes == 2 * 28 * 1024 * (1088 + 1) * 2  # one row
+    spare = sequences.sequence_memory(QWEN3_1_4B, SequenceShape(16384, True, 256, 1030, spare_row=True), True)
+    assert spare.kv_cache_bytes == m.kv_cache_bytes * 257 // 256  # inference.prefill_graphs: a spare row
     assert sequences.LOGITS_CHUNK_BYTES == logprobs.LOGITS_CHUNK_BYTES
 
 
@@ -92,8 +95,10 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
         plan_step(config, QWEN3_1_4B, 40, 1, 40 * GIB)
     line = str(err.value)
     assert "\n" not in line and "over the device's 40.0 GiB" in line and "more ranks" in line
-    long = _config(max_new_tokens=65_000, num_prompts_per_step=1)  # 16 rows of 65k: the KV cache dominates
-    with pytest.raises(ConfigError, match="118.2 GiB engine KV cache .* fewer rollout rows a rank"):
+    # 16 rows of 65k: the KV cache bounded, at least one row (7.0 GiB); the 65k-token pass
+    # (27 GiB checkpointed) and 32 GiB of state do not fit 57 GiB even in turns with it
+    long = _config(max_new_tokens=65_000, num_prompts_per_step=1)
+    with pytest.raises(ConfigError, match=r"about 59.0 GiB .* \+ 7.0 GiB engine KV cache \(one row at full length"):
         plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
@@ -101,26 +106,33 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
         plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
 
 
-def test_the_engine_frees_its_cache_while_training_and_decodes_fewer_rows_where_needed():
-    # 16 rows of 65,040 tokens: 7.4 GiB of KV cache each (the cache holds one spare row),
-    # 119 GiB for all; an H100 (79.2 GiB, less 3 reserved) holds 32 GiB of state and either
-    # a checkpointed 65k-token pass or the cache of 5 rows (+ the spare) when the two take
-    # turns (synchronous rollouts); with age 1 the generation of the next step runs during
-    # training, so both at once: the cache of 1 row (+ spare) beside the pass
+def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
+    # 16 rows of 65,040 tokens: 7.0 GiB of KV cache each, 111 GiB for all; an H100 (79.2 GiB, less 3 reserved) holds 32 GiB of state and a
+    # checkpointed 65k-token pass; the cache does not fit at full length beside them, so
+    # the engine keeps its 16 rows and gets the bytes left as its budget (it grows with the
+    # rows' lengths and preempts rows past it): with synchronous rollouts (age 0) the cache
+    # is freed while the policy trains and takes all but the state, with age 1 the next
+    # generation runs during training and gets what the pass leaves
     h100 = 85_000_000_000
-    for age, released, rows in ((0, True, 5), (1, False, 1)):
+    for age, released in ((0, True), (1, False)):
         config = _config(max_new_tokens=65_000, num_prompts_per_step=1, max_trajectory_age_steps=age,
                          use_importance_sampling_correction=True)
         fit = plan_step(config, QWEN3_1_4B, 40, 1, h100)
-        assert (fit.checkpointing, fit.release_engine_memory, fit.engine_rows) == (True, released, rows)
-        m = fit.verdict.memory
-        assert m.kv_cache_bytes == 2 * 28 * (rows + 1) * 1024 * (65_088 + 1) * 2
+        assert (fit.checkpointing, fit.release_engine_memory, fit.engine_rows) == (True, released, 256)
+        v, m = fit.verdict, fit.verdict.memory
+        usable = h100 - 3 * GIB
+        room = usable - v.static_bytes - (0 if released else m.training_bytes)
+        assert v.bounded and fit.kv_cache_bytes == m.kv_cache_bytes == room
+        assert m.kv_cache_min_bytes == 2 * 28 * 1024 * (65_088 + 1) * 2 <= room  # one row
+        full = sequences.sequence_memory(QWEN3_1_4B, v.shape, True).kv_cache_bytes
+        assert full == 2 * 28 * 16 * 1024 * (65_088 + 1) * 2 > room
         turns = max(m.kv_cache_bytes, m.training_bytes) if released else m.kv_cache_bytes + m.training_bytes
-        assert fit.verdict.peak_bytes == fit.verdict.static_bytes + turns <= h100 - 3 * GIB
-        assert f"the engine decodes {rows} row{'s' * (rows > 1)} at once, not all 16" in fit.note()
+        assert v.peak_bytes == v.static_bytes + turns == usable
+        assert "the engine's KV cache bounded to" in fit.note() and "not all 16 rows at full length" in fit.note()
         assert ("freed while the policy trains" in fit.note()) is released
     short = plan_step(_config(max_new_tokens=1024), QWEN3_1_4B, 40, 1, h100)
-    assert short.engine_rows == 256 and not short.release_engine_memory  # checkpointing alone fits
+    assert not short.release_engine_memory and not short.verdict.bounded  # checkpointing alone fits
+    assert short.kv_cache_bytes >= short.verdict.memory.kv_cache_bytes  # every row at full length, allocated at once
 
 
 def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():
@@ -163,7 +175,7 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     out = json.loads(capsys.readouterr().out)["sequences"]
     shape = SequenceShape(65536, False, 16, 65536)
     assert out["checkpointing"] == sequences.sequence_memory(QWEN3_1_4B, shape, True).to_json()
-    assert out["no_checkpointing"]["kv_cache_bytes"] == 2 * 28 * 17 * 1024 * 65537 * 2
+    assert out["no_checkpointing"]["kv_cache_bytes"] == 2 * 28 * 16 * 1024 * 65537 * 2
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text

@@ -109,7 +109,8 @@ def record_timing(run: RunDir, step: int, **seconds: float) -> None:
     prefetch did not hide; ``refit_s``: weights into the engine and verified;
     ``generation_s``: validation), the engine's counts of the validation's generation
     (``InferenceEngine.generation_stats``: for the ``hf`` slot decoder ``decode_steps``,
-    ``rerun_steps``, ``graph_captures``, ``prefills``, ``prefill_ms``), which rank evaluated it, and the process
+    ``rerun_steps``, ``graph_captures``, ``prefills``, ``prefill_ms``, ``cache_grows``,
+    ``preempted``, ``kv_cache_peak_bytes``), which rank evaluated it, and the process
     (:func:`process_fields`). Informational only."""
     record = {"step": step, "rank": int(os.environ.get("RANK", 0)), **{k: round(v, 4) for k, v in seconds.items()},
               **process_fields()}

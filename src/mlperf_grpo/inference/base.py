@@ -131,7 +131,7 @@ class InferenceEngine(Protocol):
     def generation_stats(self) -> dict[str, int | float]:
         """Counts of the last :meth:`generate` call where the engine keeps them (the
         ``hf`` slot decoder: ``decode_steps``, ``rerun_steps``, ``graph_captures``,
-        ``prefills``, ``prefill_ms``;
+        ``prefills``, ``prefill_ms``, ``cache_grows``, ``preempted``, ``kv_cache_peak_bytes``;
         ``{}`` elsewhere), for ``eval/timing.jsonl``. Informational only."""
 
     def release_memory(self) -> None:

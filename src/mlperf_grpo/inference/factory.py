@@ -32,7 +32,8 @@ def check_engine_available(config: RunConfig) -> None:
         )
 
 
-def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = False) -> InferenceEngine:
+def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = False,
+                 kv_cache_bytes: int | None = None) -> InferenceEngine:
     """The engine ``config.inference.engine`` names, holding ``config.model`` in
     ``model.dtype`` on ``model.device``; the ``hf`` engine is tensor-parallel over this
     process's group of ``inference.tensor_parallel_size`` ranks when that is above 1
@@ -44,6 +45,8 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
         refit_only: the caller refits every weight before any use (the evaluators): the
             ``hf`` engine then neither reads nor initialises the model's weights
             (:meth:`HFEngine.for_refit`); vLLM loads them as usual.
+        kv_cache_bytes: the most bytes the ``hf`` slot decoder's KV cache takes
+            (``DecodeOptions.kv_cache_bytes``; None: its default).
     Raises:
         EngineUnavailableError: the engine's package is not installed.
         ModelLoadError: the model cannot be loaded.
@@ -59,4 +62,4 @@ def build_engine(config: RunConfig, batch_size: int = 256, refit_only: bool = Fa
     return build(config.model.path, config.model.dtype, batch_size=batch_size, device=config.model.device,
                  tensor_parallel_size=config.inference.tensor_parallel_size,
                  decoder=DecodeOptions(top_p_candidates=config.inference.top_p_candidates,
-                                       prefill_graphs=config.inference.prefill_graphs))
+                                       prefill_graphs=config.inference.prefill_graphs, kv_cache_bytes=kv_cache_bytes))

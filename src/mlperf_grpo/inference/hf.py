@@ -9,8 +9,8 @@ so no step's full-vocabulary logits outlive it (memory grows with tokens, not to
 vocabulary).
 
 On CUDA, models whose layers are all full attention decode instead through
-:class:`~mlperf_grpo.inference.decode.SlotDecoder` (a static per-slot KV cache, refilled
-slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
+:class:`~mlperf_grpo.inference.decode.SlotDecoder` (a per-slot KV cache grown with the
+rows' lengths, refilled slots, each decode step replayed as a CUDA graph) with the same sampler arithmetic
 (:func:`~mlperf_grpo.inference.sampling.sample_tokens`); ``decode="generate"`` or a CPU
 device keeps ``generate`` (the CPU calibration's path).
 
@@ -20,7 +20,7 @@ split over the T ranks of this process's group by transformers' own DTensor plan
 (:meth:`HFEngine.weights`, :meth:`HFEngine.weight_slices`), every rank of the group calls
 ``generate`` with the same prompts and seeds and gets the same completions (the sampler
 sees the gathered full-vocabulary logits), and decoding is ``generate`` (the slot
-decoder's static cache is not split by heads).
+decoder's cache is not split by heads).
 """
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ class HFEngine:
     :meth:`from_model` builds one around a model already in memory (benchmarks, tests).
     Memory per ``generate`` call: the model, its KV cache, ``O(batch_size x tokens)``
     for ids and log-probabilities, and full-vocabulary logits of one step at a time.
-    With slot decoding the static KV cache (``2 x layers x (batch_size + 1) x kv_heads x
+    With slot decoding the KV cache (at most ``2 x layers x (batch_size + 1) x kv_heads x
     columns x head_dim`` elements, columns = longest prompt + ``max_new_tokens`` rounded
-    up to 64, plus one) and the captured graphs stay allocated between calls until :meth:`close`.
+    up to 64, plus one; else grown with the rows' lengths, ``decode.SlotDecoder``) and the
+    graphs stay allocated between calls until :meth:`close` or :meth:`release_memory`.
     """
 
     def __init__(self, model_path: str, dtype: str, batch_size: int = 256, device: str = "cpu",
@@ -195,7 +196,7 @@ class HFEngine:
         """
         if decode not in ("auto", "generate", "slots"):
             raise ValueError(f"decode is {decode!r}; use auto, generate or slots")
-        supported = supports_slot_decoding(self.model) and self.tp_size == 1  # its static cache holds every head
+        supported = supports_slot_decoding(self.model) and self.tp_size == 1  # its cache holds every head
         if decode == "slots" and not supported:
             raise ValueError(f"{type(self.model).__name__} has layers other than full attention, or is tensor-parallel: "
                              "use decode='generate'")
@@ -310,7 +311,7 @@ class HFEngine:
         import transformers
 
         return {
-            "engine": "transformers.generate" if self._decoder is None else "slot decoder (static KV cache, refilled slots)",
+            "engine": "transformers.generate" if self._decoder is None else "slot decoder (KV cache grown to the rows' lengths, refilled slots)",
             "cuda_graphs": self._decoder is not None and self._decoder.cuda_graphs,
             "top_p_candidates": 0 if self._decoder is None else self._decoder.top_p_candidates,
             "prefill_graphs": self._decoder is not None and self._decoder.prefill_graphs and self._decoder.cuda_graphs,
@@ -330,12 +331,14 @@ class HFEngine:
         after the prefills; ``rerun_steps``: steps run again exactly, a nucleus beyond the
         top-p candidates; ``graph_captures``: decode steps and prefills captured as new
         CUDA graphs; ``prefills``: admissions of waiting prompts, each a forward (eager, or
-        a graph's replay with ``prefill_graphs``); ``prefill_ms``:
-        their device time, ms); ``{}`` with ``generate``."""
+        a graph's replay with ``prefill_graphs``); ``prefill_ms``: their device time, ms;
+        ``cache_grows``: KV cache widenings; ``preempted``: rows preempted to keep it in its
+        budget; ``kv_cache_peak_bytes``: the most it held); ``{}`` with ``generate``."""
         d = self._decoder
         return {} if d is None else {"decode_steps": d.decode_steps, "rerun_steps": d.rerun_steps,
                                      "graph_captures": d.graph_captures, "prefills": d.prefills,
-                                     "prefill_ms": round(d.prefill_ms, 2)}
+                                     "prefill_ms": round(d.prefill_ms, 2), "cache_grows": d.cache_grows,
+                                     "preempted": d.preempted, "kv_cache_peak_bytes": d.kv_cache_peak_bytes}
 
     def weights_fingerprint(self, names: list[str]) -> str:
         """:func:`~mlperf_grpo.model.fingerprint.weights_fingerprint` of the engine's tensors

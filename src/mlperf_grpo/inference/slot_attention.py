@@ -1,5 +1,5 @@
 """The slot decoder's attention: :func:`slot_attention` (registered with transformers as
-:data:`SLOT_ATTENTION`) reads each row's own columns of the static cache; a prefill uses
+:data:`SLOT_ATTENTION`) reads each row's own columns of the slot cache; a prefill uses
 SDPA with :data:`PREFILL_SDPA_BACKENDS`; :func:`supports_slot_decoding` says which models
 the slot decoder takes."""
 

@@ -16,10 +16,14 @@ from transformers import DynamicCache
 
 from mlperf_grpo.inference.sampling import sample_tokens
 from mlperf_grpo.inference.slot_attention import PREFILL_SDPA_BACKENDS, attention_implementation
-from mlperf_grpo.inference.slot_state import DecodeCall, PrefillWriter, first_line
+from mlperf_grpo.inference.slot_schedule import Resumed
+from mlperf_grpo.inference.slot_state import ChunkWriter, DecodeCall, PrefillWriter, first_line
 
 PREFILL_WIDTH_BLOCK = 16
 """With ``prefill_graphs``, prefill widths are multiples of this many columns."""
+RESUME_CHUNK = 1024
+"""A resumed row's prefill computes this many of its columns at a time (its mask:
+``RESUME_CHUNK x columns`` booleans, not ``columns x columns``)."""
 
 
 class PrefillInputs(NamedTuple):
@@ -50,29 +54,37 @@ class PrefillSteps:
     """The prefill half of :class:`~mlperf_grpo.inference.decode.SlotDecoder` (its
     attributes: ``model``, ``cache``, ``state``, ``prefill_graphs``, ...)."""
 
-    def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall, slots: int,
-                 length: int) -> None:
-        """:meth:`_prefill_ops`, counted and timed (``prefills``, ``prefill_ms``)."""
+    def _prefill(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall,
+                 slots: int) -> None:
+        """:meth:`_prefill_ops`, counted and timed (:meth:`_timed`)."""
+        self._timed(self._prefill_ops, free, prompts, seeds, call, slots)
+
+    def _prefill_resumed(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
+        """:meth:`_resume_ops`, counted and timed (:meth:`_timed`)."""
+        self._timed(self._resume_ops, slot, prompt, row, seed, call)
+
+    def _timed(self, ops, *args) -> None:
+        """``ops(*args)``, a prefill: counted (``prefills``) and timed (``prefill_ms``: CUDA
+        events, the CPU's wall time)."""
         self.prefills += 1
         if self.model.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            ops(*args)
             end.record()
             self._prefill_times.append((start, end))
         else:
             start_s = time.perf_counter()
-            self._prefill_ops(free, prompts, seeds, call, slots, length)
+            ops(*args)
             self._prefill_times.append((time.perf_counter() - start_s) * 1e3)
 
-    def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall, slots: int,
-                     length: int) -> None:
+    def _prefill_ops(self, free: list[int], prompts: list[list[int]], seeds: list[int], call: DecodeCall,
+                     slots: int) -> None:
         """Start the ``free`` slots' rows: their prompts left-padded to their longest (or,
         with ``prefill_graphs``, to a bucket of rows and width), their keys and values
         written into their cache rows, and each one's first token sampled
-        (:meth:`_prefill_body`)."""
-        shapes, dtype = self._layout()
-        self._ensure(shapes, slots, length, call.max_new_tokens, dtype)
+        (:meth:`_prefill_body`). The cache (``_ensure``) holds the call's ``slots`` rows
+        and its longest prompt's columns."""
         n, width = len(prompts), self._prefill_width(max(len(p) for p in prompts))
         rows = bucket_rows(n, slots) if self.prefill_graphs else n
         pads = [width - len(p) for p in prompts]
@@ -98,6 +110,30 @@ class PrefillSteps:
         for buffer, values in zip(inputs, host):
             buffer.copy_(torch.tensor(values), non_blocking=False)
         graph.replay()
+
+    def _resume_ops(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
+        """Slot ``slot`` takes a preempted row again: its prompt and the ``c`` tokens it
+        had sampled are prefilled (columns ``[0, n)``, :data:`RESUME_CHUNK` at a time,
+        each chunk attending causally to the columns before it: no padding, eager) and its
+        next token is sampled at its ``c``-th uniform (:meth:`SlotState.resume`). Its
+        keys and values are recomputed, so its later tokens equal an uninterrupted row's
+        up to float rounding, as any change of batch does."""
+        ids, state = prompt + row.tokens, self.state
+        n = len(ids)
+        state.start([slot], [seed], [0], [n], n, self.cache, call.max_new_tokens)
+        ids_t = torch.tensor([ids], device=self.model.device)
+        arange = state.arange
+        for start in range(0, n, RESUME_CHUNK):
+            end = min(n, start + RESUME_CHUNK)
+            visible = arange[None, :end] <= arange[start:end, None]  # [C(q), end(k)]
+            with attention_implementation(self.model, "sdpa"), sdpa_kernel(PREFILL_SDPA_BACKENDS):
+                logits = self.model(input_ids=ids_t[:, start:end], attention_mask=visible[None, None],
+                                    position_ids=arange[None, start:end], use_cache=True,
+                                    **{self._cache_arg: ChunkWriter(self.cache, slot, start)}, **self._last_logits
+                                    ).logits[:, -1]  # [1, V]
+        c = len(row.tokens)
+        chosen, logprob = sample_tokens(logits, state.uniforms[slot : slot + 1, c : c + 1], call.temperature, call.top_p)
+        state.resume(slot, row.tokens, row.logprobs, chosen, logprob, self._eos_tensor(call), call.max_new_tokens)
 
     def _prefill_width(self, width: int) -> int:
         """The columns a prefill of prompts of at most ``width`` tokens fills."""

@@ -44,7 +44,8 @@ def slot_decoding_problem(model: PreTrainedModel, pad_token_id: int) -> str | No
     decoder = SlotDecoder(model, 1, pad_token_id, DecodeOptions(cuda_graphs=False, key_block=8, fused_kernels=False))
     call = DecodeCall(1.0, 1.0, 2, (-1,))
     try:
-        decoder._prefill([0], [prompt], [0], call, 1, 8)
+        decoder._ensure(1, 8, 8, call.max_new_tokens)  # one slot, 8 columns
+        decoder._prefill([0], [prompt], [0], call, 1)
         with attention_implementation(model, SLOT_ATTENTION):
             got = decoder._decode_logits(1, 8)[0].float()  # [V]
         token = int(decoder.state.tokens[0, 0])

@@ -1,6 +1,8 @@
-"""The slot decoder's device state: the static per-slot KV cache (:class:`SlotCache`)
-and each slot's sampling state with its host mirrors (:class:`SlotState`), allocated
-once and reused by every call and every captured CUDA graph."""
+"""The slot decoder's device state: the per-slot KV cache (:class:`SlotCache`, widened
+as rows get longer), the caches a prefill hands the model (:class:`PrefillWriter`,
+:class:`ChunkWriter`) and each slot's sampling state with its host mirrors
+(:class:`SlotState`), reused by every call and every captured CUDA graph until the cache
+grows."""
 
 from __future__ import annotations
 
@@ -11,23 +13,26 @@ import torch
 
 
 class SlotCache:
-    """A static KV cache of ``slots`` rows and ``length`` columns per layer, written at
-    one column per row (the rows' own write columns), read as the first ``rows`` rows
+    """A KV cache of ``slots`` rows and ``length`` columns per layer, written at one
+    column per row (the rows' own write columns), read as the first ``rows`` rows
     (attention reads the columns its mask covers: :func:`~mlperf_grpo.inference.decode.slot_attention`).
-    Handed to the model as its cache: attention layers call :meth:`update`.
+    Handed to the model as its cache: attention layers call :meth:`update`. :meth:`grow`
+    widens it (fewer rows: the live ones) as the rows get longer.
 
-    Memory: ``2 x layers x (slots + 1) x kv_heads x (length + 1) x head_dim`` elements
-    of the model's dtype, allocated once: one column more than any key length (the column
-    the steps after a row ended at its limit write to) and one spare row (row ``slots``,
-    :attr:`spare_row`: a bucketed prefill's padding rows write there).
+    Memory: ``2 x layers x (slots + spare) x kv_heads x (length + 1) x head_dim`` elements
+    of the model's dtype (:func:`cache_bytes`): one column more than any key length (the
+    column the steps after a row ended at its limit write to) and, with ``spare``, one
+    spare row (row ``slots``, :attr:`spare_row`: a bucketed prefill's padding rows write
+    there; no other prefill writes it).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, spare: bool = False) -> None:
         """``shapes``: per layer ``(kv_heads, head_dim)``."""
-        self.keys = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros(slots + 1, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
-        self.slots, self.length = slots, length
+        rows = slots + spare
+        self.keys = [torch.zeros(rows, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.values = [torch.zeros(rows, h, length + 1, d, dtype=dtype, device=device) for h, d in shapes]
+        self.slots, self.length, self.spare = slots, length, spare
         self.spare_row = slots
         self.write_columns = torch.zeros(slots + 1, dtype=torch.long, device=device)  # [slots + 1]
 
@@ -47,11 +52,78 @@ class SlotCache:
         values.scatter_(2, index, value_states)
         return keys, values
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def grow(self, rows: int, length: int, staged: bool = False) -> int:
+        """Keep the first ``rows`` rows (their columns and write columns) in ``length``
+        >= :attr:`length` columns, one tensor at a time: each old one is freed once
+        copied, so at most the new tensors and the old ones not yet copied are allocated
+        together (the most: all new and one old, or all old and one new); ``staged``:
+        the kept rows copied to host memory first and every old tensor freed, so at most
+        the larger of the old and the new. Returns that peak's bytes. The new columns are
+        zeros (attention gives masked columns weight 0, which times a stale NaN would
+        still be NaN)."""
+        peak = self.nbytes
+        kept = [t[:rows].to("cpu", copy=True) for t in (*self.keys, *self.values)] if staged else None
+        if staged:  # every old tensor freed (an empty one keeps its heads and head_dim)
+            for tensors in (self.keys, self.values):
+                tensors[:] = [t.new_empty(0, t.shape[1], 0, t.shape[3]) for t in tensors]
+        for tensors in (self.keys, self.values):
+            for i in range(len(tensors)):
+                old = tensors[i]
+                new = old.new_zeros(rows + self.spare, old.shape[1], length + 1, old.shape[3])
+                source = kept.pop(0) if staged else old[:rows]
+                new[:rows, :, : source.shape[2]] = source.to(new.device)
+                tensors[i] = new
+                peak = max(peak, self.nbytes + old.numel() * old.element_size())
+                del old, new, source
+        columns = self.write_columns.new_zeros(rows + 1)
+        columns[:rows] = self.write_columns[:rows]
+        self.write_columns, self.slots, self.spare_row, self.length = columns, rows, rows, length
+        return peak
+
     def permute_rows(self, order: torch.Tensor) -> None:
-        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row ``order[i]``."""
+        """Reorder the first ``len(order)`` rows of every layer: row ``i`` takes row
+        ``order[i]`` (one tensor at a time: a copy of its first rows beside the cache)."""
         n = order.shape[0]
         for tensor in (*self.keys, *self.values, self.write_columns):
             tensor[:n] = tensor[:n].index_select(0, order)
+
+
+class ChunkWriter:
+    """The cache a resumed row's prefill hands the model, one chunk of its columns at a
+    time: each attention layer's ``[1, kv_heads, C, head_dim]`` keys and values are
+    written to cache row ``row``, columns ``[start, start + C)``, and attention reads the
+    row's columns ``[0, start + C)`` (a view). Eager only."""
+
+    def __init__(self, cache: SlotCache, row: int, start: int) -> None:
+        self.cache, self.row, self.start = cache, row, start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the chunk's keys and values; return the row's ``[1, kv_heads, start + C,
+        head_dim]`` keys and values so far."""
+        end = self.start + key_states.shape[2]
+        out = []
+        for tensors, states in ((self.cache.keys, key_states), (self.cache.values, value_states)):
+            row = tensors[layer_idx][self.row : self.row + 1]
+            row[:, :, self.start : end] = states
+            out.append(row[:, :, :end])
+        return out[0], out[1]
+
+
+def cache_bytes(shapes: list[tuple[int, int]], slots: int, length: int, dtype: torch.dtype,
+                spare: bool = False) -> int:
+    """Bytes of a :class:`SlotCache` of ``slots`` rows (and a spare one) and ``length``
+    columns; ``shapes``: per layer ``(kv_heads, head_dim)``."""
+    return (slots + spare) * (length + 1) * row_column_bytes(shapes, dtype)
+
+
+def row_column_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
+    """Bytes of one row's column of a :class:`SlotCache`: keys and values of every layer."""
+    return 2 * torch.empty(0, dtype=dtype).element_size() * sum(h * d for h, d in shapes)
 
 
 class PrefillWriter:
@@ -129,6 +201,22 @@ class SlotState:
         # CPU tensor copied to the device (pageable memory, which a CUDA graph capture refuses)
         self.counts.index_fill_(0, index, 1)
         self.done[index] = (chosen[:, None] == eos[None, :]).any(-1) | (max_new_tokens <= 1)
+
+    def resume(self, slot: int, tokens: list[int], logprobs: list[float], chosen: torch.Tensor,
+               logprob: torch.Tensor, eos: torch.Tensor, max_new_tokens: int) -> None:
+        """Slot ``slot`` holds a preempted row again (:meth:`start` done, its prompt and
+        ``tokens`` prefilled): its ``c`` tokens and log-probabilities put back, and its
+        prefill's token (``[1, 1]``, sampled at its ``c``-th uniform) recorded as token ``c``."""
+        c = len(tokens)
+        if c:
+            self.tokens[slot, :c] = torch.tensor(tokens, device=self.device)
+            self.logprobs[slot, :c] = torch.tensor(logprobs, dtype=torch.float32, device=self.device)
+        self.tokens[slot, c] = chosen[0, 0]
+        self.logprobs[slot, c] = logprob[0, 0]
+        self.last[slot] = chosen[0, 0]
+        self.counts[slot] = c + 1
+        self.done[slot : slot + 1] = (chosen[0, 0] == eos).any().view(1) | (c + 1 >= max_new_tokens)
+        self.count_cpu[slot] = c + 1
 
     def advance_cpu(self, rows: int) -> None:
         """Host mirrors after a decode step of the first ``rows`` slots (a row that has

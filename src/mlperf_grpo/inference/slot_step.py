@@ -144,7 +144,7 @@ class DecodeSteps:
         state.tokens[:rows].scatter_(1, at, chosen)
         state.logprobs[:rows].scatter_(1, at, logprob)
         state.last[:rows] = chosen[:, 0]
-        columns.add_(1).clamp_(max=cache.length - 1)
+        columns.add_(1).clamp_(max=cache.length)  # the spare column: a live row's next column is at most key_length
         state.positions[:rows].add_(1)
         counts.add_((~done).long())
         done |= (chosen == self._eos_tensor(call)[None, :]).any(-1) | (counts >= call.max_new_tokens)

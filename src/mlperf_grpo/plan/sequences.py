@@ -29,8 +29,13 @@ The log-probs are computed ``chunk`` positions at a time (``train/logprobs.py``)
 backward holds the chunk's ``b``-dtype logits, their float32 copy, log-softmax and its
 gradient, ``(b + 12) V chunk``. A pass of packed rows gets a ``[S, S]`` boolean
 block-diagonal mask, which SDPA turns into an additive ``b``-dtype one: ``(1 + b) S^2``.
-The ``hf`` engine's static KV cache: ``2 L (rows + 1) kv (length + 1)`` elements of the
-rollout dtype, ``length`` rounded up to 64 (``inference/slot_state.py``, ``decode.py``).
+The ``hf`` engine's KV cache at full length: ``2 L (rows + s) kv (length + 1)`` elements
+of the rollout dtype, ``length`` rounded up to 64, ``s`` 1 with ``inference.prefill_graphs``
+(a spare row for its padding rows) else 0 (``inference/slot_state.py``, ``decode.py``),
+allocated at once where it fits. Where it does not, the engine is given the bytes left
+(``kv_cache_bytes``), which its cache never exceeds, growths included: it grows with the
+live rows' lengths and preempts rows that do not fit (recomputed later); it needs at
+least one row at full length (``2 L (1 + s) kv (length + 1)``).
 
 These are estimates of the allocator's live bytes; the CUDA context, the allocator's
 slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
@@ -58,7 +63,8 @@ class SequenceShape:
     pass (the token budget, or rows x their longest), ``packed`` whether that pass packs
     several rows (a block-diagonal mask), ``engine_rows`` the rows the engine decodes at
     once, ``engine_length`` their longest prompt + new tokens, ``compute_bytes`` 2
-    (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes."""
+    (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes, ``spare_row``
+    whether its cache has a spare row (``inference.prefill_graphs``)."""
 
     pass_tokens: int
     packed: bool
@@ -66,6 +72,7 @@ class SequenceShape:
     engine_length: int
     compute_bytes: int = 2
     rollout_bytes: int = 2
+    spare_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class SequenceMemory:
     attention_mask_bytes: int
     kv_cache_bytes: int
     checkpointing: bool
+    kv_cache_min_bytes: int = 0
+    """One row at full length (and the spare row, if any): the least the engine decodes with."""
 
     @property
     def training_bytes(self) -> int:
@@ -93,17 +102,17 @@ ENGINE_BATCH_SIZE = 256
 
 
 def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None = None, compute_bytes: int = 2,
-               rollout_bytes: int = 2) -> SequenceShape:
+               rollout_bytes: int = 2, spare_row: bool = False) -> SequenceShape:
     """A rank's step: ``rows`` rows of at most ``longest`` tokens, training passes of
     ``budget`` tokens (``grpo.micro_batch_tokens``; a longer row alone) and at most
     ``max_rows`` rows (``grpo.micro_batch_size``), or without a budget ``max_rows``
-    right-padded rows."""
+    right-padded rows; ``spare_row``: ``inference.prefill_graphs``."""
+    engine = (min(ENGINE_BATCH_SIZE, rows), longest)
     if budget is None:
-        return SequenceShape(min(max_rows, rows) * longest, False, min(ENGINE_BATCH_SIZE, rows), longest,
-                             compute_bytes, rollout_bytes)
+        return SequenceShape(min(max_rows, rows) * longest, False, *engine, compute_bytes, rollout_bytes, spare_row)
     per_pass = rows if max_rows is None else min(rows, max_rows)
     tokens = max(longest, min(budget, per_pass * longest))
-    return SequenceShape(tokens, tokens > longest, min(ENGINE_BATCH_SIZE, rows), longest, compute_bytes, rollout_bytes)
+    return SequenceShape(tokens, tokens > longest, *engine, compute_bytes, rollout_bytes, spare_row)
 
 
 def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
@@ -115,13 +124,16 @@ def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) ->
 
 def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> list[str]:
     """``plan --memory``'s lines for ``shape``: each figure without and with activation
-    checkpointing, and the per-rank peak."""
+    checkpointing, and the per-rank peak with every row's KV cache at full length (on a
+    device that does not hold it the engine's cache is bounded to what is left, at least
+    one row: :func:`fit`)."""
     off, on = (sequence_memory(config, shape, c) for c in (False, True))
     rows = [("activations of a pass", off.activation_bytes, on.activation_bytes),
             ("log-prob chunks", off.logits_bytes, on.logits_bytes),
             ("packed attention mask", off.attention_mask_bytes, on.attention_mask_bytes),
-            ("engine KV cache", off.kv_cache_bytes, on.kv_cache_bytes),
-            ("= device peak (with the above)", static_bytes + off.kv_cache_bytes + off.training_bytes,
+            ("engine KV cache, all rows full", off.kv_cache_bytes, on.kv_cache_bytes),
+            ("  or at least (one row)", off.kv_cache_min_bytes, on.kv_cache_min_bytes),
+            ("= device peak (with all rows)", static_bytes + off.kv_cache_bytes + off.training_bytes,
              static_bytes + on.kv_cache_bytes + on.training_bytes)]
     head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
             f"decoding {shape.engine_rows} rows of {shape.engine_length:,}; GiB per rank")
@@ -167,15 +179,16 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
     logits = (b + 12) * vocab * chunk
     mask = (1 + b) * s * s if shape.packed else 0
     columns = -(-shape.engine_length // KEY_BLOCK) * KEY_BLOCK + 1  # the slot cache's (inference/decode.py)
-    kv_cache = 2 * layers * (shape.engine_rows + 1) * kv * columns * shape.rollout_bytes
-    return SequenceMemory(activations, logits, mask, kv_cache, checkpointing)
+    row_bytes = 2 * layers * kv * columns * shape.rollout_bytes  # one row at full length
+    return SequenceMemory(activations, logits, mask, (shape.engine_rows + shape.spare_row) * row_bytes, checkpointing,
+                          (1 + shape.spare_row) * row_bytes)
 
 
 @dataclass(frozen=True)
 class Fit:
-    """:func:`fit`'s verdict: the bytes (with checkpointing needed or asked), whether the
-    engine's KV cache is freed while the policy trains, whether the step fits the device
-    at all, and its shape."""
+    """:func:`fit`'s verdict: the bytes (with checkpointing needed or asked; the KV cache
+    as bounded), whether the engine's KV cache is freed while the policy trains, whether
+    the step fits the device at all, and its shape."""
 
     memory: SequenceMemory
     static_bytes: int
@@ -186,6 +199,14 @@ class Fit:
     released: bool = False
     """The engine frees its KV cache and graphs once the rollouts are generated (synchronous
     rollouts): generation and training then take the memory in turn."""
+    kv_budget_bytes: int | None = None
+    """The bytes the engine's KV cache may take (``DecodeOptions.kv_cache_bytes``): what
+    the device has left beside the rest; None where nothing fits."""
+    bounded: bool = False
+    """The device does not hold every row at full length: the engine's cache is bounded
+    (its rows grow with their lengths and are preempted past the budget);
+    ``memory.kv_cache_bytes`` is the budget where the step fits, else the one row at full
+    length it needs at least."""
 
     @property
     def peak_bytes(self) -> int:
@@ -203,24 +224,26 @@ def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int
     ``plan.memory``), in this order of cost: as it is; with the engine's KV cache freed
     while the policy trains (``can_release``: synchronous rollouts; the next generation
     captures its graphs again); with activation checkpointing (``checkpointing`` None:
-    tried; True/False: as asked), then both. When none fits, the engine decodes fewer
-    rows at once (its slots refill as rows finish): the most that fit, at least one
-    (:attr:`Fit.shape`'s ``engine_rows``); else the last verdict, not fitting."""
+    tried; True/False: as asked), then both. The engine's KV cache gets the bytes left
+    beside the rest (:attr:`Fit.kv_budget_bytes`); where that does not hold every row at
+    full length (none of the above fits), the last of them is taken with the cache
+    bounded to what is left (its rows grow with their lengths; rows that do not fit are
+    preempted and recomputed): it fits when that holds one row at full length, else the
+    verdict, not fitting, counts that one row."""
     usable = device_bytes - DEVICE_RESERVE_BYTES
     options = [(c, r) for c in ([checkpointing] if checkpointing is not None else [False, True])
                for r in ([False, True] if can_release else [False])]
     for ckpt, released in options:
-        verdict = Fit(sequence_memory(config, shape, ckpt), static_bytes, device_bytes, False, shape, released)
+        m = sequence_memory(config, shape, ckpt)
+        room = usable - static_bytes - (0 if released else m.training_bytes)
+        verdict = Fit(m, static_bytes, device_bytes, False, shape, released, room)
         if verdict.peak_bytes <= usable:
             return replace(verdict, fits=True)
-    m = verdict.memory
-    per_row = sequence_memory(config, replace(shape, engine_rows=1), ckpt).kv_cache_bytes // 2  # (rows + 1) rows
-    room = usable - static_bytes - (0 if released else m.training_bytes)
-    rows = min(shape.engine_rows, room // per_row - 1)
-    if rows < 1 or (released and static_bytes + m.training_bytes > usable):
-        return verdict
-    fewer = replace(shape, engine_rows=int(rows))
-    return Fit(sequence_memory(config, fewer, ckpt), static_bytes, device_bytes, True, fewer, released)
+    bounded = Fit(replace(m, kv_cache_bytes=max(room, m.kv_cache_min_bytes)), static_bytes, device_bytes, False,
+                  shape, released, room, True)
+    if room >= m.kv_cache_min_bytes and bounded.peak_bytes <= usable:
+        return replace(bounded, fits=True)
+    return replace(bounded, memory=replace(m, kv_cache_bytes=m.kv_cache_min_bytes), kv_budget_bytes=None)
 
 
 def gib(n: int) -> str:
@@ -235,13 +258,14 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
     parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
     largest = max(parts, key=parts.get)
     remedy = {
-        "kv": "fewer rollout rows a rank (grpo.num_prompts_per_step) or shorter ones (grpo.max_new_tokens), or more "
-              "ranks (each generates its share)",
+        "kv": "shorter rollouts (grpo.max_new_tokens: the engine decodes at least one row at full length), or more "
+              "ranks (each holds a smaller share of the state)",
         "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower grpo.max_new_tokens)",
         "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
     }[largest]
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
-            f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache + "
+            f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache"
+            f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
             f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
             f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "

@@ -26,7 +26,7 @@ def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> Seque
     return sequences.step_shape(longest_prompt + g.max_new_tokens, max(1, config.global_batch_size // world_size),
                                 g.micro_batch_tokens, g.micro_batch_size,
                                 2 if config.model.train_compute_dtype == "bfloat16" else 4,
-                                memory_plan.DTYPE_BYTES[config.model.dtype])
+                                memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs)
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
@@ -56,17 +56,20 @@ class StepFit:
         """Whether the engine frees its KV cache and graphs while the policy trains."""
         return self.verdict is not None and self.verdict.released
 
+    engine_rows = sequences.ENGINE_BATCH_SIZE
+    """Rows the ``hf`` engine decodes at once (its slots; its KV cache is bounded by
+    :attr:`kv_cache_bytes`, not by fewer rows)."""
+
     @property
-    def engine_rows(self) -> int:
-        """Rows the engine decodes at once: fewer than a rank's rows only where all of them
-        at full length do not fit beside training (:func:`~mlperf_grpo.plan.sequences.fit`)."""
-        limited = self.verdict is not None and self.verdict.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE,
-                                                                                     self.rows)
-        return self.verdict.shape.engine_rows if limited else sequences.ENGINE_BATCH_SIZE
+    def kv_cache_bytes(self) -> int | None:
+        """The bytes the engine's KV cache may take (``DecodeOptions.kv_cache_bytes``):
+        what the device has left beside the rest; None where nothing is planned."""
+        return None if self.verdict is None else self.verdict.kv_budget_bytes
 
     def note(self) -> str | None:
         """One line saying what the plan turned on (the KV cache freed while training,
-        checkpointing under ``auto``, fewer rows decoded at once), else None."""
+        checkpointing under ``auto``, the KV cache bounded below all rows at full
+        length), else None."""
         if self.verdict is None:
             return None
         v, said = self.verdict, []
@@ -75,10 +78,10 @@ class StepFit:
         if self.checkpointing and self.auto:
             said.append(f"activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
                         f"does not fit)")
-        if v.shape.engine_rows < min(sequences.ENGINE_BATCH_SIZE, self.rows):
-            n = v.shape.engine_rows
-            said.append(f"the engine decodes {n} row{'s' * (n > 1)} at once, not all {self.rows} (their KV cache "
-                        f"would not fit)")
+        if v.bounded:
+            said.append(f"the engine's KV cache bounded to {sequences.gib(v.kv_budget_bytes)} GiB, not all "
+                        f"{v.shape.engine_rows} rows at full length (it grows with the rows' lengths; rows past it wait "
+                        "and are recomputed)")
         if not said:
             return None
         return (f"{'; '.join(said)}: planned peak {sequences.gib(v.peak_bytes)} GiB of the device's "

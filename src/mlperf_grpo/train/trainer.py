@@ -196,7 +196,7 @@ class Trainer:
             fit = self.inputs.step_fit
             if fit.note() is not None and ranks.is_writer():
                 print(f"mlperf-grpo: {fit.note()}", file=sys.stderr)
-            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.engine_rows)
+            self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.kv_cache_bytes)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed, shuffle=not is_agentic(self.inputs.suite))
             self.settings = OptimizeSettings.of(config, compiled)
@@ -332,15 +332,16 @@ class Trainer:
 
 
 def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointing: bool = False,
-                      engine_rows: int = 256) -> tuple[torch.nn.Module, InferenceEngine]:
+                      kv_cache_bytes: int | None = None) -> tuple[torch.nn.Module, InferenceEngine]:
     """The fp32 policy and the rollout engine: under torchrun the policy built sharded
     (:func:`~mlperf_grpo.train.fsdp.load_sharded_policy`, compute in the rollout dtype on
     CUDA) and each rank's engine refit from it; else both loaded from the files. The
     policy only scores (the engine generates): no KV cache. ``activation_checkpointing``:
     each decoder layer recomputed in the backward (FSDP's ``checkpoint_wrapper`` under
     torchrun; in one process ``transformers``' own non-reentrant gradient checkpointing,
-    which keeps the parameter names). ``engine_rows``: the most rows the ``hf`` engine
-    decodes at once (its ``batch_size``; the planner's, :mod:`~mlperf_grpo.train.memory_fit`).
+    which keeps the parameter names). ``kv_cache_bytes``: the most bytes the ``hf``
+    engine's KV cache takes (the planner's, :mod:`~mlperf_grpo.train.memory_fit`; None:
+    the slot decoder's default).
 
     Raises:
         ModelLoadError: the model does not load.
@@ -350,14 +351,14 @@ def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointin
         policy = load_sharded_policy(config.model.path, config.model.device, compute_dtype,
                                      activation_checkpointing, compile_layers=compiled,
                                      reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
-        return policy, engine_from_policy(config, policy, engine_rows)
+        return policy, engine_from_policy(config, policy, kv_cache_bytes=kv_cache_bytes)
     policy = load_model(config.model.path, "float32", config.model.device)
     policy.config.use_cache = False
     if activation_checkpointing:
         checkpoint_layers(policy)
     if compiled:
         compile_decoder_layers(policy)
-    return policy, build_engine(config, batch_size=engine_rows)
+    return policy, build_engine(config, kv_cache_bytes=kv_cache_bytes)
 
 
 def checkpoint_layers(policy: torch.nn.Module) -> None:
