@@ -21,6 +21,7 @@ from mlperf_grpo.inference.base import Completion
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
+from mlperf_grpo.train.grad_accumulation import GradSum, usable
 from mlperf_grpo.train.grpo import (
     PGLossOptions,
     clipped_pg_loss_sum,
@@ -220,10 +221,16 @@ def optimize_step(
     on_device = tuple(t.to(device) for t in (
         batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
     passes = _passes(batch, settings, packable(policy), device)
+    params = list(policy.parameters())
+    grad_sum = GradSum(params) if usable(params) and len(passes) > 1 else None  # one foreach add a pass
     for index, one in enumerate(passes):
         if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist in between
             sync_after_micro_batch(policy, last=index == len(passes) - 1)
         _micro_batch(policy, batch, on_device, one, settings, loss_divisor, sums)
+        if grad_sum is not None:
+            grad_sum.take()
+    if grad_sum is not None:
+        grad_sum.restore()
     if filtered:
         num_valid_tokens = int(collectives.all_reduce_sum([sums.tokens.item()])[0])  # the global batch's
         loss_divisor = max(num_valid_tokens, 1)
