@@ -307,3 +307,22 @@ def test_truncated_completions_are_those_without_eos():
     assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
     assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2]).num_tokens == 2 + 3 + 1 + 1  # [2, 4] ends at 2
+
+
+def test_right_padded_rows_score_the_same_without_an_attention_mask():
+    # below float32 the loss pass drops the mask of right-padded rows (optimize._curr_logprobs):
+    # causal attention already keeps each real position off the padding after it. Float32
+    # here: the same values up to the attention kernel's summation order (a handful of
+    # float32 terms: rtol 1e-5)
+    from mlperf_grpo.train.grpo import token_logprobs
+
+    batch = _batch()
+    assert (batch.attention_mask[:, :-1] >= batch.attention_mask[:, 1:]).all()  # right-padded
+    policy = load_model(MODEL, "float32")
+    ids, mask = batch.input_ids, batch.completion_mask
+    with torch.no_grad():
+        masked = token_logprobs(policy(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1],
+                                ids[:, 1:], 1.0)
+        unmasked = token_logprobs(policy(input_ids=ids).logits[:, :-1], ids[:, 1:], 1.0)
+    torch.testing.assert_close(unmasked * mask, masked * mask, rtol=1e-5, atol=1e-6)
+    assert (batch.attention_mask[:, -1] == 0).any()  # some rows are padded

@@ -330,10 +330,13 @@ def _curr_logprobs(policy: torch.nn.Module, batch: RolloutBatch, on_device: tupl
     start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(
         one.rows if one.host_rows is None else one.host_rows)
     targets = torch.nn.functional.pad(ids[:, start + 1:], (0, 1))  # [mb, width-start]: the last predicts nothing
+    # Right-padded rows need no attention mask below float32: causal attention keeps every real
+    # position off the padding after it, and without a mask transformers builds none (its
+    # check of the mask reads the device twice a pass) and SDPA may take its causal flash kernel.
+    rows_mask = attention_mask[one.rows, :one.width] if settings.compute_dtype == torch.float32 else None
     with compute_autocast(input_ids.device, settings.compute_dtype):
         curr, _ = policy_token_logprobs(policy, targets, settings.temperature, chunk, input_ids=ids,
-                                        attention_mask=attention_mask[one.rows, :one.width],
-                                        logits_to_keep=one.width - start)
+                                        attention_mask=rows_mask, logits_to_keep=one.width - start)
     return curr[:, :-1], start  # [mb, width-1-start]
 
 
