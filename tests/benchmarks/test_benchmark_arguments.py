@@ -39,6 +39,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: cannot write there"),
     ("evaluate.py", ["--dir", "/proc"], "--dir /proc: cannot make a folder there"),  # os.access says yes to root
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
+    ("grpo_step.py", ["--also-steps", "1", "--also-micro-batch-size", "0"], "--also-micro-batch-size 0, --also-steps 1"),
     ("grpo_step.py", ["--max-new-tokens", "100000", "--no-trl"], "over the model's context"),  # a ConfigError one
     ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
@@ -112,6 +113,10 @@ def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tm
     line = json.loads(done.stdout.splitlines()[-1])
     assert line["max_new_tokens"] == 4 and line["longer"]["max_new_tokens"] == 6 and line["longer"]["ignore_eos"]
     assert line["longer"]["ours_step_s"] > 0 and line["longer"]["trl_step_s"] is None
+    default, longer = line["comparisons"]  # side by side; the longer one with --also-steps 2: one step measured
+    assert (default["max_new_tokens"], default["steps_measured_per_side"]) == (4, 1)
+    assert (longer["max_new_tokens"], longer["ignore_eos"], longer["steps_measured_per_side"]) == (6, True, 1)
+    assert longer["ours_step_s"] == line["longer"]["ours_step_s"] and longer["speedup"] is None
     profile = line["update_profile"]
     assert profile["optimize_step"]["count"] == 1 and profile["micro_batch"]["count"] == 4
     assert profile["clip_grad_norm"]["count"] == 1 and profile["optimizer_step"]["count"] == 1
