@@ -120,3 +120,14 @@ def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tm
     profile = line["update_profile"]
     assert profile["optimize_step"]["count"] == 1 and profile["micro_batch"]["count"] == 4
     assert profile["clip_grad_norm"]["count"] == 1 and profile["optimizer_step"]["count"] == 1
+
+
+def test_update_ops_benchmark_counts_the_operations_of_each_pass(tmp_path):
+    """The smallest run: 16 rows at micro-batch 8 are 2 passes; the eager policy is its own baseline."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "update_ops.py"), "--prompts", "1", "--micro-batch-size",
+                           "8", "--top", "3"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["passes"] == 2 and line["compute_ops_per_pass"] > 0 and line["compute_ops"] > 2 * 100
+    assert line["compute_ops_per_pass_over_eager"] == 1.0 and len(line["top_compute_ops_per_pass"]) == 3
+    assert line["entropy"] > 0 and line["compute_ops_per_pass_over_baseline"] is None
