@@ -50,11 +50,16 @@ per-phase medians in seconds.
 More comparisons of both sides, each ``--also-steps`` steps a run (default 2: one
 measured step a run, so that a 256-token comparison stays short): ``--also-new-tokens T``
 with every completion ``T`` tokens long (our engine without EOS ids, TRL's
-``min_new_tokens``: the same tokens on both sides; also under ``longer``), and
+``min_new_tokens``: the same tokens on both sides; ours without the overlong filter, as
+with ``--ignore-eos``: it would leave every such row out of our update while TRL trains
+on them; also under ``longer``), and
 ``--also-micro-batch-size M`` with ``M`` rows a pass on both sides (the default compares
 at ``--micro-batch-size``, 64, as TRL's ``per_device_train_batch_size``). ``comparisons``
 lists every comparison side by side: its ``max_new_tokens``, ``micro_batch_size``,
-steps measured, both sides' step seconds, ``speedup`` and our ``update_s``.
+steps measured, both sides' step seconds, ``speedup``, our ``update_s`` and the rows our
+update trained on (median ``global_valid_seqs``: with the overlong filter, the reference
+algorithm's, a completion that hit the limit leaves our loss, and is not run at all
+under ``grpo.micro_batch_tokens``; TRL trains on every row).
 
 TRL is not a dependency of this project. Install it beside, in its own environment
 (``pip install trl==1.16.0``, which pulls ``datasets``, ``dill``, ``multiprocess``,
@@ -122,8 +127,12 @@ def make_qwen3(shape: str, out: Path) -> Path:
 
 
 def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
-               compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None):
-    """The trainer's config for this benchmark (also where TRL's prompts and reward come from)."""
+               compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None,
+               ignore_eos: bool = False):
+    """The trainer's config for this benchmark (also where TRL's prompts and reward come from).
+    ``ignore_eos`` (no completion ends by itself): without the overlong filter, which would
+    take every row out of our loss (and with ``micro_batch_tokens`` out of the passes), while
+    TRL trains on them all."""
     data = {
         "seed": 1,
         "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype,
@@ -133,6 +142,8 @@ def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompt
     }
     if max_new_tokens is not None:
         data["grpo"]["max_new_tokens"] = max_new_tokens
+    if ignore_eos:
+        data["grpo"]["overlong_filtering"] = False
     return parse_config(data, "grpo_step")
 
 
@@ -219,7 +230,8 @@ def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eo
         # everything else between steps count (train_step_time leaves them out)
         step_s = (stops_ms[i] - stops_ms[i - 1]) / 1000
         phases["other_s"] = step_s - sum(phases.values())
-        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases})
+        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases,
+                      "rows_trained": s["global_valid_seqs"]})
     return steps
 
 
@@ -336,16 +348,17 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
 
-        def config_of(max_new_tokens, steps=args.steps, micro=args.micro_batch_size):
+        def config_of(max_new_tokens, steps=args.steps, micro=args.micro_batch_size, ignore_eos=args.ignore_eos):
             return run_config(model, dtype, args.device, args.max_trajectory_age_steps, steps,
-                              args.num_prompts_per_step, micro, args.compute_dtype, args.compile, max_new_tokens)
+                              args.num_prompts_per_step, micro, args.compute_dtype, args.compile, max_new_tokens,
+                              ignore_eos)
 
         config = config_of(args.max_new_tokens)
         arms, engines, trl_steps = _sides(args, config, model, tmp, args.decode, args.ignore_eos, with_trl, profile)
         comparisons = [_comparison(config, args.ignore_eos, arms[args.decode[0]], trl_steps, args.repeat)]
         longer = None
         if args.also_new_tokens:  # both sides again, every completion args.also_new_tokens long, fewer steps
-            long_config = config_of(args.also_new_tokens, args.also_steps)
+            long_config = config_of(args.also_new_tokens, args.also_steps, ignore_eos=True)
             long_arms, long_engines, long_trl = _sides(args, long_config, model, tmp, args.decode[:1], True, with_trl)
             longer = {"max_new_tokens": args.also_new_tokens, "ignore_eos": True,
                       **_figures(long_arms[args.decode[0]], long_trl),
@@ -428,10 +441,12 @@ def _comparison(config, ignore_eos: bool, ours: list[dict], trl_steps: list[floa
     seconds, their ratio and our update's median seconds."""
     g = config.grpo
     figures = _figures(ours, trl_steps)
-    return {"max_new_tokens": g.max_new_tokens, "ignore_eos": ignore_eos, "micro_batch_size": g.micro_batch_size,
+    return {"max_new_tokens": g.max_new_tokens, "ignore_eos": ignore_eos, "overlong_filtering": g.overlong_filtering,
+            "micro_batch_size": g.micro_batch_size,
             "steps_measured_per_side": (g.max_steps - 1) * repeat, "ours_step_s": figures["ours_step_s"],
             "trl_step_s": figures["trl_step_s"], "speedup": figures["speedup"],
-            "ours_update_s": figures["phases_s"]["update_s"]}
+            "ours_update_s": figures["phases_s"]["update_s"],
+            "ours_rows_trained": statistics.median(s["rows_trained"] for s in ours)}
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -117,6 +117,7 @@ def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tm
     assert (default["max_new_tokens"], default["steps_measured_per_side"]) == (4, 1)
     assert (longer["max_new_tokens"], longer["ignore_eos"], longer["steps_measured_per_side"]) == (6, True, 1)
     assert longer["ours_step_s"] == line["longer"]["ours_step_s"] and longer["speedup"] is None
+    assert not longer["overlong_filtering"] and longer["ours_rows_trained"] == 32  # no row left out: none ends by itself
     profile = line["update_profile"]
     assert profile["optimize_step"]["count"] == 1 and profile["micro_batch"]["count"] == 4
     assert profile["clip_grad_norm"]["count"] == 1 and profile["optimizer_step"]["count"] == 1
