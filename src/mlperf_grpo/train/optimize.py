@@ -264,17 +264,16 @@ def optimize_step(
 def _run_passes(policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...],
                 passes: list[_Pass], settings: OptimizeSettings, divisor: torch.Tensor, sums: _Sums) -> None:
     """Forward and backward of every pass, gradients summed into the parameters' ``.grad``
-    (:class:`~mlperf_grpo.train.grad_accumulation.GradSum` where it may: one foreach add a pass)."""
+    (:class:`~mlperf_grpo.train.grad_accumulation.GradSum` where it may: a few foreach adds a pass)."""
     params = list(policy.parameters())
-    grad_sum = GradSum(params) if usable(params) and len(passes) > 1 else None
-    for index, one in enumerate(passes):
-        if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist in between
-            sync_after_micro_batch(policy, last=index == len(passes) - 1)
-        _micro_batch(policy, batch, on_device, one, settings, divisor, sums)
-        if grad_sum is not None:
-            grad_sum.take()
-    if grad_sum is not None:
-        grad_sum.restore()
+    summed = usable(params) and len(passes) > 1
+    with GradSum(params) if summed else contextlib.nullcontext() as grad_sum:
+        for index, one in enumerate(passes):
+            if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist
+                sync_after_micro_batch(policy, last=index == len(passes) - 1)
+            _micro_batch(policy, batch, on_device, one, settings, divisor, sums)
+            if grad_sum is not None:
+                grad_sum.take()
 
 
 @dataclass(frozen=True)
