@@ -59,7 +59,8 @@ lists every comparison side by side: its ``max_new_tokens``, ``micro_batch_size`
 steps measured, both sides' step seconds, ``speedup``, our ``update_s`` and the rows our
 update trained on (median ``global_valid_seqs``: with the overlong filter, the reference
 algorithm's, a completion that hit the limit leaves our loss, and is not run at all
-under ``grpo.micro_batch_tokens``; TRL trains on every row).
+under ``grpo.micro_batch_tokens``; TRL trains on every row: ``--overlong-filtering off``
+trains ours on every row too).
 
 TRL is not a dependency of this project. Install it beside, in its own environment
 (``pip install trl==1.16.0``, which pulls ``datasets``, ``dill``, ``multiprocess``,
@@ -128,11 +129,11 @@ def make_qwen3(shape: str, out: Path) -> Path:
 
 def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
                compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None,
-               ignore_eos: bool = False):
+               ignore_eos: bool = False, overlong_filtering: bool = True):
     """The trainer's config for this benchmark (also where TRL's prompts and reward come from).
     ``ignore_eos`` (no completion ends by itself): without the overlong filter, which would
     take every row out of our loss (and with ``micro_batch_tokens`` out of the passes), while
-    TRL trains on them all."""
+    TRL trains on them all; ``overlong_filtering`` False: without it too (every row trained, as TRL)."""
     data = {
         "seed": 1,
         "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype,
@@ -142,7 +143,7 @@ def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompt
     }
     if max_new_tokens is not None:
         data["grpo"]["max_new_tokens"] = max_new_tokens
-    if ignore_eos:
+    if ignore_eos or not overlong_filtering:
         data["grpo"]["overlong_filtering"] = False
     return parse_config(data, "grpo_step")
 
@@ -317,6 +318,8 @@ def main() -> None:
                         help="training steps per run of the --also-* comparisons (>= 2; step 1 left out)")
     parser.add_argument("--also-micro-batch-size", type=int,
                         help="also compare both sides with this many rows per pass (e.g. the GBS: one pass)")
+    parser.add_argument("--overlong-filtering", choices=("on", "off"), default="on",
+                        help="our grpo.overlong_filtering (on: the reference's; off: every row trained, as TRL)")
     parser.add_argument("--profile-update", action="store_true",
                         help="profile our last step's update (torch.profiler): launches, syncs, kernel time")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
@@ -351,7 +354,7 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         def config_of(max_new_tokens, steps=args.steps, micro=args.micro_batch_size, ignore_eos=args.ignore_eos):
             return run_config(model, dtype, args.device, args.max_trajectory_age_steps, steps,
                               args.num_prompts_per_step, micro, args.compute_dtype, args.compile, max_new_tokens,
-                              ignore_eos)
+                              ignore_eos, args.overlong_filtering == "on")
 
         config = config_of(args.max_new_tokens)
         arms, engines, trl_steps = _sides(args, config, model, tmp, args.decode, args.ignore_eos, with_trl, profile)

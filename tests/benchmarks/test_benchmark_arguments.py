@@ -88,10 +88,11 @@ def test_generation_benchmark_adds_the_cache_reads_to_the_proxy(tmp_path):
 
 def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     """--decode generate slots: ours trains once per arm, each arm's engines decode as
-    named (their describe() says so), with a rollout speedup per arm."""
+    named (their describe() says so), with a rollout speedup per arm; --overlong-filtering
+    off: every row trained."""
     done = subprocess.run([sys.executable, str(BENCHMARKS / "grpo_step.py"), "--no-trl", "--steps", "2", "--decode",
                            "generate", "slots", "--num-prompts-per-step", "2", "--micro-batch-size", "8",
-                           "--max-new-tokens", "8", "--max-trajectory-age-steps", "0"],
+                           "--max-new-tokens", "8", "--max-trajectory-age-steps", "0", "--overlong-filtering", "off"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     line = json.loads(done.stdout.splitlines()[-1])
@@ -99,6 +100,8 @@ def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     assert arms["generate"]["engine"] == ["transformers.generate"]
     assert arms["slots"]["engine"] == ["slot decoder (static KV cache, refilled slots)"]
     assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0
+    (compared,) = line["comparisons"]  # every row trained, those that hit the 8 tokens too
+    assert not compared["overlong_filtering"] and compared["ours_rows_trained"] == 32
 
 
 def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tmp_path):
