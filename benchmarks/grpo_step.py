@@ -4,6 +4,8 @@
                                    [--max-trajectory-age-steps 0|1] [--compute-dtype auto] [--compile auto|on|off] [--no-trl]
                                    [--model builtin:arithmetic-tiny | --model-shape qwen3-1.4b]
                                    [--decode auto|generate|slots ...] [--max-new-tokens T] [--ignore-eos]
+                                   [--also-new-tokens T] [--also-micro-batch-size M] [--also-steps 2]
+                                   [--profile-update]
 
 **Ours** trains the built-in arithmetic task with the reference algorithm
 (``rules.REFERENCE_ALGORITHM``: clip-higher, forced ratio, IS correction with
@@ -44,6 +46,21 @@ which goes first. Prints ONE JSON line: ``ours_step_s`` and ``trl_step_s`` (medi
 ``ours_train_step_time_s``: the median ``train_step_time``, for older figures),
 ``speedup`` = ``trl_step_s / ours_step_s`` (null without TRL) and ``phases_s``, our
 per-phase medians in seconds.
+
+More comparisons of both sides, each ``--also-steps`` steps a run (default 2: one
+measured step a run, so that a 256-token comparison stays short): ``--also-new-tokens T``
+with every completion ``T`` tokens long (our engine without EOS ids, TRL's
+``min_new_tokens``: the same tokens on both sides; ours without the overlong filter, as
+with ``--ignore-eos``: it would leave every such row out of our update while TRL trains
+on them; also under ``longer``), and
+``--also-micro-batch-size M`` with ``M`` rows a pass on both sides (the default compares
+at ``--micro-batch-size``, 64, as TRL's ``per_device_train_batch_size``). ``comparisons``
+lists every comparison side by side: its ``max_new_tokens``, ``micro_batch_size``,
+steps measured, both sides' step seconds, ``speedup``, our ``update_s`` and the rows our
+update trained on (median ``global_valid_seqs``: with the overlong filter, the reference
+algorithm's, a completion that hit the limit leaves our loss, and is not run at all
+under ``grpo.micro_batch_tokens``; TRL trains on every row: ``--overlong-filtering off``
+trains ours on every row too).
 
 TRL is not a dependency of this project. Install it beside, in its own environment
 (``pip install trl==1.16.0``, which pulls ``datasets``, ``dill``, ``multiprocess``,
@@ -111,8 +128,12 @@ def make_qwen3(shape: str, out: Path) -> Path:
 
 
 def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompts: int, micro: int,
-               compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None):
-    """The trainer's config for this benchmark (also where TRL's prompts and reward come from)."""
+               compute_dtype: str = "auto", compile_policy: str = "auto", max_new_tokens: int | None = None,
+               ignore_eos: bool = False, overlong_filtering: bool = True):
+    """The trainer's config for this benchmark (also where TRL's prompts and reward come from).
+    ``ignore_eos`` (no completion ends by itself): without the overlong filter, which would
+    take every row out of our loss (and with ``micro_batch_tokens`` out of the passes), while
+    TRL trains on them all; ``overlong_filtering`` False: without it too (every row trained, as TRL)."""
     data = {
         "seed": 1,
         "model": {"path": model, "dtype": dtype, "device": device, "compute_dtype": compute_dtype,
@@ -122,6 +143,8 @@ def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompt
     }
     if max_new_tokens is not None:
         data["grpo"]["max_new_tokens"] = max_new_tokens
+    if ignore_eos or not overlong_filtering:
+        data["grpo"]["overlong_filtering"] = False
     return parse_config(data, "grpo_step")
 
 
@@ -208,7 +231,8 @@ def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eo
         # everything else between steps count (train_step_time leaves them out)
         step_s = (stops_ms[i] - stops_ms[i - 1]) / 1000
         phases["other_s"] = step_s - sum(phases.values())
-        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases})
+        steps.append({"step_s": step_s, "train_step_time_s": s["train_step_time"], **phases,
+                      "rows_trained": s["global_valid_seqs"]})
     return steps
 
 
@@ -290,6 +314,12 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="the engine gets no EOS id: completions run to the limit")
     parser.add_argument("--also-new-tokens", type=int,
                         help="also compare both sides at this many new tokens, every completion that long")
+    parser.add_argument("--also-steps", type=int, default=2,
+                        help="training steps per run of the --also-* comparisons (>= 2; step 1 left out)")
+    parser.add_argument("--also-micro-batch-size", type=int,
+                        help="also compare both sides with this many rows per pass (e.g. the GBS: one pass)")
+    parser.add_argument("--overlong-filtering", choices=("on", "off"), default="on",
+                        help="our grpo.overlong_filtering (on: the reference's; off: every row trained, as TRL)")
     parser.add_argument("--profile-update", action="store_true",
                         help="profile our last step's update (torch.profiler): launches, syncs, kernel time")
     parser.add_argument("--trl-model-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
@@ -298,11 +328,13 @@ def main() -> None:
     bad = [f"{flag} {value}" for flag, value in (("--num-prompts-per-step", args.num_prompts_per_step),
                                                   ("--micro-batch-size", args.micro_batch_size),
                                                   ("--repeat", args.repeat), ("--max-new-tokens", args.max_new_tokens),
-                                                  ("--also-new-tokens", args.also_new_tokens))
+                                                  ("--also-new-tokens", args.also_new_tokens),
+                                                  ("--also-micro-batch-size", args.also_micro_batch_size))
            if value is not None and value < 1]
-    bad += [f"--steps {args.steps}"] if args.steps < 2 else []
+    bad += [f"{flag} {value}" for flag, value in (("--steps", args.steps), ("--also-steps", args.also_steps)) if value < 2]
     if bad:
-        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --steps >= 2 (step 1 is left out)\n")
+        parser.exit(2, f"{parser.prog}: error: {', '.join(bad)}: counts must be >= 1, --steps and --also-steps >= 2 "
+                       "(step 1 is left out)\n")
     try:
         main_measured(args, parser)
     except (ConfigError, ModelLoadError) as error:  # a model or shape the config refuses: one line, as the CLI's
@@ -319,20 +351,27 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if args.model_shape:
             model, dtype = str(make_qwen3(args.model_shape, tmp / args.model_shape)), "bfloat16"
 
-        def config_of(max_new_tokens):
-            return run_config(model, dtype, args.device, args.max_trajectory_age_steps, args.steps,
-                              args.num_prompts_per_step, args.micro_batch_size, args.compute_dtype, args.compile,
-                              max_new_tokens)
+        def config_of(max_new_tokens, steps=args.steps, micro=args.micro_batch_size, ignore_eos=args.ignore_eos):
+            return run_config(model, dtype, args.device, args.max_trajectory_age_steps, steps,
+                              args.num_prompts_per_step, micro, args.compute_dtype, args.compile, max_new_tokens,
+                              ignore_eos, args.overlong_filtering == "on")
 
         config = config_of(args.max_new_tokens)
         arms, engines, trl_steps = _sides(args, config, model, tmp, args.decode, args.ignore_eos, with_trl, profile)
+        comparisons = [_comparison(config, args.ignore_eos, arms[args.decode[0]], trl_steps, args.repeat)]
         longer = None
-        if args.also_new_tokens:  # both sides again, every completion args.also_new_tokens long
-            long_config = config_of(args.also_new_tokens)
+        if args.also_new_tokens:  # both sides again, every completion args.also_new_tokens long, fewer steps
+            long_config = config_of(args.also_new_tokens, args.also_steps, ignore_eos=True)
             long_arms, long_engines, long_trl = _sides(args, long_config, model, tmp, args.decode[:1], True, with_trl)
             longer = {"max_new_tokens": args.also_new_tokens, "ignore_eos": True,
                       **_figures(long_arms[args.decode[0]], long_trl),
                       "engine": sorted(set(long_engines[args.decode[0]]))}
+            comparisons.append(_comparison(long_config, True, long_arms[args.decode[0]], long_trl, args.repeat))
+        if args.also_micro_batch_size:  # both sides again, as many rows a pass as asked
+            rows_config = config_of(args.max_new_tokens, args.also_steps, args.also_micro_batch_size)
+            rows_arms, _, rows_trl = _sides(args, rows_config, model, tmp, args.decode[:1], args.ignore_eos, with_trl)
+            comparisons.append(_comparison(rows_config, args.ignore_eos, rows_arms[args.decode[0]], rows_trl,
+                                           args.repeat))
     ours = arms[args.decode[0]]
     print(json.dumps({
         "benchmark": "grpo_step",
@@ -352,6 +391,7 @@ def main_measured(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                         for d, steps in arms.items()},
         "rollout_speedup": {d: _ratio(statistics.median(s["rollout_s"] for s in arms[args.decode[0]]),
                                       statistics.median(s["rollout_s"] for s in steps)) for d, steps in arms.items()},
+        "comparisons": comparisons,
         **({"longer": longer} if longer is not None else {}),
         **({"update_profile": profile} if profile is not None else {}),
         "torch": torch.__version__,
@@ -397,6 +437,19 @@ def _figures(ours: list[dict], trl_steps: list[float]) -> dict:
         "speedup": None if trl_step_s is None else round(trl_step_s / ours_step_s, 4),
         "phases_s": _phases(ours),
     }
+
+
+def _comparison(config, ignore_eos: bool, ours: list[dict], trl_steps: list[float], repeat: int) -> dict:
+    """One comparison's line of ``comparisons``: its shape, both sides' median step
+    seconds, their ratio and our update's median seconds."""
+    g = config.grpo
+    figures = _figures(ours, trl_steps)
+    return {"max_new_tokens": g.max_new_tokens, "ignore_eos": ignore_eos, "overlong_filtering": g.overlong_filtering,
+            "micro_batch_size": g.micro_batch_size,
+            "steps_measured_per_side": (g.max_steps - 1) * repeat, "ours_step_s": figures["ours_step_s"],
+            "trl_step_s": figures["trl_step_s"], "speedup": figures["speedup"],
+            "ours_update_s": figures["phases_s"]["update_s"],
+            "ours_rows_trained": statistics.median(s["rows_trained"] for s in ours)}
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -41,6 +41,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: cannot write there"),
     ("evaluate.py", ["--dir", "/proc"], "--dir /proc: cannot make a folder there"),  # os.access says yes to root
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
+    ("grpo_step.py", ["--also-steps", "1", "--also-micro-batch-size", "0"], "--also-micro-batch-size 0, --also-steps 1"),
     ("grpo_step.py", ["--max-new-tokens", "100000", "--no-trl"], "over the model's context"),  # a ConfigError one
     ("grpo_step.py", ["--model", "/nonexistent", "--no-trl"], "not a local Hugging Face model directory"),
     pytest.param("evaluate.py", ["--device", "cuda"], "no CUDA device",
@@ -104,10 +105,11 @@ def test_generation_benchmark_adds_the_cache_reads_to_the_proxy(tmp_path):
 
 def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     """--decode generate slots: ours trains once per arm, each arm's engines decode as
-    named (their describe() says so), with a rollout speedup per arm."""
+    named (their describe() says so), with a rollout speedup per arm; --overlong-filtering
+    off: every row trained."""
     done = subprocess.run([sys.executable, str(BENCHMARKS / "grpo_step.py"), "--no-trl", "--steps", "2", "--decode",
                            "generate", "slots", "--num-prompts-per-step", "2", "--micro-batch-size", "8",
-                           "--max-new-tokens", "8", "--max-trajectory-age-steps", "0"],
+                           "--max-new-tokens", "8", "--max-trajectory-age-steps", "0", "--overlong-filtering", "off"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     line = json.loads(done.stdout.splitlines()[-1])
@@ -115,6 +117,8 @@ def test_grpo_step_benchmark_measures_each_decode_arm_with_its_engine(tmp_path):
     assert arms["generate"]["engine"] == ["transformers.generate"]
     assert arms["slots"]["engine"] == ["slot decoder (KV cache grown to the rows' lengths, refilled slots)"]
     assert set(line["rollout_speedup"]) == {"generate", "slots"} and line["rollout_speedup"]["generate"] == 1.0
+    (compared,) = line["comparisons"]  # every row trained, those that hit the 8 tokens too
+    assert not compared["overlong_filtering"] and compared["ours_rows_trained"] == 32
 
 
 def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tmp_path):
@@ -129,6 +133,22 @@ def test_grpo_step_benchmark_compares_a_longer_length_and_profiles_the_update(tm
     line = json.loads(done.stdout.splitlines()[-1])
     assert line["max_new_tokens"] == 4 and line["longer"]["max_new_tokens"] == 6 and line["longer"]["ignore_eos"]
     assert line["longer"]["ours_step_s"] > 0 and line["longer"]["trl_step_s"] is None
+    default, longer = line["comparisons"]  # side by side; the longer one with --also-steps 2: one step measured
+    assert (default["max_new_tokens"], default["steps_measured_per_side"]) == (4, 1)
+    assert (longer["max_new_tokens"], longer["ignore_eos"], longer["steps_measured_per_side"]) == (6, True, 1)
+    assert longer["ours_step_s"] == line["longer"]["ours_step_s"] and longer["speedup"] is None
+    assert not longer["overlong_filtering"] and longer["ours_rows_trained"] == 32  # no row left out: none ends by itself
     profile = line["update_profile"]
     assert profile["optimize_step"]["count"] == 1 and profile["micro_batch"]["count"] == 4
     assert profile["clip_grad_norm"]["count"] == 1 and profile["optimizer_step"]["count"] == 1
+
+
+def test_update_ops_benchmark_counts_the_operations_of_each_pass(tmp_path):
+    """The smallest run: 16 rows at micro-batch 8 are 2 passes; the eager policy is its own baseline."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "update_ops.py"), "--prompts", "1", "--micro-batch-size",
+                           "8", "--top", "3"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["passes"] == 2 and line["compute_ops_per_pass"] > 0 and line["compute_ops"] > 2 * 100
+    assert line["compute_ops_per_pass_over_eager"] == 1.0 and len(line["top_compute_ops_per_pass"]) == 3
+    assert line["entropy"] > 0 and line["compute_ops_per_pass_over_baseline"] is None

@@ -16,6 +16,8 @@ A log-prob moves at most 2 max|dz| / T when its logits move by dz (its gradient 
 gradient is -p_v (log p_v + H) / T).
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -113,3 +115,36 @@ def test_head_refuses_misshaped_targets():
     with pytest.raises(ValueError, match="targets"):
         policy_token_logprobs(policy, torch.zeros(2, 3, dtype=torch.long), 1.0, 8, input_ids=torch.zeros(2, 4, dtype=torch.long))
     assert isinstance(policy.lm_head, torch.nn.Linear)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on the CPU needs a C compiler")
+@pytest.mark.parametrize("chunk", [8, 100])
+def test_compiled_chunks_give_the_eager_logprobs_entropy_and_gradients(chunk):
+    # compiled=True (a compiled policy's loss pass): the same formula through inductor, inside
+    # the checkpointed chunks too. Each value passes a handful of float32 roundings (shift,
+    # exp, sum, log, product), each within a few ulp in either: 64 u of its scale, the
+    # scale of a log-prob |logp| + ln V, of an entropy H + ln V; the gradient of the logits,
+    # G = (onehot - p) / T, within 64 u of (onehot + p) / T each, reaches the hidden states
+    # and the weight through the same GEMMs: 64 u (onehot + p) / T |W| and its transpose |h|
+    torch.manual_seed(4)
+    n, h, v, temperature = 37, 16, 50, 0.7
+    linear = torch.nn.Linear(h, v, bias=False)
+    hidden = torch.randn(n, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    results = []
+    for compiled in (False, True):
+        linear.zero_grad()
+        hidden.grad = None
+        logp, entropy = chunked_token_stats(hidden, linear, targets, temperature, chunk, "detached", compiled)
+        logp.sum().backward()
+        assert not entropy.requires_grad
+        results.append((logp.detach(), entropy, hidden.grad.clone(), linear.weight.grad.clone()))
+    (lp_e, h_e, dh_e, dw_e), (lp_c, h_c, dh_c, dw_c) = results
+    log_v = torch.log(torch.tensor(float(v)))
+    assert ((lp_c - lp_e).abs() <= 64 * U * (lp_e.abs() + log_v)).all()
+    assert ((h_c - h_e).abs() <= 64 * U * (h_e + log_v)).all()
+    with torch.no_grad():
+        g = (torch.nn.functional.one_hot(targets, v) + torch.softmax(linear(hidden) / temperature, -1)) / temperature
+        bound_dh, bound_dw = 64 * U * g @ linear.weight.abs(), 64 * U * g.T @ hidden.abs()
+    assert ((dh_c - dh_e).abs() <= bound_dh).all() and ((dw_c - dw_e).abs() <= bound_dw).all()

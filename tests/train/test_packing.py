@@ -79,6 +79,7 @@ def _assert_same_update(a, b):
     (ra, ua), (rb, ub) = a, b
     assert ra.num_valid_tokens == rb.num_valid_tokens and ra.num_valid_sequences == rb.num_valid_sequences
     assert abs(ra.loss - rb.loss) < 1e-6
+    assert abs(ra.entropy_mean - rb.entropy_mean) < 1e-6 and ra.entropy_mean > 0  # the packed positions' too
     for name in ua:  # float32 sums of the same terms in another order (as the accumulation test)
         torch.testing.assert_close(ua[name], ub[name], rtol=1e-5, atol=1e-6)
 
@@ -130,6 +131,10 @@ def test_two_prompts_a_step_train_with_the_default_micro_batches(tmp_path):
     config = {"grpo": {"num_prompts_per_step": 2, "max_steps": 1, "first_eval_step": 1}, "validation": {"num_tasks": 20}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "r")]) == 0
+    from mlperf_grpo.logs.mllog import read_log
+
+    (stats,) = [e.value for e in read_log(tmp_path / "r" / "mlperf.log").find("tracked_stats")]
+    assert 0 < stats["entropy"] < 3  # nats: at most ln V (the built-in model's 15 tokens: 2.7)
 
 
 def test_a_step_whose_rows_are_all_left_out_runs_no_pass_and_changes_nothing():

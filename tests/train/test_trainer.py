@@ -307,3 +307,67 @@ def test_truncated_completions_are_those_without_eos():
     assert batch.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.num_tokens == 2 + 1  # the kept rows' completion tokens: [4, 2] and [2]
     assert build_batch(groups, torch.zeros(2, 2), torch.zeros(2, 2), 0, [2]).num_tokens == 2 + 3 + 1 + 1  # [2, 4] ends at 2
+
+
+def test_right_padded_rows_score_the_same_without_an_attention_mask():
+    # below float32 the loss pass drops the mask of right-padded rows (optimize._curr_logprobs):
+    # causal attention already keeps each real position off the padding after it. Float32
+    # here: the same values up to the attention kernel's summation order (a handful of
+    # float32 terms: rtol 1e-5)
+    from mlperf_grpo.train.grpo import token_logprobs
+
+    batch = _batch()
+    assert (batch.attention_mask[:, :-1] >= batch.attention_mask[:, 1:]).all()  # right-padded
+    policy = load_model(MODEL, "float32")
+    ids, mask = batch.input_ids, batch.completion_mask
+    with torch.no_grad():
+        masked = token_logprobs(policy(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1],
+                                ids[:, 1:], 1.0)
+        unmasked = token_logprobs(policy(input_ids=ids).logits[:, :-1], ids[:, 1:], 1.0)
+    torch.testing.assert_close(unmasked * mask, masked * mask, rtol=1e-5, atol=1e-6)
+    assert (batch.attention_mask[:, -1] == 0).any()  # some rows are padded
+
+
+def test_the_prepared_causal_mask_mapping_is_no_mask_bit_for_bit():
+    # a Qwen3 policy (every layer full_attention) gets {"full_attention": None} as its mask
+    # (optimize.causal_mask_argument): transformers skips building a mask, the same bits as none
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mlperf_grpo.train.optimize import causal_mask_argument
+
+    torch.manual_seed(0)
+    policy = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert causal_mask_argument(policy) == {"full_attention": None}
+    assert causal_mask_argument(load_model(MODEL, "float32")) is None  # Llama: no layer_types, no mapping taken
+    ids = torch.randint(0, 32, (3, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(policy(input_ids=ids, attention_mask=causal_mask_argument(policy)).logits,
+                           policy(input_ids=ids).logits)
+
+
+def test_the_reported_entropy_is_the_full_softmax_entropy_of_the_loss_tokens():
+    # OptimizeResult.entropy_mean: the token mean over the loss mask of -sum_v p_v log p_v at
+    # the rollout temperature, from the loss pass. Expected, independently: float64 softmax
+    # entropies of the policy's own logits (one pass of the whole batch: the same GEMM, the
+    # same float32 logits). Tolerance (u = 2^-24): float32 log_softmax puts each log-prob
+    # l_v within e = u (2 max|l| + 2 ln V + V + 4) (the shift, V exps summed, the log);
+    # exp, product and the V-term sum then give |dH| <= e (1 + H) + (3 u + gamma_V) H per
+    # position; the masked n-term float32 sum adds gamma_n sum H.
+    batch = _batch()
+    policy = load_model(MODEL, "float32")
+    with torch.no_grad():
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].double()
+    logp = torch.log_softmax(logits / 0.8, dim=-1)  # [B, L-1, V]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, L-1]
+    mask = batch.loss_mask.double()
+    expected = (entropy * mask).sum() / mask.sum()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    result = optimize_step(policy, opt, batch, OptimizeSettings(64, 0.8, PGLossOptions(), 1e9))
+    u, v, n = 2.0**-24, logits.shape[-1], int(mask.sum())
+    gamma = lambda k: k * u / (1 - k * u)  # noqa: E731
+    e = u * (2 * logp.abs().amax(-1) + 2 * torch.log(torch.tensor(float(v))) + v + 4)  # [B, L-1]
+    per_position = e * (1 + entropy) + (3 * u + gamma(v)) * entropy
+    bound = ((per_position * mask).sum() + gamma(n) * (entropy * mask).sum()) / mask.sum()
+    assert 0 < expected.item() <= torch.log(torch.tensor(float(v))).item()
+    assert abs(result.entropy_mean - expected.item()) <= bound.item()

@@ -92,7 +92,7 @@ def test_optimize_settings_of_a_config():
     assert OptimizeSettings.of(config, compiled=True) == OptimizeSettings(
         4, g.rollout_temperature, PGLossOptions.of(g), config.gradient_clip_norm, g.seq_logprob_error_threshold,
         g.needs_prev_logprobs, torch.bfloat16, width_multiple=8, reshard_every_micro_batch=False,
-        micro_batch_tokens=g.micro_batch_tokens)
-    assert OptimizeSettings.of(config).width_multiple == 1
+        micro_batch_tokens=g.micro_batch_tokens, compile_loss=True)
+    assert OptimizeSettings.of(config).width_multiple == 1 and not OptimizeSettings.of(config).compile_loss
     with pytest.raises(ValueError, match="needs the prev log-probs"):
         OptimizeSettings(4, 1.0, PGLossOptions(), 1.0, seq_logprob_error_threshold=2.0)

@@ -39,19 +39,37 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> 
 
 
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+                 temperature: float, with_entropy: bool | str) -> tuple[torch.Tensor, ...]:
     """``(logp, [entropy])`` of ``targets`` ``[n]`` under ``softmax(linear(hidden) / temperature)``,
-    float32 ``[n]`` each; ``hidden`` ``[n, H]``. The linear runs in the ambient autocast dtype."""
+    float32 ``[n]`` each; ``hidden`` ``[n, H]``. The linear runs in the ambient autocast dtype.
+    ``with_entropy`` ``"detached"``: the entropy without gradient (nothing of it in the backward)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)  # [n, V]
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [n, V]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
     if not with_entropy:
         return (logp,)
+    if with_entropy == "detached":
+        with torch.no_grad():
+            return logp, -(logp_all.exp() * logp_all).sum(dim=-1)
     return logp, -(logp_all.exp() * logp_all).sum(dim=-1)  # H = -sum_v p_v log p_v
 
 
+_COMPILED: list = []
+
+
+def _stats_function(compiled: bool):
+    """:func:`_token_stats`, or it under ``torch.compile`` (dynamic shapes; compiled once a
+    process): the log-softmax, the gather and the entropy fused into a few kernels."""
+    if not compiled:
+        return _token_stats
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_token_stats, dynamic=True))
+    return _COMPILED[0]
+
+
 def chunked_token_stats(hidden: torch.Tensor, linear: torch.nn.Linear, targets: torch.Tensor, temperature: float,
-                        chunk_tokens: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        chunk_tokens: int, with_entropy: bool | str = False,
+                        compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(linear(hidden) / temperature)``.
 
     Args:
@@ -60,7 +78,9 @@ def chunked_token_stats(hidden: torch.Tensor, linear: torch.nn.Linear, targets: 
         targets: ``[...]`` token ids, one per position of ``hidden``.
         chunk_tokens: positions per chunk; more than this many are computed a chunk at a
             time, each checkpointed (recomputed in the backward).
-        with_entropy: also the entropy ``-sum_v p_v log p_v`` of each position's distribution.
+        with_entropy: also the entropy ``-sum_v p_v log p_v`` of each position's distribution
+            (``"detached"``: without gradient).
+        compiled: each chunk's head, log-softmax, gather and entropy under ``torch.compile``.
     Returns:
         ``(logp, entropy)``: float32 ``[...]``; ``entropy`` None without ``with_entropy``.
     """
@@ -69,12 +89,16 @@ def chunked_token_stats(hidden: torch.Tensor, linear: torch.nn.Linear, targets: 
     flat_targets = targets.reshape(-1)  # [N]
     n = flat_targets.shape[0]
     args = (linear.weight, linear.bias)
+    stats = _stats_function(compiled)
     if n <= chunk_tokens:
-        parts = [_token_stats(flat_hidden, *args, flat_targets, temperature, with_entropy)]
+        parts = [stats(flat_hidden, *args, flat_targets, temperature, with_entropy)]
     else:
-        parts = [checkpoint(_token_stats, flat_hidden[i:i + chunk_tokens], *args, flat_targets[i:i + chunk_tokens],
+        parts = [checkpoint(stats, flat_hidden[i:i + chunk_tokens], *args, flat_targets[i:i + chunk_tokens],
                             temperature, with_entropy, use_reentrant=False)
                  for i in range(0, n, chunk_tokens)]
+    if len(parts) == 1:  # no copy
+        logp, entropy = parts[0][0].view(shape), parts[0][1].view(shape) if with_entropy else None
+        return logp, entropy
     logp = torch.cat([p[0] for p in parts]).view(shape)
     entropy = torch.cat([p[1] for p in parts]).view(shape) if with_entropy else None
     return logp, entropy
@@ -82,22 +106,24 @@ def chunked_token_stats(hidden: torch.Tensor, linear: torch.nn.Linear, targets: 
 
 class LogprobHead(torch.nn.Module):
     """Stands in for a causal LM's ``lm_head`` during one forward call
-    (:func:`policy_token_logprobs`): returns ``[..., 1]`` log-probs of :attr:`targets`, or
-    ``[..., 2]`` log-prob and entropy, instead of ``[..., V]`` logits."""
+    (:func:`policy_token_logprobs`): returns ``[..., 1]`` log-probs of :attr:`targets`
+    instead of ``[..., V]`` logits, and keeps the entropy of each position in
+    :attr:`entropy` (with ``with_entropy``; None otherwise)."""
 
     def __init__(self, linear: torch.nn.Linear, targets: torch.Tensor, temperature: float, chunk_tokens: int,
-                 with_entropy: bool) -> None:
+                 with_entropy: bool | str, compiled: bool = False) -> None:
         super().__init__()
         self.linear = linear
-        self.targets, self.temperature, self.chunk_tokens, self.with_entropy = (
-            targets, temperature, chunk_tokens, with_entropy)
+        self.targets, self.temperature, self.chunk_tokens, self.with_entropy, self.compiled = (
+            targets, temperature, chunk_tokens, with_entropy, compiled)
+        self.entropy: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != self.targets.shape:
             raise ValueError(f"the head got hidden states {tuple(hidden.shape)} for targets {tuple(self.targets.shape)}")
-        logp, entropy = chunked_token_stats(hidden, self.linear, self.targets, self.temperature, self.chunk_tokens,
-                                            self.with_entropy)
-        return torch.stack([logp, entropy], dim=-1) if entropy is not None else logp.unsqueeze(-1)
+        logp, self.entropy = chunked_token_stats(hidden, self.linear, self.targets, self.temperature,
+                                                 self.chunk_tokens, self.with_entropy, self.compiled)
+        return logp.unsqueeze(-1)  # its backward a view: no kernel
 
 
 @contextlib.contextmanager
@@ -114,7 +140,7 @@ def _head_swapped(policy: torch.nn.Module, head: LogprobHead) -> Iterator[None]:
 
 def policy_token_logprobs(
     policy: torch.nn.Module, targets: torch.Tensor, temperature: float, chunk_tokens: int,
-    with_entropy: bool = False, **inputs: object,
+    with_entropy: bool | str = False, compiled: bool = False, **inputs: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``policy(**inputs)``'s log-probs of ``targets`` (and entropy), never its full logits.
 
@@ -124,6 +150,7 @@ def policy_token_logprobs(
             ``logits_to_keep=k`` (``[B, T]`` for 0) or a 1-D tensor of ``k`` positions.
         temperature: the log-probs are of ``softmax(logits / temperature)``.
         chunk_tokens: see :func:`chunked_token_stats` (:func:`chunk_tokens_for`).
+        with_entropy, compiled: see :func:`chunked_token_stats`.
         inputs: the forward's keyword arguments (``input_ids``, ``attention_mask``,
             ``position_ids``, ``logits_to_keep``).
     Returns:
@@ -135,7 +162,7 @@ def policy_token_logprobs(
     linear = getattr(policy, "lm_head", None)
     if not isinstance(linear, torch.nn.Linear):
         raise ValueError(f"{type(policy).__name__} has no lm_head linear layer to score tokens with")
-    head = LogprobHead(linear, targets, temperature, chunk_tokens, with_entropy)
+    head = LogprobHead(linear, targets, temperature, chunk_tokens, with_entropy, compiled)
     with _head_swapped(policy, head):
-        out = policy(**inputs).logits  # [..., 1 or 2]
-    return out[..., 0], out[..., 1] if with_entropy else None
+        out = policy(**inputs).logits  # [..., 1]
+    return out.squeeze(-1), head.entropy

@@ -113,7 +113,8 @@ def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats
     ``policy_training_time``, ``generation_time``, ``exposed_generation_time``,
     ``weight_sync_time``; times in seconds) plus ours (``rollout_weights_version``,
     ``num_sequences_masked_by_is``, ``reward_timeouts``: completions whose verification
-    timed out and scored 0). Metadata: ``samples_count`` and ``step``, as NeMo-RL.
+    timed out and scored 0, ``entropy``: the policy's token-mean entropy over the loss's
+    tokens before the update, in nats). Metadata: ``samples_count`` and ``step``, as NeMo-RL.
     """
     log.event("tracked_stats", stats, metadata={C.SAMPLES_COUNT: rules.samples_count(step, global_batch_size), "step": step})
     log.commit(durable=False)

@@ -21,13 +21,11 @@ from mlperf_grpo.inference.base import Completion
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
-from mlperf_grpo.train.grpo import (
-    PGLossOptions,
-    clipped_pg_loss_sum,
-    seq_logprob_error_keep,
-)
+from mlperf_grpo.train.grad_accumulation import GradSum, usable
+from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
 from mlperf_grpo.train.packing import PackedInputs, packed_inputs, split_to_count, token_budget_micro_batches
+from mlperf_grpo.train.pass_loss import STATS, PassLossSettings, loss_function
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
 
@@ -55,6 +53,9 @@ class OptimizeResult:
     num_sequences_masked_by_logprob_error: int
     importance_weight_mean: float
     """Mean IS weight over valid tokens (1 without the correction)."""
+    entropy_mean: float = 0.0
+    """Token-mean entropy (nats) of the policy's distributions at the rollout temperature
+    over the valid tokens, from the loss pass (before the update; no gradient)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class OptimizeSettings:
     logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
     """The loss pass's log-probs are computed this many bytes of float32 logits at a time
     (:func:`~mlperf_grpo.train.logprobs.chunk_tokens_for`), never the micro-batch's whole."""
+    compile_loss: bool = False
+    """The head's log-softmax and the loss of each pass run under ``torch.compile``
+    (:mod:`~mlperf_grpo.train.pass_loss`): a compiled policy's passes then launch a few
+    fused kernels for them instead of some 150 (the same math, other kernels)."""
 
     def __post_init__(self) -> None:
         if self.seq_logprob_error_threshold is not None and not self.needs_prev_logprobs:
@@ -121,8 +126,13 @@ class OptimizeSettings:
             g.seq_logprob_error_threshold, g.needs_prev_logprobs, DTYPES[config.model.train_compute_dtype],
             width_multiple=COMPILED_WIDTH_MULTIPLE if compiled else 1,
             reshard_every_micro_batch=config.distributed.reshard_every_micro_batch,
-            micro_batch_tokens=g.micro_batch_tokens,
+            micro_batch_tokens=g.micro_batch_tokens, compile_loss=compiled,
         )
+
+    @property
+    def pass_loss(self) -> PassLossSettings:
+        """What :func:`~mlperf_grpo.train.pass_loss.pass_loss` needs of these settings."""
+        return PassLossSettings(self.options, self.seq_logprob_error_threshold, self.needs_prev_logprobs)
 
 
 def training_batch(
@@ -164,12 +174,15 @@ def compute_autocast(device: torch.device, compute_dtype: torch.dtype) -> contex
 
 
 class _Sums:
-    """The step's running sums, float64 scalars on the device (the same sums as Python
-    floats of each micro-batch's values; read back once, after the optimizer step)."""
+    """The step's running sums, float64 on the device: :data:`~mlperf_grpo.train.pass_loss.STATS`
+    of each pass added (the same sums as Python floats of each pass's values; read back
+    once, after the optimizer step)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.loss, self.weight, self.masked_by_is, self.masked_by_error, self.tokens, self.sequences = (
-            torch.zeros((), dtype=torch.float64, device=device) for _ in range(6))
+        self.values = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.values[STATS.index(name)]
 
 
 def optimize_step(
@@ -215,28 +228,27 @@ def optimize_step(
     # the global batch's valid tokens (summed over ranks); with the filter known only after the loop
     num_valid_tokens = 0 if filtered else int(collectives.all_reduce_sum([mask.sum().item()])[0])
     loss_divisor = max(num_valid_tokens, 1)
+    divisor = torch.tensor(float(loss_divisor), device=device)  # a tensor: a compiled loss sees no new constant
     sums = _Sums(device)
     # to the device once a step (a copy from pageable host memory waits for the device)
     on_device = tuple(t.to(device) for t in (
         batch.input_ids, batch.attention_mask, mask, batch.rollout_logprobs, batch.advantages, batch.sample_mask))
-    passes = _passes(batch, settings, packable(policy), device)
-    for index, one in enumerate(passes):
-        if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist in between
-            sync_after_micro_batch(policy, last=index == len(passes) - 1)
-        _micro_batch(policy, batch, on_device, one, settings, loss_divisor, sums)
+    _run_passes(policy, batch, on_device, _passes(batch, settings, packable(policy), device), settings, divisor, sums)
     if filtered:
-        num_valid_tokens = int(collectives.all_reduce_sum([sums.tokens.item()])[0])  # the global batch's
+        num_valid_tokens = int(collectives.all_reduce_sum([sums["tokens"].item()])[0])  # the global batch's
         loss_divisor = max(num_valid_tokens, 1)
         grads = [p.grad for p in policy.parameters() if p.grad is not None]
         if grads:  # none when no row was run (every one left out by sample_mask)
             torch._foreach_div_(grads, float(loss_divisor))
-        sums.loss /= loss_divisor
+        sums["loss"].div_(loss_divisor)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip_norm)
     optimizer.step()
     policy.eval()
     grad_norm = collectives.full_value(grad_norm)  # over all shards
-    local = torch.stack([sums.loss, sums.weight, sums.masked_by_is, sums.masked_by_error, sums.sequences]).tolist()
-    loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences = collectives.all_reduce_sum(local)
+    local = sums.values[[STATS.index(k) for k in ("loss", "importance_weight_sum", "masked_by_is", "masked_by_error",
+                                                   "sequences", "entropy_sum")]].tolist()
+    loss_total, weight_sum, masked_by_is, masked_by_error, kept_sequences, entropy_sum = (
+        collectives.all_reduce_sum(local))
     return OptimizeResult(
         loss=loss_total,
         grad_norm=grad_norm,
@@ -245,7 +257,23 @@ def optimize_step(
         num_sequences_masked_by_is=int(masked_by_is),
         num_sequences_masked_by_logprob_error=int(masked_by_error),
         importance_weight_mean=weight_sum / loss_divisor,
+        entropy_mean=entropy_sum / loss_divisor,
     )
+
+
+def _run_passes(policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...],
+                passes: list[_Pass], settings: OptimizeSettings, divisor: torch.Tensor, sums: _Sums) -> None:
+    """Forward and backward of every pass, gradients summed into the parameters' ``.grad``
+    (:class:`~mlperf_grpo.train.grad_accumulation.GradSum` where it may: a few foreach adds a pass)."""
+    params = list(policy.parameters())
+    summed = usable(params) and len(passes) > 1
+    with GradSum(params) if summed else contextlib.nullcontext() as grad_sum:
+        for index, one in enumerate(passes):
+            if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist
+                sync_after_micro_batch(policy, last=index == len(passes) - 1)
+            _micro_batch(policy, batch, on_device, one, settings, divisor, sums)
+            if grad_sum is not None:
+                grad_sum.take()
 
 
 @dataclass(frozen=True)
@@ -269,6 +297,18 @@ def packable(policy: torch.nn.Module) -> bool:
     recurrent state would run from one packed row into the next)."""
     config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
     return "linear_attention" not in (getattr(config, "layer_types", None) or [])
+
+
+def causal_mask_argument(policy: torch.nn.Module) -> dict | None:
+    """The ``attention_mask`` a right-padded pass gives the policy below float32: none,
+    which causal attention needs none of for the real positions (see :func:`_curr_logprobs`).
+    For a model whose layers are all ``full_attention`` (``config.layer_types``), as the
+    mask mapping ``transformers`` would build itself (``{"full_attention": None}``): it
+    then skips building it, whose packed-sequence check of the position ids reads the
+    device once a pass."""
+    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
+    layer_types = getattr(config, "layer_types", None)
+    return {"full_attention": None} if layer_types and set(layer_types) == {"full_attention"} else None
 
 
 def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device: torch.device) -> list[_Pass]:
@@ -303,60 +343,56 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
 
 
 def _curr_logprobs(policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], one: _Pass,
-                   settings: OptimizeSettings) -> tuple[torch.Tensor, int]:
-    """``(curr, start)``: the policy's ``[mb, width-1-start]`` float32 log-probs of each
-    row's next tokens from column ``start`` on, with gradient (0 where a packed pass
-    scores nothing)."""
+                   settings: OptimizeSettings) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(curr, entropy, start)``: the policy's float32 log-probs of each row's next tokens
+    from column ``start`` on, with gradient, and the entropy of each position's
+    distribution, without (0 where a packed pass scores nothing); ``[mb, width-1-start]``,
+    right-padded rows one column more (the last row position's, which predicts nothing)."""
     input_ids, attention_mask = on_device[0], on_device[1]
     chunk = chunk_tokens_for(policy.lm_head.out_features, settings.logits_chunk_bytes)
     packed = one.packed
     if packed is not None:
         with compute_autocast(input_ids.device, settings.compute_dtype):
-            flat, _ = policy_token_logprobs(policy, packed.targets, settings.temperature, chunk,
-                                            input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                            logits_to_keep=packed.select, use_cache=False)  # [1, n]
+            flat, entropy = policy_token_logprobs(policy, packed.targets, settings.temperature, chunk, "detached",
+                                                  settings.compile_loss, input_ids=packed.input_ids,
+                                                  position_ids=packed.position_ids, logits_to_keep=packed.select,
+                                                  use_cache=False)  # [1, n]
         curr = torch.zeros(packed.padded_select.shape, dtype=flat.dtype, device=flat.device)
-        return curr.masked_scatter(packed.padded_select, flat[0]), 0
+        return (curr.masked_scatter(packed.padded_select, flat[0]),
+                torch.zeros_like(curr).masked_scatter(packed.padded_select, entropy[0]), 0)
     ids = input_ids[one.rows, :one.width]
     # Logits from the first completion column on (earlier ones would only score prompt
     # tokens); float32 keeps every position's, the bits the built-in calibration was made with.
     start = 0 if settings.compute_dtype == torch.float32 else batch.first_completion_column(
         one.rows if one.host_rows is None else one.host_rows)
     targets = torch.nn.functional.pad(ids[:, start + 1:], (0, 1))  # [mb, width-start]: the last predicts nothing
+    # Right-padded rows need no attention mask below float32: causal attention keeps every real
+    # position off the padding after it, and without a mask transformers builds none (its
+    # check of the mask reads the device twice a pass) and SDPA may take its causal flash kernel.
+    rows_mask = attention_mask[one.rows, :one.width] if settings.compute_dtype == torch.float32 else (
+        causal_mask_argument(policy))
     with compute_autocast(input_ids.device, settings.compute_dtype):
-        curr, _ = policy_token_logprobs(policy, targets, settings.temperature, chunk, input_ids=ids,
-                                        attention_mask=attention_mask[one.rows, :one.width],
-                                        logits_to_keep=one.width - start)
-    return curr[:, :-1], start  # [mb, width-1-start]
+        curr, entropy = policy_token_logprobs(policy, targets, settings.temperature, chunk, "detached",
+                                              settings.compile_loss, input_ids=ids, attention_mask=rows_mask,
+                                              logits_to_keep=one.width - start)
+    return curr, entropy, start  # [mb, width-start]
 
 
 def _micro_batch(
     policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...], one: _Pass,
-    settings: OptimizeSettings, loss_divisor: int, sums: _Sums,
+    settings: OptimizeSettings, divisor: torch.Tensor, sums: _Sums,
 ) -> None:
     """Forward and backward of one micro-batch, its sums added to ``sums``; see
-    :func:`optimize_step`."""
+    :func:`optimize_step` and :func:`~mlperf_grpo.train.pass_loss.pass_loss`."""
     _, _, token_mask, rollout_logprobs, advantages, sample_mask = on_device
     rows, width = one.rows, one.width
-    curr, start = _curr_logprobs(policy, batch, on_device, one, settings)
+    curr, entropy, start = _curr_logprobs(policy, batch, on_device, one, settings)
     cols = slice(start, width - 1)
-    generation = rollout_logprobs[rows, cols]
     rows_mask = token_mask[rows, cols]
     rows_kept = sample_mask[rows]  # [mb]
     if one.empty:
         rows_mask, rows_kept = rows_mask * 0, rows_kept * 0
-    options = settings.options
-    prev = curr.detach() if settings.needs_prev_logprobs else None if options.force_on_policy_ratio else generation
-    if settings.seq_logprob_error_threshold is not None:
-        keep, _ = seq_logprob_error_keep(prev, generation, rows_mask, settings.seq_logprob_error_threshold)
-        sums.masked_by_error += ((keep == 0) & (rows_mask.sum(dim=-1) > 0)).sum()
-        rows_mask = rows_mask * keep.unsqueeze(1)
-        rows_kept = rows_kept * keep
-        sums.tokens += rows_mask.sum()
-    sums.sequences += rows_kept.sum()
-    part = clipped_pg_loss_sum(curr, prev, generation, advantages[rows], rows_mask, options)
-    loss = part.loss / loss_divisor
+    loss, stats = loss_function(settings.compile_loss)(curr, entropy, rollout_logprobs[rows, cols], rows_mask,
+                                                        rows_kept, advantages[rows], divisor, settings.pass_loss)
     loss.backward()
-    sums.loss += loss.detach()
-    sums.weight += part.importance_weight_sum
-    sums.masked_by_is += part.num_sequences_masked_by_is
+    sums.values += stats

@@ -87,6 +87,9 @@ class StepStats:
     reward_timeouts: int = 0
     """Completions (all ranks) whose verification timed out and scored 0
     (``grpo.max_reward_timeout_share``)."""
+    entropy: float = 0.0
+    """Token-mean entropy (nats) of the policy over the loss's tokens, before the update
+    (:attr:`~mlperf_grpo.train.optimize.OptimizeResult.entropy_mean`)."""
 
 
 @dataclass
@@ -295,6 +298,7 @@ class Trainer:
             "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
             "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
             "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is, "reward_timeouts": timeouts,
+            "entropy": optimized.entropy_mean,
         })
         self.completed, self.completed_ms = step, block_stop_ms
         return StepStats(
@@ -307,6 +311,7 @@ class Trainer:
             rollout_weights_version=rollouts.weights_version,
             num_sequences_masked_by_is=optimized.num_sequences_masked_by_is,
             reward_timeouts=timeouts,
+            entropy=optimized.entropy_mean,
         )
 
     def after_step(self, stats: StepStats) -> bool:
