@@ -22,7 +22,7 @@ context, random weights, the default config otherwise (``grpo.micro_batch_tokens
   measured without the KV cache, against the planner's figure without it.
 
 Prints one JSON line per case: ``peak_gib``, ``planned_gib``, their ratio, ``checkpointing``,
-``step_s`` or ``update_s``, ``refusal``.
+``step_s`` or ``update_s``, ``refusal``. Bad arguments: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
+from generation import bad_input
 from grpo_step import SHAPES, engine_decode
 from mlperf_grpo import rules
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.plan.memory import MemoryPlanError
 from mlperf_grpo.logs.mllog import read_log
@@ -206,6 +210,29 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
     return out
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """A bad argument: one line naming it (:func:`generation.bad_input`, exit 2), before the
+    model is built."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        bad_input("--device cuda but no CUDA device is available; use --device cpu")
+    for case in args.cases:
+        match = re.fullmatch(r"(\d+)x(\d+)", case)
+        rows, new = (int(x) for x in match.groups()) if match else (0, 0)
+        if new < 1 or rows < 2 or (rows > rules.NUM_GENERATIONS_PER_PROMPT and rows % rules.NUM_GENERATIONS_PER_PROMPT):
+            bad_input(f"--cases {case}: must be ROWSxNEW_TOKENS, NEW_TOKENS >= 1 and ROWS 2 to "
+                      f"{rules.NUM_GENERATIONS_PER_PROMPT} or a multiple of it (e.g. 256x1024)")
+    unknown = sorted(set(args.real or []) - set(args.cases))
+    if unknown:
+        bad_input(f"--real {' '.join(unknown)}: not among --cases ({' '.join(args.cases)})")
+    tokens = len(AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR))
+    if args.vocab < tokens:
+        bad_input(f"--vocab {args.vocab}: must hold the built-in tokenizer's {tokens} ids")
+    if args.context <= PROMPT_TOKENS:
+        bad_input(f"--context {args.context}: must be over the {PROMPT_TOKENS}-token prompts")
+    if min(args.steps, args.train_rows) < 1:
+        bad_input(f"--steps {args.steps}, --train-rows {args.train_rows}: each must be >= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (no peaks, no plan)")
@@ -216,7 +243,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=65_536)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
+    check_arguments(args)
     real = set(args.cases[:1] if args.real is None else args.real)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
