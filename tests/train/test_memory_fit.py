@@ -181,3 +181,24 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
     assert "add --trajectory-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, named", [
+    # was planned silently: rows longer than the model can attend over
+    (["--trajectory-tokens", "65537"], "--trajectory-tokens 65,537 is over the model's context of 65,536 tokens"),
+    # were ignored without --trajectory-tokens (and without --memory)
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens sizes the sequences: add --trajectory-tokens L"),
+])
+def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, capsys, arguments, named):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_1_4B, "max_position_embeddings": 65536}))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert main(["plan", "--global-batch-size", "256", "--micro-batch-tokens", "100"]) == 2
+    assert "--micro-batch-tokens belong to plan --memory" in capsys.readouterr().err
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
+                 "--trajectory-tokens", "65536", "--micro-batch-tokens", "100"]) == 0  # at the context: planned
