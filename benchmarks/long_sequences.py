@@ -22,7 +22,9 @@ context, random weights, the default config otherwise (``grpo.micro_batch_tokens
   measured without the KV cache, against the planner's figure without it.
 
 Prints one JSON line per case: ``peak_gib``, ``planned_gib``, their ratio, ``checkpointing``,
-``step_s`` or ``update_s``, ``refusal``. Bad arguments: one line, exit 2.
+``step_s`` or ``update_s``, ``refusal``. Bad arguments: one line, exit 2. ``--device cpu``
+is a smoke run of the same code at the ``qwen3-tiny`` shape (2,048-token context, cases
+32x64 and 16x1024) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -236,14 +238,20 @@ def check_arguments(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (no peaks, no plan)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.4b")
-    parser.add_argument("--cases", nargs="+", default=["256x1024", "16x16384", "16x65536"], help="ROWSxNEW_TOKENS")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="default qwen3-1.4b (--device cpu: qwen3-tiny)")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="ROWSxNEW_TOKENS (default 256x1024 16x16384 16x65536; --device cpu: 32x64 16x1024)")
     parser.add_argument("--real", nargs="*", default=None, help="cases run through the trainer (default: the first)")
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--context", type=int, default=65_536)
+    parser.add_argument("--context", type=int, default=None, help="default 65536 (--device cpu: 2048)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=2)
     args = parse_args_one_line(parser)
+    cpu = args.device == "cpu"  # a smoke run: the 1.4B shape's fp32 state alone is over 20 GB of host memory
+    args.shape = args.shape or ("qwen3-tiny" if cpu else "qwen3-1.4b")
+    args.cases = args.cases or (["32x64", "16x1024"] if cpu else ["256x1024", "16x16384", "16x65536"])
+    args.context = args.context or (2048 if cpu else 65_536)
     check_arguments(args)
     real = set(args.cases[:1] if args.real is None else args.real)
     with tempfile.TemporaryDirectory() as tmp_name:
