@@ -64,6 +64,11 @@ def test_agent_trajectories_are_planned_at_the_agents_context(monkeypatch):
     shape = agent.verdict.shape
     assert (shape.pass_tokens, shape.engine_length) == (65536, 65536)
     assert agent.checkpointing and agent.verdict.bounded and "activation checkpointing on" in agent.note()
+    # under the reserve: refused, naming the agent's knob
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 3 << 30)
+    with pytest.raises(MemoryPlanError, match="agent.max_context_tokens") as err:
+        inputs.check_planned_memory(cuda_config(), longest_prompt=20, agentic=True)
+    assert "grpo.max_new_tokens" not in str(err.value)
 
 
 def test_cpu_is_not_checked(monkeypatch):

@@ -258,16 +258,18 @@ def gib(n: int) -> str:
     return f"{n / 2**30:,.1f}"
 
 
-def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
+def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_key: str = "grpo.max_new_tokens") -> str:
     """One line: the planned bytes against the device's, and what to change first (for
-    the largest of the engine's KV cache, a pass's activations, the weights and state)."""
+    the largest of the engine's KV cache, a pass's activations, the weights and state);
+    ``length_key``: the setting that bounds a row's length (``agent.max_context_tokens``
+    for agent trajectories)."""
     m = verdict.memory
     parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
     largest = max(parts, key=parts.get)
     remedy = {
-        "kv": "shorter rollouts (grpo.max_new_tokens: the engine decodes at least one row at full length), or more "
+        "kv": f"shorter rollouts ({length_key}: the engine decodes at least one row at full length), or more "
               "ranks (each holds a smaller share of the state)",
-        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower grpo.max_new_tokens)",
+        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower {length_key})",
         "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
     }[largest]
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "

@@ -118,7 +118,7 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
     verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
     if not verdict.fits:
-        line = sequences.refusal(verdict)
+        line = sequences.refusal(verdict, length_key="agent.max_context_tokens" if agentic else "grpo.max_new_tokens")
         if not verdict.memory.checkpointing:
             line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
         raise memory_plan.MemoryPlanError(line)
