@@ -203,7 +203,8 @@ class Trainer:
             self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.kv_cache_bytes)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed, shuffle=not is_agentic(self.inputs.suite))
-            self.settings, note = checked_settings(self.policy, OptimizeSettings.of(config, compiled), config.model.path)
+            settings = OptimizeSettings.of(config, compiled)
+            self.settings, note = checked_settings(self.policy, settings, config.model.path)
             if note is not None and ranks.is_writer():
                 print(f"mlperf-grpo: {note}", file=sys.stderr)
             self.log = self.output.create_log(config)
