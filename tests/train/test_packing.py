@@ -25,6 +25,13 @@ def test_token_budget_micro_batches_by_hand():
     assert token_budget_micro_batches(lengths, kept, 100, max_rows=2) == [
         MicroBatch((0, 1)), MicroBatch((3, 4)), MicroBatch((5, 6))]
     assert token_budget_micro_batches(lengths, [False] * 7, 10) == []
+    # padded (packing never): rows x the longest within the budget; summed, [10, 1, 1, 1]
+    # would be one pass of 13 tokens padded to 40
+    long_and_short = [10, 1, 1, 1, 9, 2]
+    assert token_budget_micro_batches(long_and_short, [True] * 6, 20) == [
+        MicroBatch((0, 1, 2, 3)), MicroBatch((4, 5))]
+    assert token_budget_micro_batches(long_and_short, [True] * 6, 20, padded=True) == [
+        MicroBatch((0, 1)), MicroBatch((2, 3)), MicroBatch((4, 5))]
 
 
 def test_split_to_count_cuts_the_largest_and_never_grows_a_pass():

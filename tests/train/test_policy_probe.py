@@ -62,7 +62,7 @@ def test_a_model_that_lets_packed_rows_see_each_other_trains_padded(make, said):
     assert line is not None and said in line and "\n" not in line
     settings, note = checked_settings(policy, _settings(), "tiny")
     assert settings == dataclasses.replace(_settings(), packing="never")
-    assert "rows not packed for this model" in note and "right-pads" in note
+    assert "rows not packed for this model" in note and "padding included" in note
     assert checked_settings(policy, _settings(packing="never"), "tiny") == (_settings(packing="never"), None)
 
 

@@ -97,7 +97,9 @@ class OptimizeSettings:
     packing: str = "auto"
     """With ``micro_batch_tokens``: ``auto`` packs a pass's rows only when right-padding
     them to the longest would take more than :data:`PACK_PADDING_RATIO` times their
-    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``.
+    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``
+    (passes of at most the budget's tokens padding included, for a model packing does not
+    suit: ``train/policy_probe.py``).
     A packed pass pays attention over all its tokens at once: SDPA with the block-diagonal
     mask computes every block, so ``k`` packed rows of length ``L`` cost ``k`` times the
     attention of ``k`` padded ones (measured: ``benchmarks/grpo_step.py`` at 64 tokens,
@@ -322,7 +324,8 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
                                                                               settings.width_multiple)]
     lengths = batch.attention_mask.sum(dim=1)  # [B]
     kept = (batch.sample_mask > 0).tolist()
-    micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size)
+    micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size,
+                                       padded=settings.packing == "never")
     micro = split_to_count(micro, lengths.tolist(), collectives.all_reduce_max(len(micro)))
     out = []
     for m in micro:

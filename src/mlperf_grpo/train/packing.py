@@ -38,27 +38,32 @@ class MicroBatch:
 
 
 def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int,
-                               max_rows: int | None = None) -> list[MicroBatch]:
+                               max_rows: int | None = None, padded: bool = False) -> list[MicroBatch]:
     """The micro-batches of the kept rows, in row order, each at most ``budget`` tokens
-    (sum of its rows' lengths) and ``max_rows`` rows; a row longer than ``budget`` alone.
+    (sum of its rows' lengths; ``padded``: rows x its longest, what a right-padded pass
+    computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
 
     Args:
         lengths: each row's tokens (prompt + completion, no padding).
         kept: whether the loss reads the row (``sample_mask > 0``).
         budget: ``grpo.micro_batch_tokens``.
         max_rows: ``grpo.micro_batch_size`` or None (no cap).
+        padded: the passes are right-padded, never packed (a model packing does not
+            suit: ``train/policy_probe.py``).
     """
     out: list[list[int]] = []
-    tokens = 0
+    tokens = longest = 0
     for row, (length, keep) in enumerate(zip(lengths, kept)):
         if not keep:
             continue
-        full = out and (tokens + length > budget or (max_rows is not None and len(out[-1]) >= max_rows))
+        after = (len(out[-1]) + 1) * max(longest, length) if out and padded else tokens + length
+        full = out and (after > budget or (max_rows is not None and len(out[-1]) >= max_rows))
         if not out or full:
             out.append([])
-            tokens = 0
+            tokens = longest = 0
         out[-1].append(row)
         tokens += length
+        longest = max(longest, length)
     return [MicroBatch(tuple(rows)) for rows in out]
 
 

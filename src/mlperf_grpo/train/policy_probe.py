@@ -130,5 +130,5 @@ def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings, model:
     problem = packing_problem(policy, settings.compute_dtype, settings.width_multiple)
     if problem is None:
         return settings, None
-    return replace(settings, packing="never"), (f"rows not packed for this model ({problem}): each pass of "
-                                                "grpo.micro_batch_tokens right-pads its rows instead")
+    return replace(settings, packing="never"), (f"rows not packed for this model ({problem}): each pass "
+                                                "right-pads its rows instead, grpo.micro_batch_tokens padding included")
