@@ -67,6 +67,24 @@ def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int
     return [MicroBatch(tuple(rows)) for rows in out]
 
 
+def split_padded(micro_batches: list[MicroBatch], lengths: list[int], budget: int, ratio: float) -> list[MicroBatch]:
+    """The micro-batches that stay right-padded (``packing: auto``: padded, they take at
+    most ``ratio`` x their tokens) and would pass ``budget`` tokens so, cut in row order
+    into parts of at most ``budget`` tokens padding included
+    (:func:`token_budget_micro_batches` ``padded``); the others as they are. A pass then
+    holds at most the budget's tokens, packed or padded, as the planner counts."""
+    out = []
+    for m in micro_batches:
+        rows = list(m.rows)
+        padded = len(rows) * max(lengths[r] for r in rows)
+        if len(rows) > 1 and budget < padded <= ratio * sum(lengths[r] for r in rows):
+            parts = token_budget_micro_batches([lengths[r] for r in rows], [True] * len(rows), budget, padded=True)
+            out += [MicroBatch(tuple(rows[i] for i in part.rows)) for part in parts]
+        else:
+            out.append(m)
+    return out
+
+
 def split_to_count(micro_batches: list[MicroBatch], lengths: list[int], count: int) -> list[MicroBatch]:
     """``count`` micro-batches from ``micro_batches`` (at most ``count``): the one of most
     tokens among those of two rows or more is cut in two (its rows in order, the first
