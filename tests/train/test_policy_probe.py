@@ -28,8 +28,8 @@ def _qwen3_5():
 
 
 def _opt():  # positions from the attention mask, not position_ids
-    return OPTForCausalLM(OPTConfig(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                                    max_position_embeddings=128, word_embed_proj_dim=32))
+    return OPTForCausalLM(OPTConfig(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32))
 
 
 def _gemma2():  # final_logit_softcapping after lm_head

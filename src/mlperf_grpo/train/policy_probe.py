@@ -114,7 +114,8 @@ def logprob_head_problem(policy: torch.nn.Module) -> str | None:
     return None
 
 
-def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings, model: str) -> tuple[OptimizeSettings, str | None]:
+def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
+                     model: str) -> tuple[OptimizeSettings, str | None]:
     """``settings`` for ``policy`` (``model``: its path, for the message), and a note line
     where packing is turned off (:func:`packing_problem`: passes right-padded instead).
 
