@@ -97,16 +97,22 @@ def main() -> None:
     if not 0 < args.budget_fraction < 1:
         bad_input(f"--budget-fraction {args.budget_fraction:g}: must be in (0, 1)")
     config = model_config(args)
+    shapes = [(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
+    columns = -(-(args.prompt_tokens + args.new_tokens) // 64) * 64  # the decoder's key_block, 64
+    full_bytes = cache_bytes(shapes, args.rows, columns, DTYPES[args.dtype])
+    bounded = int(full_bytes * args.budget_fraction)
+    one_row = cache_bytes(shapes, 1, columns, DTYPES[args.dtype])
+    if bounded < one_row:  # the decoder would refuse it (KVCacheBudgetError) after the first two arms had run
+        bad_input(f"--budget-fraction {args.budget_fraction:g}: {bounded:,} bytes hold no row at full length "
+                  f"({one_row:,} bytes): at least {one_row / full_bytes:.3g} for --rows {args.rows}"
+                  + (" (and --rows 2 or more: the bounded arm holds fewer rows than all)" if args.rows < 2 else ""))
     model = build_model(config, DTYPES[args.dtype], args.device)
     rng = random.Random(0)
     stop = VOCAB_SIZE // args.mean_tokens
     prompts = [[rng.randrange(stop, VOCAB_SIZE) for _ in range(args.prompt_tokens)] for _ in range(args.rows)]
-    shapes = [(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
-    columns = -(-(args.prompt_tokens + args.new_tokens) // 64) * 64  # the decoder's key_block, 64
-    full_bytes = cache_bytes(shapes, args.rows, columns, DTYPES[args.dtype])
     eos = list(range(stop))
     arms = {name: run_arm(model, prompts, args, budget, eos) for name, budget in (
-        ("full", full_bytes), ("grown", full_bytes - 1), ("bounded", int(full_bytes * args.budget_fraction)))}
+        ("full", full_bytes), ("grown", full_bytes - 1), ("bounded", bounded))}
     full = arms["full"]
     out = {"benchmark": "kv_growth", "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "dtype": args.dtype, "params": count_params(config), "layers": config.num_hidden_layers,

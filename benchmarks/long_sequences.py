@@ -22,7 +22,9 @@ context, random weights, the default config otherwise (``grpo.micro_batch_tokens
   measured without the KV cache, against the planner's figure without it.
 
 Prints one JSON line per case: ``peak_gib``, ``planned_gib``, their ratio, ``checkpointing``,
-``step_s`` or ``update_s``, ``refusal``.
+``step_s`` or ``update_s``, ``refusal``. Bad arguments: one line, exit 2. ``--device cpu``
+is a smoke run of the same code at the ``qwen3-tiny`` shape (2,048-token context, cases
+32x64 and 16x1024) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
+from generation import bad_input
 from grpo_step import SHAPES, engine_decode
 from mlperf_grpo import rules
+from mlperf_grpo.cli.parser import parse_args_one_line
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.plan.memory import MemoryPlanError
 from mlperf_grpo.logs.mllog import read_log
@@ -206,17 +212,47 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
     return out
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """A bad argument: one line naming it (:func:`generation.bad_input`, exit 2), before the
+    model is built."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        bad_input("--device cuda but no CUDA device is available; use --device cpu")
+    for case in args.cases:
+        match = re.fullmatch(r"(\d+)x(\d+)", case)
+        rows, new = (int(x) for x in match.groups()) if match else (0, 0)
+        if new < 1 or rows < 2 or (rows > rules.NUM_GENERATIONS_PER_PROMPT and rows % rules.NUM_GENERATIONS_PER_PROMPT):
+            bad_input(f"--cases {case}: must be ROWSxNEW_TOKENS, NEW_TOKENS >= 1 and ROWS 2 to "
+                      f"{rules.NUM_GENERATIONS_PER_PROMPT} or a multiple of it (e.g. 256x1024)")
+    unknown = sorted(set(args.real or []) - set(args.cases))
+    if unknown:
+        bad_input(f"--real {' '.join(unknown)}: not among --cases ({' '.join(args.cases)})")
+    tokens = len(AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR))
+    if args.vocab < tokens:
+        bad_input(f"--vocab {args.vocab}: must hold the built-in tokenizer's {tokens} ids")
+    if args.context <= PROMPT_TOKENS:
+        bad_input(f"--context {args.context}: must be over the {PROMPT_TOKENS}-token prompts")
+    if min(args.steps, args.train_rows) < 1:
+        bad_input(f"--steps {args.steps}, --train-rows {args.train_rows}: each must be >= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (no peaks, no plan)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.4b")
-    parser.add_argument("--cases", nargs="+", default=["256x1024", "16x16384", "16x65536"], help="ROWSxNEW_TOKENS")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="default qwen3-1.4b (--device cpu: qwen3-tiny)")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="ROWSxNEW_TOKENS (default 256x1024 16x16384 16x65536; --device cpu: 32x64 16x1024)")
     parser.add_argument("--real", nargs="*", default=None, help="cases run through the trainer (default: the first)")
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--context", type=int, default=65_536)
+    parser.add_argument("--context", type=int, default=None, help="default 65536 (--device cpu: 2048)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_args_one_line(parser)
+    cpu = args.device == "cpu"  # a smoke run: the 1.4B shape's fp32 state alone is over 20 GB of host memory
+    args.shape = args.shape or ("qwen3-tiny" if cpu else "qwen3-1.4b")
+    args.cases = args.cases or (["32x64", "16x1024"] if cpu else ["256x1024", "16x16384", "16x65536"])
+    args.context = args.context or (2048 if cpu else 65_536)
+    check_arguments(args)
     real = set(args.cases[:1] if args.real is None else args.real)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -35,6 +35,16 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("kv_growth.py", ["--budget-fraction", "1"], "--budget-fraction 1: must be in (0, 1)"),
     ("kv_growth.py", ["--rows", "0"], "--rows, --prompt-tokens"),
     ("generation.py", ["--params", "-5"], "--params -5"),
+    # a KVCacheBudgetError traceback after two arms had run
+    ("kv_growth.py", ["--budget-fraction", "0.01"], "--budget-fraction 0.01: 13,148 bytes hold no row at full length"),
+    # tracebacks from int(), the config parser or the model's embedding, after building the model
+    ("long_sequences.py", ["--cases", "16x"], "--cases 16x: must be ROWSxNEW_TOKENS"),
+    ("long_sequences.py", ["--cases", "20x64"], "--cases 20x64"),
+    ("long_sequences.py", ["--cases", "1x64"], "--cases 1x64"),
+    ("long_sequences.py", ["--cases", "16x64", "--real", "32x64"], "--real 32x64: not among --cases"),
+    ("long_sequences.py", ["--vocab", "0"], "--vocab 0: must hold the built-in tokenizer's"),
+    ("long_sequences.py", ["--context", "40"], "--context 40"),
+    ("long_sequences.py", ["--steps", "0"], "--steps 0, --train-rows 2"),
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback
     ("evaluate.py", ["--dir", "missing"], "--dir missing is not a directory"),  # tracebacks, these three
     ("evaluate.py", ["--run", "."], "--run . is not a trained run directory (no mlperf.log, config.yaml, checkpoints)"),

@@ -148,3 +148,31 @@ def test_compiled_chunks_give_the_eager_logprobs_entropy_and_gradients(chunk):
         g = (torch.nn.functional.one_hot(targets, v) + torch.softmax(linear(hidden) / temperature, -1)) / temperature
         bound_dh, bound_dw = 64 * U * g @ linear.weight.abs(), 64 * U * g.T @ hidden.abs()
     assert ((dh_c - dh_e).abs() <= bound_dh).all() and ((dw_c - dw_e).abs() <= bound_dw).all()
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fsdp2_policy_scores_without_the_view_output_warning(tmp_path, with_entropy):
+    # FSDP2 warns where its root returns a view (an in-place op on it would skip the
+    # pre-backward all-gather): the head's [..., 1] output is one (no kernel), read out of
+    # place only, so shard_policy silences that warning. One gloo rank: the same logprobs
+    # as the unwrapped policy (the same float32 ops).
+    import warnings
+
+    import torch.distributed as dist
+
+    from mlperf_grpo.train.fsdp import shard_policy
+
+    torch.manual_seed(3)
+    ids = torch.randint(0, 15, (2, 7))
+    want, _ = policy_token_logprobs(load_model("builtin:arithmetic-tiny", "float32"), ids, 1.0, 4, input_ids=ids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # shard_policy's filter goes in front of it
+            policy = shard_policy(load_model("builtin:arithmetic-tiny", "float32"), None, False)
+            logp, _ = policy_token_logprobs(policy, ids, 1.0, 4, with_entropy=with_entropy, input_ids=ids)
+            logp.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
+    torch.testing.assert_close(logp.detach(), want.detach(), rtol=1e-6, atol=1e-6)

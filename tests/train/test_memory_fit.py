@@ -10,6 +10,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mlperf_grpo.config.load import parse_config
 from mlperf_grpo.errors import ConfigError
+from mlperf_grpo.inference import slot_prefill
 from mlperf_grpo.model.load import load_model
 from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import SequenceShape
@@ -68,6 +69,27 @@ def test_qwen3_1_4b_figures_by_hand():
     spare = sequences.sequence_memory(QWEN3_1_4B, SequenceShape(16384, True, 256, 1030, spare_row=True), True)
     assert spare.kv_cache_bytes == m.kv_cache_bytes * 257 // 256  # inference.prefill_graphs: a spare row
     assert sequences.LOGITS_CHUNK_BYTES == logprobs.LOGITS_CHUNK_BYTES
+    assert sequences.PREFILL_WIDTH_BLOCK == slot_prefill.PREFILL_WIDTH_BLOCK
+
+
+@pytest.mark.parametrize("prompt, new_tokens", [(40, 24), (40, 1048), (16, 48), (1, 63)])
+def test_the_planned_kv_cache_holds_the_slot_decoders_rows_with_prefill_graphs(prompt, new_tokens):
+    # with inference.prefill_graphs a prompt of 40 tokens fills 48 columns: 40 + 24 rounds to
+    # 64 columns but the decoder needs 128; the planner's one row was 1 KB short (a
+    # KVCacheBudgetError mid-run) and its all rows held one (the rest preempted)
+    from test_generation import tiny_qwen3
+
+    from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
+
+    model = tiny_qwen3(vocab_size=24, eos_token_id=None)
+    config = {"model_type": "qwen3", **{k: getattr(model.config, k) for k in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+        "num_hidden_layers", "vocab_size")}}
+    m = sequences.sequence_memory(config, SequenceShape(16, False, 4, prompt + new_tokens, 4, 4, True), False)
+    for budget, rows in ((m.kv_cache_min_bytes, 1), (m.kv_cache_bytes, 4)):
+        decoder = SlotDecoder(model, rows, 0, DecodeOptions(kv_cache_bytes=budget, prefill_graphs=True))
+        decoder.generate([[5] * prompt] * rows, list(range(rows)), 1.0, 1.0, new_tokens, [])
+        assert (decoder.cache_grows, decoder.preempted) == (0, 0)  # allocated at full length at once
 
 
 def _config(**grpo):
@@ -181,3 +203,24 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
     assert "add --trajectory-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, named", [
+    # was planned silently: rows longer than the model can attend over
+    (["--trajectory-tokens", "65537"], "--trajectory-tokens 65,537 is over the model's context of 65,536 tokens"),
+    # were ignored without --trajectory-tokens (and without --memory)
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens sizes the sequences: add --trajectory-tokens L"),
+])
+def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, capsys, arguments, named):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_1_4B, "max_position_embeddings": 65536}))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert main(["plan", "--global-batch-size", "256", "--micro-batch-tokens", "100"]) == 2
+    assert "--micro-batch-tokens belong to plan --memory" in capsys.readouterr().err
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
+                 "--trajectory-tokens", "65536", "--micro-batch-tokens", "100"]) == 0  # at the context: planned

@@ -25,6 +25,13 @@ def test_token_budget_micro_batches_by_hand():
     assert token_budget_micro_batches(lengths, kept, 100, max_rows=2) == [
         MicroBatch((0, 1)), MicroBatch((3, 4)), MicroBatch((5, 6))]
     assert token_budget_micro_batches(lengths, [False] * 7, 10) == []
+    # padded (packing never): rows x the longest within the budget; summed, [10, 1, 1, 1]
+    # would be one pass of 13 tokens padded to 40
+    long_and_short = [10, 1, 1, 1, 9, 2]
+    assert token_budget_micro_batches(long_and_short, [True] * 6, 20) == [
+        MicroBatch((0, 1, 2, 3)), MicroBatch((4, 5))]
+    assert token_budget_micro_batches(long_and_short, [True] * 6, 20, padded=True) == [
+        MicroBatch((0, 1)), MicroBatch((2, 3)), MicroBatch((4, 5))]
 
 
 def test_split_to_count_cuts_the_largest_and_never_grows_a_pass():
@@ -160,3 +167,29 @@ def test_auto_packs_only_rows_whose_padding_would_double_the_tokens():
     passes = optimize._passes(batch, settings, True, torch.device("cpu"))
     assert [p.packed is not None for p in passes] == [True]
     assert not optimize._passes(batch, settings, False, torch.device("cpu"))[0].packed  # linear attention: never
+
+
+def test_no_pass_computes_more_than_the_token_budget():
+    # the planner counts a pass as at most grpo.micro_batch_tokens tokens: rows of 10 and 6
+    # tokens (16 within a budget of 18) padded would be 20 (not double: auto padded them, now
+    # cut into passes of at most 18 padded tokens: each row alone); a
+    # long row among 1-token rows unpacked (linear attention, packing never) would be a
+    # pass of rows x the long one
+    from mlperf_grpo.train import optimize
+
+    batch = _batch()
+    rows, width = batch.input_ids.shape
+    lengths = [10, 6] * (rows // 2) if width >= 10 else None
+    assert lengths is not None, width
+    batch.attention_mask.zero_()
+    for r, n in enumerate(lengths):
+        batch.attention_mask[r, :n] = 1
+    auto = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=18)
+    passes = optimize._passes(batch, auto, True, torch.device("cpu"))
+    assert [(p.packed, len(p.host_rows), p.width) for p in passes] == [(None, 1, 10), (None, 1, 6)] * (rows // 2)
+    batch.attention_mask[1:] = 0
+    batch.attention_mask[1:, 0] = 1  # one 10-token row, then 1-token rows
+    for pack, packing in ((False, "auto"), (True, "never")):
+        settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=18, packing=packing)
+        for p in optimize._passes(batch, settings, pack, torch.device("cpu")):
+            assert p.packed is None and len(p.host_rows) * p.width <= 18, (len(p.host_rows), p.width)

@@ -35,7 +35,7 @@ def test_layout_past_the_device_memory_is_refused(monkeypatch):
 def _static_check_only(monkeypatch):
     """The layout's static bytes judged alone, at their exact boundary (the sequences'
     check, with its reserve, is train/memory_fit.py's: tests/train/test_memory_fit.py)."""
-    monkeypatch.setattr(inputs, "plan_step", lambda config, model, longest, world, device: StepFit(False))
+    monkeypatch.setattr(inputs, "plan_step", lambda config, model, longest, world, device, agentic: StepFit(False))
 
 
 def test_layout_that_fits_passes(monkeypatch):
@@ -51,6 +51,24 @@ def test_a_step_whose_sequences_do_not_fit_is_refused_after_the_layout(monkeypat
         inputs.check_planned_memory(cuda_config(), longest_prompt=20)
     monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 8 << 30)
     assert not inputs.check_planned_memory(cuda_config(), longest_prompt=20).checkpointing
+
+
+def test_agent_trajectories_are_planned_at_the_agents_context(monkeypatch):
+    # an agent's trajectory (task.name: swe) runs to agent.max_context_tokens, whatever
+    # grpo.max_new_tokens (6) says: planned as prompt + 6 tokens, the 65,536-token passes
+    # and KV cache rows were not counted (no checkpointing, no bounded cache: an OOM mid-run)
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 8 << 30)
+    plain = inputs.check_planned_memory(cuda_config(), longest_prompt=20)
+    assert plain.verdict.shape.engine_length == 26 and not plain.checkpointing
+    agent = inputs.check_planned_memory(cuda_config(), longest_prompt=20, agentic=True)
+    shape = agent.verdict.shape
+    assert (shape.pass_tokens, shape.engine_length) == (65536, 65536)
+    assert agent.checkpointing and agent.verdict.bounded and "activation checkpointing on" in agent.note()
+    # under the reserve: refused, naming the agent's knob
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 3 << 30)
+    with pytest.raises(MemoryPlanError, match="agent.max_context_tokens") as err:
+        inputs.check_planned_memory(cuda_config(), longest_prompt=20, agentic=True)
+    assert "grpo.max_new_tokens" not in str(err.value)
 
 
 def test_cpu_is_not_checked(monkeypatch):

@@ -278,11 +278,18 @@ def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[
     from mlperf_grpo.plan import memory as memory_plan
     from mlperf_grpo.plan import sequences as plan_sequences
 
+    from mlperf_grpo.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+
     if not plan_sequences.plans_sequences(model):
         return None, f"sequences: not counted for model_type {model.get('model_type')!r} (dense llama / qwen3 only)"
+    context = model.get("max_position_embeddings")
+    if context and request.trajectory_tokens > context:
+        raise BadInput(f"--trajectory-tokens {request.trajectory_tokens:,} is over the model's context of "
+                       f"{context:,} tokens (max_position_embeddings): give at most {context}")
     rows = request.rows or max(1, 256 // request.world_size)
     bytes_ = memory_plan.DTYPE_BYTES[request.dtype]
-    shape = plan_sequences.step_shape(request.trajectory_tokens, rows, request.micro_batch_tokens,
+    tokens = request.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS
+    shape = plan_sequences.step_shape(request.trajectory_tokens, rows, tokens,
                                       compute_bytes=bytes_, rollout_bytes=bytes_)
     static = (memory_plan.static_device_bytes(result, 1)
               + plan_sequences.autocast_copy_bytes(result.parameters, request.world_size, bytes_))

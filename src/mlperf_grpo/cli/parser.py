@@ -190,7 +190,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--trajectory-tokens", type=_positive_int, metavar="L",
                    help="--memory: also the sequences' bytes (activations, log-prob chunks, KV cache) for rows of "
                         "L tokens (prompt + completion)")
-    p.add_argument("--micro-batch-tokens", type=_positive_int, default=16384, metavar="B",
+    p.add_argument("--micro-batch-tokens", type=_positive_int, metavar="B",
                    help="--memory --trajectory-tokens: grpo.micro_batch_tokens (default 16384)")
     p.add_argument("--rows", type=_positive_int, metavar="R",
                    help="--memory --trajectory-tokens: rows a rank trains and its engine decodes (default 256 / N)")

@@ -178,7 +178,7 @@ class CheckRequest:
         return None
 
 
-MEMORY_FLAGS = ("model_shape", "model_config", "world_size", "trajectory_tokens", "rows")
+MEMORY_FLAGS = ("model_shape", "model_config", "world_size", "trajectory_tokens", "micro_batch_tokens", "rows")
 MODEL_SHAPE_NAMES = ("qwen3.5-397b-a17b",)
 """``plan --memory --model-shape`` choices (``memory_plan.MODEL_SHAPES``: the parser is built
 without importing the library; a test keeps the two equal)."""
@@ -201,7 +201,7 @@ class PlanRequest:
     dtype: str
     max_in_flight: int
     trajectory_tokens: int | None = None
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: int | None = None
     rows: int | None = None
 
     @classmethod
@@ -220,8 +220,9 @@ class PlanRequest:
                                "and --model-config PATH")
             if self.world_size is None:
                 raise BadInput("plan --memory: give --world-size N (the ranks, one accelerator each)")
-            if self.rows is not None and self.trajectory_tokens is None:
-                raise BadInput("plan --memory: --rows sizes the sequences: add --trajectory-tokens L")
+            for name, value in (("--rows", self.rows), ("--micro-batch-tokens", self.micro_batch_tokens)):
+                if value is not None and self.trajectory_tokens is None:
+                    raise BadInput(f"plan --memory: {name} sizes the sequences: add --trajectory-tokens L")
             return
         if memory_options:
             raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")

@@ -31,7 +31,8 @@ gradient, ``(b + 12) V chunk``. A pass of packed rows gets a ``[S, S]`` boolean
 block-diagonal mask, which SDPA turns into an additive ``b``-dtype one: ``(1 + b) S^2``.
 The ``hf`` engine's KV cache at full length: ``2 L (rows + s) kv (length + 1)`` elements
 of the rollout dtype, ``length`` rounded up to 64, ``s`` 1 with ``inference.prefill_graphs``
-(a spare row for its padding rows) else 0 (``inference/slot_state.py``, ``decode.py``),
+(a spare row for its padding rows; its prompts' columns rounded up to 16 first, so
+``length`` + 15 is rounded) else 0 (``inference/slot_state.py``, ``decode.py``),
 allocated at once where it fits. Where it does not, the engine is given the bytes left
 (``kv_cache_bytes``), which its cache never exceeds, growths included: it grows with the
 live rows' lengths and preempts rows that do not fit (recomputed later); it needs at
@@ -53,6 +54,9 @@ the caching allocator's fragmentation, NCCL's buffers."""
 KEY_BLOCK = 64
 """The slot decoder's cache columns are the longest row rounded up to a multiple of this,
 plus one (``DecodeOptions.key_block``)."""
+PREFILL_WIDTH_BLOCK = 16
+"""As ``inference.slot_prefill.PREFILL_WIDTH_BLOCK``: with ``inference.prefill_graphs`` a
+prompt fills a multiple of this many columns (kept equal by a test)."""
 LOGITS_CHUNK_BYTES = 1 << 30
 """As ``train.logprobs.LOGITS_CHUNK_BYTES`` (kept equal by a test; this module has no torch)."""
 
@@ -178,7 +182,10 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
     chunk = min(s, max(1, LOGITS_CHUNK_BYTES // (4 * vocab)))
     logits = (b + 12) * vocab * chunk
     mask = (1 + b) * s * s if shape.packed else 0
-    columns = -(-shape.engine_length // KEY_BLOCK) * KEY_BLOCK + 1  # the slot cache's (inference/decode.py)
+    # the slot cache's (inference/decode.py): the longest prompt (padded to PREFILL_WIDTH_BLOCK with
+    # prefill_graphs: at most 15 more columns) + max_new_tokens, rounded up to KEY_BLOCK, + 1
+    padded = shape.engine_length + (PREFILL_WIDTH_BLOCK - 1) * shape.spare_row
+    columns = -(-padded // KEY_BLOCK) * KEY_BLOCK + 1
     row_bytes = 2 * layers * kv * columns * shape.rollout_bytes  # one row at full length
     return SequenceMemory(activations, logits, mask, (shape.engine_rows + shape.spare_row) * row_bytes, checkpointing,
                           (1 + shape.spare_row) * row_bytes)
@@ -251,16 +258,18 @@ def gib(n: int) -> str:
     return f"{n / 2**30:,.1f}"
 
 
-def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens") -> str:
+def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_key: str = "grpo.max_new_tokens") -> str:
     """One line: the planned bytes against the device's, and what to change first (for
-    the largest of the engine's KV cache, a pass's activations, the weights and state)."""
+    the largest of the engine's KV cache, a pass's activations, the weights and state);
+    ``length_key``: the setting that bounds a row's length (``agent.max_context_tokens``
+    for agent trajectories)."""
     m = verdict.memory
     parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
     largest = max(parts, key=parts.get)
     remedy = {
-        "kv": "shorter rollouts (grpo.max_new_tokens: the engine decodes at least one row at full length), or more "
+        "kv": f"shorter rollouts ({length_key}: the engine decodes at least one row at full length), or more "
               "ranks (each holds a smaller share of the state)",
-        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower grpo.max_new_tokens)",
+        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower {length_key})",
         "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
     }[largest]
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "

@@ -15,6 +15,7 @@ whole model gathered; the same call refits from an unsharded policy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,10 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     for layer in layers:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_every_micro_batch)
     fully_shard(policy, mp_policy=mp, reshard_after_forward=reshard_every_micro_batch)
+    # the root's output in the loss pass is the log-prob head's [..., 1] view (train/logprobs.py:
+    # no copy kernel), read out of place only: FSDP2's warning that an in-place op on a view
+    # would skip its pre-backward hook does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for module in policy.modules():  # each fully_shard group reduces its own gradients
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

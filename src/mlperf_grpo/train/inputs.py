@@ -76,7 +76,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation})
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
-    step_fit = check_planned_memory(config, longest["training"])
+    step_fit = check_planned_memory(config, longest["training"], is_agentic(suite))
     check_engine_available(config)
     if is_agentic(suite):
         # a sandbox runtime, readable prompt files and a chat tokenizer, before the run directory exists
@@ -93,14 +93,15 @@ def device_memory_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def check_planned_memory(config: RunConfig, longest_prompt: int = 0) -> StepFit:
+def check_planned_memory(config: RunConfig, longest_prompt: int = 0, agentic: bool = False) -> StepFit:
     """Under torchrun or with the ``hf`` engine, refuse an ``inference.tensor_parallel_size``
     that does not divide the world size or the model's heads / vocabulary / experts
     (:func:`~mlperf_grpo.plan.memory.check_tensor_parallel` with the engine's rules); on
     CUDA, refuse a layout whose planned per-rank device bytes (:mod:`mlperf_grpo.plan.memory`:
     FSDP shards and an engine split over T) exceed the device's memory, then one whose
     step does not fit with its sequences (:func:`~mlperf_grpo.train.memory_fit.plan_step`,
-    ``longest_prompt`` tokens + ``grpo.max_new_tokens`` a row), which also resolves
+    ``longest_prompt`` tokens + ``grpo.max_new_tokens`` a row; ``agentic``: agent
+    trajectories of ``agent.max_context_tokens``), which also resolves
     ``model.activation_checkpointing``. CPU memory is not checked, nor a model type the
     planner does not count.
 
@@ -113,8 +114,8 @@ def check_planned_memory(config: RunConfig, longest_prompt: int = 0) -> StepFit:
     if ranks.launched() or hf:  # the hf engine splits over the world's ranks
         memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
     if config.model.device != "cuda" or not memory_plan.counts(model):
-        return plan_step(config, model, longest_prompt, world_size, None)
+        return plan_step(config, model, longest_prompt, world_size, None, agentic)
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
                                    config.inference.engine)
     memory_plan.check_fits(plan, device_memory_bytes(), 1 if hf else t)
-    return plan_step(config, model, longest_prompt, world_size, device_memory_bytes())
+    return plan_step(config, model, longest_prompt, world_size, device_memory_bytes(), agentic)

@@ -4,7 +4,8 @@
 The figures are :mod:`mlperf_grpo.plan.sequences`' (activations, log-prob chunks, the
 packed attention mask, the engine's KV cache) on top of the weights, gradients, AdamW
 moments and engine weights of :mod:`mlperf_grpo.plan.memory`, for the step's shape
-(:func:`step_shape`): the longest training prompt plus ``grpo.max_new_tokens``, the
+(:func:`step_shape`): the longest training prompt plus ``grpo.max_new_tokens`` (agent
+trajectories: ``agent.max_context_tokens``), the
 largest training pass the token budget allows, the rows the engine decodes at once.
 Planned on CUDA for the dense decoders the planner counts; elsewhere nothing is planned
 (``auto`` is off).
@@ -19,11 +20,14 @@ from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import Fit, SequenceShape
 
-def step_shape(config: RunConfig, longest_prompt: int, world_size: int) -> SequenceShape:
+def step_shape(config: RunConfig, longest_prompt: int, world_size: int, agentic: bool = False) -> SequenceShape:
     """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
-    longest prompt + ``grpo.max_new_tokens``, passes by the config's budget."""
+    longest prompt + ``grpo.max_new_tokens`` (``agentic``: agent trajectories, whose turns,
+    tool output and prompt fill up to ``agent.max_context_tokens``, as does each engine
+    call's row), passes by the config's budget."""
     g = config.grpo
-    return sequences.step_shape(longest_prompt + g.max_new_tokens, max(1, config.global_batch_size // world_size),
+    longest = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
+    return sequences.step_shape(longest, max(1, config.global_batch_size // world_size),
                                 g.micro_batch_tokens, g.micro_batch_size,
                                 2 if config.model.train_compute_dtype == "bfloat16" else 4,
                                 memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs)
@@ -93,7 +97,7 @@ class StepFit:
 
 
 def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: int,
-              device_bytes: int | None) -> StepFit:
+              device_bytes: int | None, agentic: bool = False) -> StepFit:
     """Resolve ``model.activation_checkpointing`` and refuse a step that cannot fit.
 
     Args:
@@ -101,6 +105,7 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
         longest_prompt: tokens of the longest training prompt.
         world_size: N ranks.
         device_bytes: the CUDA device's memory; None: not on CUDA (nothing planned).
+        agentic: the task's samples are agent trajectories (:func:`step_shape`).
     Raises:
         MemoryPlanError: the step does not fit even with checkpointing (or with it off
             when ``off`` is asked), one line with the figures and the remedies.
@@ -109,11 +114,11 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     forced = None if asked == "auto" else asked == "on"
     if device_bytes is None or not sequences.plans_sequences(model):
         return StepFit(bool(forced), auto=forced is None)
-    shape = step_shape(config, longest_prompt, world_size)
+    shape = step_shape(config, longest_prompt, world_size, agentic)
     can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
     verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
     if not verdict.fits:
-        line = sequences.refusal(verdict)
+        line = sequences.refusal(verdict, length_key="agent.max_context_tokens" if agentic else "grpo.max_new_tokens")
         if not verdict.memory.checkpointing:
             line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
         raise memory_plan.MemoryPlanError(line)

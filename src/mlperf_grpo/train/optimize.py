@@ -24,7 +24,8 @@ from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grad_accumulation import GradSum, usable
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
-from mlperf_grpo.train.packing import PackedInputs, packed_inputs, split_to_count, token_budget_micro_batches
+from mlperf_grpo.train.packing import (PackedInputs, packed_inputs, split_padded, split_to_count,
+                                       token_budget_micro_batches)
 from mlperf_grpo.train.pass_loss import STATS, PassLossSettings, loss_function
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
@@ -97,7 +98,9 @@ class OptimizeSettings:
     packing: str = "auto"
     """With ``micro_batch_tokens``: ``auto`` packs a pass's rows only when right-padding
     them to the longest would take more than :data:`PACK_PADDING_RATIO` times their
-    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``.
+    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``
+    (passes of at most the budget's tokens padding included, for a model packing does not
+    suit: ``train/policy_probe.py``).
     A packed pass pays attention over all its tokens at once: SDPA with the block-diagonal
     mask computes every block, so ``k`` packed rows of length ``L`` cost ``k`` times the
     attention of ``k`` padded ones (measured: ``benchmarks/grpo_step.py`` at 64 tokens,
@@ -322,7 +325,11 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
                                                                               settings.width_multiple)]
     lengths = batch.attention_mask.sum(dim=1)  # [B]
     kept = (batch.sample_mask > 0).tolist()
-    micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size)
+    padded_only = not pack or settings.packing == "never"
+    micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size,
+                                       padded=padded_only)
+    if settings.packing == "auto" and not padded_only:
+        micro = split_padded(micro, lengths.tolist(), settings.micro_batch_tokens, PACK_PADDING_RATIO)
     micro = split_to_count(micro, lengths.tolist(), collectives.all_reduce_max(len(micro)))
     out = []
     for m in micro:
@@ -331,7 +338,10 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
         consecutive = index == list(range(index[0], index[-1] + 1))
         rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
         wasteful = len(index) * width > PACK_PADDING_RATIO * int(lengths[index].sum())
-        if not pack or settings.packing == "never" or (settings.packing == "auto" and not wasteful):
+        # a part split_to_count cut from a packed micro-batch, padded past the budget: packed, so
+        # that a pass holds at most the budget's tokens, as the planner counts (plan/sequences.py)
+        over = len(index) > 1 and len(index) * width > settings.micro_batch_tokens
+        if padded_only or (settings.packing == "auto" and not wasteful and not over):
             width = min(-(-width // settings.width_multiple) * settings.width_multiple, batch.input_ids.shape[1])
             out.append(_Pass(rows, width, None, m.empty, index))
             continue

@@ -38,28 +38,51 @@ class MicroBatch:
 
 
 def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int,
-                               max_rows: int | None = None) -> list[MicroBatch]:
+                               max_rows: int | None = None, padded: bool = False) -> list[MicroBatch]:
     """The micro-batches of the kept rows, in row order, each at most ``budget`` tokens
-    (sum of its rows' lengths) and ``max_rows`` rows; a row longer than ``budget`` alone.
+    (sum of its rows' lengths; ``padded``: rows x its longest, what a right-padded pass
+    computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
 
     Args:
         lengths: each row's tokens (prompt + completion, no padding).
         kept: whether the loss reads the row (``sample_mask > 0``).
         budget: ``grpo.micro_batch_tokens``.
         max_rows: ``grpo.micro_batch_size`` or None (no cap).
+        padded: the passes are right-padded, never packed (a model packing does not
+            suit: ``train/policy_probe.py``).
     """
     out: list[list[int]] = []
-    tokens = 0
+    tokens = longest = 0
     for row, (length, keep) in enumerate(zip(lengths, kept)):
         if not keep:
             continue
-        full = out and (tokens + length > budget or (max_rows is not None and len(out[-1]) >= max_rows))
+        after = (len(out[-1]) + 1) * max(longest, length) if out and padded else tokens + length
+        full = out and (after > budget or (max_rows is not None and len(out[-1]) >= max_rows))
         if not out or full:
             out.append([])
-            tokens = 0
+            tokens = longest = 0
         out[-1].append(row)
         tokens += length
+        longest = max(longest, length)
     return [MicroBatch(tuple(rows)) for rows in out]
+
+
+def split_padded(micro_batches: list[MicroBatch], lengths: list[int], budget: int, ratio: float) -> list[MicroBatch]:
+    """The micro-batches that stay right-padded (``packing: auto``: padded, they take at
+    most ``ratio`` x their tokens) and would pass ``budget`` tokens so, cut in row order
+    into parts of at most ``budget`` tokens padding included
+    (:func:`token_budget_micro_batches` ``padded``); the others as they are. A pass then
+    holds at most the budget's tokens, packed or padded, as the planner counts."""
+    out = []
+    for m in micro_batches:
+        rows = list(m.rows)
+        padded = len(rows) * max(lengths[r] for r in rows)
+        if len(rows) > 1 and budget < padded <= ratio * sum(lengths[r] for r in rows):
+            parts = token_budget_micro_batches([lengths[r] for r in rows], [True] * len(rows), budget, padded=True)
+            out += [MicroBatch(tuple(rows[i] for i in part.rows)) for part in parts]
+        else:
+            out.append(m)
+    return out
 
 
 def split_to_count(micro_batches: list[MicroBatch], lengths: list[int], count: int) -> list[MicroBatch]:

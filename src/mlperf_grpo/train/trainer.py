@@ -63,6 +63,7 @@ from mlperf_grpo.train.fsdp import load_sharded_policy, policy_weights
 from mlperf_grpo.train.inputs import TrainingInputs, check_training_inputs
 from mlperf_grpo.train.mlperf_events import log_hyperparameters, log_submission_and_init_start, log_tracked_stats
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training_batch
+from mlperf_grpo.train.policy_probe import checked_settings
 from mlperf_grpo.train.outputs import InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests, RunOutput
 from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
 from mlperf_grpo.train.trajectories import agent_generator, is_agentic, trajectory_rewards
@@ -202,7 +203,10 @@ class Trainer:
             self.policy, self.engine = policy_and_engine(config, compiled, fit.checkpointing, fit.kv_cache_bytes)
             self.optimizer = adamw(config, self.policy)
             self.sampler = PromptSampler(self.inputs.train_pool, config.seed, shuffle=not is_agentic(self.inputs.suite))
-            self.settings = OptimizeSettings.of(config, compiled)
+            settings = OptimizeSettings.of(config, compiled)
+            self.settings, note = checked_settings(self.policy, settings, config.model.path)
+            if note is not None and ranks.is_writer():
+                print(f"mlperf-grpo: {note}", file=sys.stderr)
             self.log = self.output.create_log(config)
 
     def train(self) -> TrainResult:

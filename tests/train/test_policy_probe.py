@@ -1,0 +1,74 @@
+"""The loss pass's shortcuts checked on the policy before training (train/policy_probe.py):
+packing where the model keeps packed rows apart (else padded passes, one note line), and
+the chunked log-prob head only for a model whose logits are its lm_head's output."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import (Gemma2Config, Gemma2ForCausalLM, OPTConfig, OPTForCausalLM, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeTextConfig)
+
+from mlperf_grpo.errors import ModelLoadError
+from mlperf_grpo.model.load import load_model
+from mlperf_grpo.train.grpo import PGLossOptions
+from mlperf_grpo.train.optimize import OptimizeSettings
+from mlperf_grpo.train.policy_probe import checked_settings, logprob_head_problem, packing_problem
+
+V = 50
+
+
+def _qwen3_5():
+    # the benchmark's family: a gated delta-net layer (linear attention) and a full-attention one
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"]))
+
+
+def _opt():  # positions from the attention mask, not position_ids
+    return OPTForCausalLM(OPTConfig(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32))
+
+
+def _gemma2():  # final_logit_softcapping after lm_head
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+
+
+def _settings(**kw):
+    return OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=64, **kw)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_the_built_in_model_packs_and_keeps_its_settings(compute_dtype):
+    policy = load_model("builtin:arithmetic-tiny", "float32").train()
+    assert packing_problem(policy, compute_dtype) is None and packing_problem(policy, compute_dtype, 8) is None
+    assert logprob_head_problem(policy) is None
+    settings = _settings(compute_dtype=compute_dtype)
+    assert checked_settings(policy, settings, "builtin") == (settings, None)
+    assert policy.training  # put back
+
+
+@pytest.mark.parametrize("make, said", [
+    (_qwen3_5, "change by"),  # its recurrent state runs from one packed row into the next
+    (_opt, "change by"),
+])
+def test_a_model_that_lets_packed_rows_see_each_other_trains_padded(make, said):
+    torch.manual_seed(0)
+    policy = make()
+    line = packing_problem(policy, torch.float32)
+    assert line is not None and said in line and "\n" not in line
+    settings, note = checked_settings(policy, _settings(), "tiny")
+    assert settings == dataclasses.replace(_settings(), packing="never")
+    assert "rows not packed for this model" in note and "padding included" in note
+    assert checked_settings(policy, _settings(packing="never"), "tiny") == (_settings(packing="never"), None)
+
+
+def test_a_model_that_transforms_its_logits_after_lm_head_is_refused():
+    torch.manual_seed(0)
+    policy = _gemma2()
+    assert "not its lm_head's output" in logprob_head_problem(policy)
+    with pytest.raises(ModelLoadError, match="model tiny-gemma2: its logits are not its lm_head's output"):
+        checked_settings(policy, _settings(), "tiny-gemma2")
