@@ -119,9 +119,10 @@ def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
     """``settings`` for ``policy`` (``model``: its path, for the message), and a note line
     where packing is turned off (:func:`packing_problem`: passes right-padded instead).
     The probes run eager (``torch.compiler.set_stance("force_eager")``): compiled, their
-    eval-mode, no-grad and one-row calls took 6 of Dynamo's 8 entries a frame, and the
-    training passes' own variants then fell back to eager inside a checkpointed layer
-    (on one H100, ``CheckpointError``: 52 tensors saved in the forward, 46 recomputed).
+    eval-mode, no-grad and one-row calls took 6 of Dynamo's 8 entries of the checkpointed
+    layer's frame before training, and a checkpointed 256 x 1,024 run on one H100 failed
+    its first backward (``CheckpointError``: 52 tensors saved, 46 recomputed); eager, it
+    trained.
 
     Raises:
         ModelLoadError: :func:`logprob_head_problem` (the loss would score other log-probs
