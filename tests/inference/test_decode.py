@@ -147,6 +147,17 @@ def _stable_definition(scores: torch.Tensor, uniforms: torch.Tensor, temperature
     return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).clamp(max=x.shape[-1] - 1)[:, 0]
 
 
+@pytest.mark.parametrize("seed", [0, 1, -7, 2**32, 2**40 + 5, 12345678901234567890])
+def test_row_uniforms_are_each_seeds_python_random_stream(seed):
+    from mlperf_grpo.inference.sampling import draw_uniforms, row_streams
+
+    python = random.Random(seed)
+    want = torch.tensor([[python.random() for _ in range(300)]], dtype=torch.float32)
+    streams = row_streams([seed])
+    got = torch.cat([draw_uniforms(streams, 1), draw_uniforms(streams, 299)], dim=1)  # the stream goes on
+    assert torch.equal(got, want)  # the same bits: both take (a * 2**26 + b) / 2**53 of two MT19937 words
+
+
 def test_candidate_sampling_gives_the_definitions_token_or_says_it_cannot():
     """Where sample_tokens_from_candidates calls a row exact, its token is sample_tokens'
     (float32 normal logits: no ties) and its log-probability log_softmax's; a row whose

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor
@@ -185,6 +186,24 @@ def sample_tokens_by_blocks(scores: torch.Tensor, uniforms: torch.Tensor, temper
     return in_vocab.gather(1, offset), tempered.gather(1, offset) - top - torch.log(total)
 
 
+def row_streams(seeds: list[int]) -> list[np.random.RandomState]:
+    """One NumPy MT19937 per seed, set to the state of ``random.Random(seed)``: its
+    ``random_sample`` draws are that generator's ``random()`` draws bit for bit (both
+    are ``(a * 2**26 + b) / 2**53`` of two 32-bit outputs), drawn in C."""
+    streams = []
+    for seed in seeds:
+        _, state, _ = random.Random(seed).getstate()  # 624 words and the position
+        stream = np.random.RandomState()
+        stream.set_state(("MT19937", np.array(state[:624], dtype=np.uint32), state[624]))
+        streams.append(stream)
+    return streams
+
+
+def draw_uniforms(streams: list[np.random.RandomState], count: int) -> torch.Tensor:
+    """``[len(streams), count]`` float32 on the host: each stream's next ``count`` draws."""
+    return torch.from_numpy(np.stack([stream.random_sample(count) for stream in streams])).to(torch.float32)
+
+
 class RowSeededSampler(LogitsProcessor):
     """Samples each row from ``softmax(logits / temperature)`` truncated to ``top_p``
     with that row's own RNG, records the sampled token's log-probability, and returns
@@ -209,7 +228,7 @@ class RowSeededSampler(LogitsProcessor):
     def __init__(
         self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int, draw_chunk: int = 64
     ) -> None:
-        self._rngs = [random.Random(s) for s in seeds]
+        self._streams = row_streams(seeds)
         self._temperature, self._top_p = temperature, top_p
         self._max_new_tokens = max_new_tokens
         self._draw_chunk = max(1, draw_chunk)
@@ -245,8 +264,7 @@ class RowSeededSampler(LogitsProcessor):
         """``[B, 1]``: each row's next uniform in [0, 1)."""
         if self._uniforms is None or self._column == self._uniforms.shape[1]:
             chunk = max(1, min(self._draw_chunk, self._max_new_tokens - self.steps))  # no draws generation cannot use
-            draws = [[rng.random() for _ in range(chunk)] for rng in self._rngs]
-            self._uniforms = torch.tensor(draws, dtype=dtype).to(device, non_blocking=True)
+            self._uniforms = draw_uniforms(self._streams, chunk).to(device, dtype, non_blocking=True)
             self._column = 0
         u = self._uniforms[:, self._column : self._column + 1]
         self._column += 1

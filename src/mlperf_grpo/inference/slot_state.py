@@ -6,10 +6,11 @@ grows."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
+
+from mlperf_grpo.inference.sampling import draw_uniforms, row_streams
 
 
 class SlotCache:
@@ -181,8 +182,7 @@ class SlotState:
         row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream);
         the host mirrors count the prefill's token (:meth:`record_first` records it)."""
         index = torch.tensor(slots, device=self.device)
-        draws = [[rng.random() for _ in range(max_new_tokens)] for rng in map(random.Random, seeds)]
-        self.uniforms[index, :max_new_tokens] = torch.tensor(draws, dtype=torch.float32).to(self.device)
+        self.uniforms[index, :max_new_tokens] = draw_uniforms(row_streams(seeds), max_new_tokens).to(self.device)
         self.starts[index] = torch.tensor(pads, device=self.device)
         self.positions[index] = torch.tensor(lengths, device=self.device)
         cache.write_columns[index] = width
