@@ -8,7 +8,6 @@ import pytest
 import torch
 from test_generation import EOS, tiny_qwen3
 
-from mlperf_grpo.inference import slot_prefill
 from mlperf_grpo.inference.decode import DecodeOptions, SlotDecoder
 from mlperf_grpo.inference.slot_schedule import KVCacheBudgetError
 from mlperf_grpo.inference.slot_state import SlotCache, cache_bytes
@@ -79,14 +78,14 @@ def test_a_budget_too_small_for_the_live_rows_preempts_and_resumes_them(slots, o
     (with what a growth holds at once), and every completion is the full-length cache's:
     the same tokens, the log-probabilities within 1e-5 (keys and values recomputed by a
     prefill: float32 sums over at most 112 columns in another order, a few ulps through
-    2 layers), also where a resumed row's prefill runs in chunks of ``chunk`` columns."""
+    2 layers), also where a resumed row's prefill runs in chunks of ``chunk`` columns
+    (7: the fresh 8- and 9-token prompts too)."""
     model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
     want, full = _full_length(model, slots, 100, top_p, **options)
     budget = int(full * fraction)
-    decoder = _decoder(model, slots, budget, **options)
+    decoder = _decoder(model, slots, budget, prefill_chunk=chunk, **options)
     prompts, seeds = _long_tail()
     staged, grow = [], SlotCache.grow
-    monkeypatch.setattr(slot_prefill, "RESUME_CHUNK", chunk)
     monkeypatch.setattr(SlotCache, "grow", lambda cache, rows, length, stage=False: staged.append(stage) or
                         grow(cache, rows, length, stage))
     got = decoder.generate(prompts, seeds, 1.0, top_p, 100, [EOS])

@@ -7,7 +7,8 @@ keys and values in a ``[slots, kv_heads, length, head_dim]`` cache per layer
 else grown with the live rows' lengths, fewer rows as they end) and has its own write
 column, position and token count, so a slot
 whose row has finished (EOS or the token limit) takes the next waiting prompt at once
-(its prefill: the prompts admitted together, left-padded to their longest).
+(its prefill: the prompts admitted together, left-padded to their longest; one longer
+than ``prefill_chunk`` alone, in chunks).
 A decode step feeds every slot its last token at its own position and attends to the
 columns ``[start, column]`` of its own cache row: a completion depends on its prompt,
 its seed and the weights, not on its slot or its neighbours (up to float rounding of
@@ -61,7 +62,7 @@ import torch
 from transformers import PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
-from mlperf_grpo.inference.slot_prefill import PrefillInputs, PrefillSteps, bucket_rows, round_up
+from mlperf_grpo.inference.slot_prefill import PREFILL_CHUNK, PrefillInputs, PrefillSteps, bucket_rows, round_up
 from mlperf_grpo.inference.slot_schedule import KVCacheBudgetError, Resumed, Schedule, rows_fitting
 from mlperf_grpo.inference.slot_state import DecodeCall, SlotCache, SlotState, row_column_bytes
 from mlperf_grpo.inference.slot_step import DecodeSteps
@@ -83,6 +84,7 @@ class DecodeOptions:
     fused_kernels: bool | None = None
     prefill_graphs: bool = False
     kv_cache_bytes: int | None = None
+    prefill_chunk: int = PREFILL_CHUNK
 
 
 class SlotDecoder(PrefillSteps, DecodeSteps):
@@ -125,6 +127,11 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
             CUDA :data:`FREE_FRACTION` of the device's free memory at the call's start and
             at each growth (with what the cache and the caching allocator already hold);
             on the CPU no limit.
+        prefill_chunk: a fresh prompt of more tokens is prefilled alone, this many
+            columns at a time, as a preempted row is resumed (:meth:`_chunked_ops`: a
+            ``[C, columns]`` mask and ``C`` positions' activations, not ``[W, W]`` and
+            ``W``); shorter ones together (:meth:`_prefill_ops`, ``prefill_graphs``).
+            Their tokens are those of one prefill up to float rounding.
 
     The cache, the per-slot state and the graphs are kept between calls and rebuilt
     only when a call needs more rows, columns or tokens (columns are allocated in
@@ -175,15 +182,17 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         self.decode_steps = 0  # decode steps run by the last call (forward passes after its prefills)
         self.rerun_steps = 0  # of the last call: steps run again with sample_tokens (a nucleus beyond the candidates)
         self.graph_captures = 0  # of the last call: decode steps and prefills captured as new CUDA graphs
-        self.prefills = 0  # of the last call: admissions (each one eager forward over the prompts admitted together)
+        self.prefills = 0  # of the last call: prefills (the short prompts admitted together; each row in chunks)
         self.prefill_ms = 0.0  # of the last call: their time on the device (CUDA events; the CPU: wall time)
         self.kv_cache_bytes = options.kv_cache_bytes
+        self.prefill_chunk = options.prefill_chunk
         self.cache_grows = 0  # of the last call: times the KV cache was widened
         self.preempted = 0  # of the last call: rows preempted to keep the cache within its budget (then resumed)
         self.kv_cache_peak_bytes = 0  # of the last call: the most bytes its KV cache tensors held at once
         self._prefill_times: list = []  # this call's (start, end) events, or wall seconds on the CPU
-        if self.check_every < 1:
-            raise ValueError(f"check_every is {self.check_every}; it must be >= 1")
+        if self.check_every < 1 or self.prefill_chunk < 1:
+            raise ValueError(f"check_every is {self.check_every} and prefill_chunk {self.prefill_chunk}; both "
+                             "must be >= 1")
 
     @torch.no_grad()
     def generate(
@@ -249,16 +258,19 @@ class SlotDecoder(PrefillSteps, DecodeSteps):
         return plan.results  # type: ignore[return-value]
 
     def _admit(self, plan: Schedule, prompts: list[list[int]], seeds: list[int], call: DecodeCall) -> None:
-        """Waiting prompts into the empty slots: the fresh ones in one prefill, each
-        preempted one in its own (:meth:`_prefill_resumed`)."""
+        """Waiting prompts into the empty slots: the fresh ones of at most
+        ``prefill_chunk`` tokens in one prefill; each longer one, and each preempted one,
+        in its own, in chunks (:meth:`_prefill_chunked`; a fresh one: no tokens yet)."""
         taken = plan.take()
-        fresh = [(slot, i) for slot, i in taken if isinstance(i, int)]
+        fresh = [(slot, i) for slot, i in taken if isinstance(i, int) and len(prompts[i]) <= self.prefill_chunk]
         if fresh:
             self._prefill([s for s, _ in fresh], [prompts[i] for _, i in fresh], [seeds[i] for _, i in fresh], call,
                           len(plan.owner))
         for slot, row in taken:
+            if isinstance(row, int) and len(prompts[row]) > self.prefill_chunk:
+                row = Resumed(row, [], [])
             if isinstance(row, Resumed):
-                self._prefill_resumed(slot, prompts[row.index], row, seeds[row.index], call)
+                self._prefill_chunked(slot, prompts[row.index], row, seeds[row.index], call)
 
     def _next_block(self, live: list[int], length: int, max_new_tokens: int) -> tuple[int, int]:
         """Steps before the next look and the key length they read: up to

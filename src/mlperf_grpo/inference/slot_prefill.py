@@ -1,8 +1,9 @@
 """The slot decoder's prefills (:class:`PrefillSteps`, methods of
-:class:`~mlperf_grpo.inference.decode.SlotDecoder`): the prompts admitted together
+:class:`~mlperf_grpo.inference.decode.SlotDecoder`): the short prompts admitted together
 written straight into their slots' cache rows (:class:`~mlperf_grpo.inference.slot_state.PrefillWriter`)
 and their first tokens sampled, eagerly or, with ``prefill_graphs``, padded to a bucket
-and captured as a CUDA graph per bucket."""
+and captured as a CUDA graph per bucket; a long prompt, or a preempted row resumed, alone
+and in chunks of columns (:class:`~mlperf_grpo.inference.slot_state.ChunkWriter`)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from mlperf_grpo.inference.slot_state import ChunkWriter, DecodeCall, PrefillWri
 
 PREFILL_WIDTH_BLOCK = 16
 """With ``prefill_graphs``, prefill widths are multiples of this many columns."""
-RESUME_CHUNK = 1024
-"""A resumed row's prefill computes this many of its columns at a time (its mask:
-``RESUME_CHUNK x columns`` booleans, not ``columns x columns``)."""
+PREFILL_CHUNK = 1024
+"""The default ``DecodeOptions.prefill_chunk``: a fresh prompt of more tokens, and every
+resumed row, is prefilled alone this many columns at a time (its mask: ``PREFILL_CHUNK x
+columns`` booleans, not ``columns x columns``); shorter fresh prompts are prefilled
+together (``[R, W, W]``, ``W`` at most this)."""
 
 
 class PrefillInputs(NamedTuple):
@@ -59,9 +62,9 @@ class PrefillSteps:
         """:meth:`_prefill_ops`, counted and timed (:meth:`_timed`)."""
         self._timed(self._prefill_ops, free, prompts, seeds, call, slots)
 
-    def _prefill_resumed(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
-        """:meth:`_resume_ops`, counted and timed (:meth:`_timed`)."""
-        self._timed(self._resume_ops, slot, prompt, row, seed, call)
+    def _prefill_chunked(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
+        """:meth:`_chunked_ops`, counted and timed (:meth:`_timed`)."""
+        self._timed(self._chunked_ops, slot, prompt, row, seed, call)
 
     def _timed(self, ops, *args) -> None:
         """``ops(*args)``, a prefill: counted (``prefills``) and timed (``prefill_ms``: CUDA
@@ -111,20 +114,22 @@ class PrefillSteps:
             buffer.copy_(torch.tensor(values), non_blocking=False)
         graph.replay()
 
-    def _resume_ops(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
-        """Slot ``slot`` takes a preempted row again: its prompt and the ``c`` tokens it
-        had sampled are prefilled (columns ``[0, n)``, :data:`RESUME_CHUNK` at a time,
-        each chunk attending causally to the columns before it: no padding, eager) and its
-        next token is sampled at its ``c``-th uniform (:meth:`SlotState.resume`). Its
-        keys and values are recomputed, so its later tokens equal an uninterrupted row's
-        up to float rounding, as any change of batch does."""
+    def _chunked_ops(self, slot: int, prompt: list[int], row: Resumed, seed: int, call: DecodeCall) -> None:
+        """Slot ``slot`` takes a row alone: a preempted one again, or a fresh long prompt
+        (a :class:`Resumed` with no tokens). Its prompt and the ``c`` tokens it had sampled
+        are prefilled (columns ``[0, n)``, ``prefill_chunk`` at a time, each chunk
+        attending causally to the columns before it: no padding, eager) and its next token
+        is sampled at its ``c``-th uniform (:meth:`SlotState.resume`; a fresh row: its
+        first, as :meth:`_prefill_body`). Keys and values computed in chunks, or
+        recomputed, give the tokens of one prefill, or an uninterrupted row, up to float
+        rounding, as any change of batch does."""
         ids, state = prompt + row.tokens, self.state
         n = len(ids)
         state.start([slot], [seed], [0], [n], n, self.cache, call.max_new_tokens)
         ids_t = torch.tensor([ids], device=self.model.device)
         arange = state.arange
-        for start in range(0, n, RESUME_CHUNK):
-            end = min(n, start + RESUME_CHUNK)
+        for start in range(0, n, self.prefill_chunk):
+            end = min(n, start + self.prefill_chunk)
             visible = arange[None, :end] <= arange[start:end, None]  # [C(q), end(k)]
             with attention_implementation(self.model, "sdpa"), sdpa_kernel(PREFILL_SDPA_BACKENDS):
                 logits = self.model(input_ids=ids_t[:, start:end], attention_mask=visible[None, None],

@@ -18,9 +18,10 @@ class KVCacheBudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class Resumed:
-    """A row preempted to make room: prompt ``index`` and the tokens and log-probabilities
-    it had sampled (its prefill recomputes their keys and values; sampling goes on at its
-    uniform number ``len(tokens)``, so its tokens are those it would have sampled)."""
+    """A row prefilled alone, in chunks: one preempted to make room, prompt ``index`` and
+    the tokens and log-probabilities it had sampled (its prefill recomputes their keys and
+    values; sampling goes on at its uniform number ``len(tokens)``, so its tokens are those
+    it would have sampled), or a fresh prompt too long to prefill with others (none yet)."""
 
     index: int
     tokens: list[int]
