@@ -143,12 +143,15 @@ def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
         assert (fit.checkpointing, fit.release_engine_memory, fit.engine_rows) == (True, released, 256)
         v, m = fit.verdict, fit.verdict.memory
         usable = h100 - 3 * GIB
-        room = usable - v.static_bytes - (0 if released else m.training_bytes)
+        # beside the cache: the engine's largest prefill, its 16 prompts of 40 tokens together
+        assert m.prefill_bytes == sequences.prefill_bytes(QWEN3_1_4B, 16, 40) > 0
+        room = usable - v.static_bytes - m.prefill_bytes - (0 if released else m.training_bytes)
         assert v.bounded and fit.kv_cache_bytes == m.kv_cache_bytes == room
         assert m.kv_cache_min_bytes == 2 * 28 * 1024 * (65_088 + 1) * 2 <= room  # one row
         full = sequences.sequence_memory(QWEN3_1_4B, v.shape, True).kv_cache_bytes
         assert full == 2 * 28 * 16 * 1024 * (65_088 + 1) * 2 > room
-        turns = max(m.kv_cache_bytes, m.training_bytes) if released else m.kv_cache_bytes + m.training_bytes
+        generation = m.kv_cache_bytes + m.prefill_bytes
+        turns = max(generation, m.training_bytes) if released else generation + m.training_bytes
         assert v.peak_bytes == v.static_bytes + turns == usable
         assert "the engine's KV cache bounded to" in fit.note() and "not all 16 rows at full length" in fit.note()
         assert ("freed while the policy trains" in fit.note()) is released

@@ -38,6 +38,22 @@ allocated at once where it fits. Where it does not, the engine is given the byte
 live rows' lengths and preempts rows that do not fit (recomputed later); it needs at
 least one row at full length (``2 L (1 + s) kv (length + 1)``).
 
+Beside its KV cache, the engine's largest prefill (:func:`prefill_bytes`; no autograd,
+one layer's tensors alive at a time, rollout dtype ``r`` bytes): per query position the
+embeddings, the layer's input, the residual stream and its normed copy (``4 H``), the
+rotary cosines and sines (``2 d``, ``d`` the head dimension) and the larger of the MLP's
+(SiLU's output, the up projection, their product: ``3 I``) and attention's (query, its
+norm and rotary copies and temporaries, ``transformers``' ``repeat_kv``'s key and value
+copies, SDPA's output: ``6 q``; key and value with their norm and rotary copies:
+``4 kv``), ``t = r (4 H + 2 d + max(3 I, 6 q + 4 kv))``; its boolean mask and SDPA's additive
+copy of it, ``(1 + r)`` a query-key pair; the last position's logits and sampling's
+float32 copies, ``(r + 12) V`` a row. Prompts of at most ``c`` tokens
+(``inference.slot_prefill.PREFILL_CHUNK``) are prefilled together: ``R (W^2 (1 + r) +
+W t + (r + 12) V) + W^2`` for ``R`` rows of ``W`` columns (the rows' masks share one
+causal pattern); a longer one (an agent turn that
+re-prefills its conversation) alone, ``c`` columns at a time over its ``P`` columns:
+``c P (1 + r) + c t + 2 q r P + (r + 12) V`` (its keys and values repeated over the heads).
+
 These are estimates of the allocator's live bytes; the CUDA context, the allocator's
 slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
 for them when a layout is judged).
@@ -57,6 +73,9 @@ plus one (``DecodeOptions.key_block``)."""
 PREFILL_WIDTH_BLOCK = 16
 """As ``inference.slot_prefill.PREFILL_WIDTH_BLOCK``: with ``inference.prefill_graphs`` a
 prompt fills a multiple of this many columns (kept equal by a test)."""
+PREFILL_CHUNK = 1024
+"""As ``inference.slot_prefill.PREFILL_CHUNK``: a longer prompt is prefilled alone in chunks
+of this many columns (kept equal by a test)."""
 LOGITS_CHUNK_BYTES = 1 << 30
 """As ``train.logprobs.LOGITS_CHUNK_BYTES`` (kept equal by a test; this module has no torch)."""
 
@@ -68,7 +87,9 @@ class SequenceShape:
     several rows (a block-diagonal mask), ``engine_rows`` the rows the engine decodes at
     once, ``engine_length`` their longest prompt + new tokens, ``compute_bytes`` 2
     (bfloat16 autocast) or 4, ``rollout_bytes`` the engine dtype's bytes, ``spare_row``
-    whether its cache has a spare row (``inference.prefill_graphs``)."""
+    whether its cache has a spare row (``inference.prefill_graphs``), ``engine_prompt`` the
+    longest prompt it prefills (None: ``engine_length``, as an agent turn re-prefills its
+    conversation)."""
 
     pass_tokens: int
     packed: bool
@@ -77,6 +98,7 @@ class SequenceShape:
     compute_bytes: int = 2
     rollout_bytes: int = 2
     spare_row: bool = False
+    engine_prompt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +112,13 @@ class SequenceMemory:
     checkpointing: bool
     kv_cache_min_bytes: int = 0
     """One row at full length (and the spare row, if any): the least the engine decodes with."""
+    prefill_bytes: int = 0
+    """The engine's largest prefill beside its KV cache (:func:`prefill_bytes`)."""
+
+    @property
+    def generation_bytes(self) -> int:
+        """What generating adds to the weights and optimizer state: the KV cache and a prefill."""
+        return self.kv_cache_bytes + self.prefill_bytes
 
     @property
     def training_bytes(self) -> int:
@@ -106,17 +135,19 @@ ENGINE_BATCH_SIZE = 256
 
 
 def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None = None, compute_bytes: int = 2,
-               rollout_bytes: int = 2, spare_row: bool = False) -> SequenceShape:
+               rollout_bytes: int = 2, spare_row: bool = False, prompt: int | None = None) -> SequenceShape:
     """A rank's step: ``rows`` rows of at most ``longest`` tokens, training passes of
     ``budget`` tokens (``grpo.micro_batch_tokens``; a longer row alone) and at most
     ``max_rows`` rows (``grpo.micro_batch_size``), or without a budget ``max_rows``
-    right-padded rows; ``spare_row``: ``inference.prefill_graphs``."""
+    right-padded rows; ``spare_row``: ``inference.prefill_graphs``; ``prompt``: the
+    longest prompt the engine prefills (None: ``longest``)."""
     engine = (min(ENGINE_BATCH_SIZE, rows), longest)
+    rest = (compute_bytes, rollout_bytes, spare_row, prompt)
     if budget is None:
-        return SequenceShape(min(max_rows, rows) * longest, False, *engine, compute_bytes, rollout_bytes, spare_row)
+        return SequenceShape(min(max_rows, rows) * longest, False, *engine, *rest)
     per_pass = rows if max_rows is None else min(rows, max_rows)
     tokens = max(longest, min(budget, per_pass * longest))
-    return SequenceShape(tokens, tokens > longest, *engine, compute_bytes, rollout_bytes, spare_row)
+    return SequenceShape(tokens, tokens > longest, *engine, *rest)
 
 
 def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
@@ -137,8 +168,9 @@ def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> l
             ("packed attention mask", off.attention_mask_bytes, on.attention_mask_bytes),
             ("engine KV cache, all rows full", off.kv_cache_bytes, on.kv_cache_bytes),
             ("  or at least (one row)", off.kv_cache_min_bytes, on.kv_cache_min_bytes),
-            ("= device peak (with all rows)", static_bytes + off.kv_cache_bytes + off.training_bytes,
-             static_bytes + on.kv_cache_bytes + on.training_bytes)]
+            ("engine prefill (the largest)", off.prefill_bytes, on.prefill_bytes),
+            ("= device peak (with all rows)", static_bytes + off.generation_bytes + off.training_bytes,
+             static_bytes + on.generation_bytes + on.training_bytes)]
     head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
             f"decoding {shape.engine_rows} rows of {shape.engine_length:,}; GiB per rank")
     lines = [head, f"  {'':36} {'no checkpointing':>16} {'checkpointing':>20}"]
@@ -187,8 +219,29 @@ def sequence_memory(config: dict, shape: SequenceShape, checkpointing: bool) -> 
     padded = shape.engine_length + (PREFILL_WIDTH_BLOCK - 1) * shape.spare_row
     columns = -(-padded // KEY_BLOCK) * KEY_BLOCK + 1
     row_bytes = 2 * layers * kv * columns * shape.rollout_bytes  # one row at full length
+    prompt = shape.engine_length if shape.engine_prompt is None else shape.engine_prompt
+    prefill = prefill_bytes(config, shape.engine_rows, prompt, shape.rollout_bytes, shape.spare_row)
     return SequenceMemory(activations, logits, mask, (shape.engine_rows + shape.spare_row) * row_bytes, checkpointing,
-                          (1 + shape.spare_row) * row_bytes)
+                          (1 + shape.spare_row) * row_bytes, prefill)
+
+
+def prefill_bytes(config: dict, rows: int, prompt: int, rollout_bytes: int = 2, spare_row: bool = False,
+                  chunk: int = PREFILL_CHUNK) -> int:
+    """The most bytes one of the engine's prefills allocates beside its KV cache (module
+    docstring): ``rows`` prompts of at most ``min(prompt, chunk)`` tokens together
+    (``spare_row``: padded to a multiple of :data:`PREFILL_WIDTH_BLOCK` columns), or, where
+    ``prompt`` > ``chunk``, one alone in chunks of ``chunk`` columns."""
+    h, q, kv, i, _, vocab = _dims(config)
+    r = rollout_bytes
+    head_dim = q // config["num_attention_heads"]
+    token = r * (4 * h + 2 * head_dim + max(3 * i, 6 * q + 4 * kv))  # tensors alive at once, a query position
+    row = (r + 12) * vocab  # the last position's logits and sampling's float32 copies
+    width = min(prompt, chunk)
+    width = -(-width // PREFILL_WIDTH_BLOCK) * PREFILL_WIDTH_BLOCK if spare_row else width
+    together = rows * (width * width * (1 + r) + width * token + row) + width * width  # + the causal pattern
+    if prompt <= chunk:
+        return together
+    return max(together, chunk * prompt * (1 + r) + chunk * token + 2 * q * r * prompt + row)
 
 
 @dataclass(frozen=True)
@@ -208,7 +261,8 @@ class Fit:
     rollouts): generation and training then take the memory in turn."""
     kv_budget_bytes: int | None = None
     """The bytes the engine's KV cache may take (``DecodeOptions.kv_cache_bytes``): what
-    the device has left beside the rest; None where nothing fits."""
+    the device has left beside the rest (its largest prefill included); None where
+    nothing fits."""
     bounded: bool = False
     """The device does not hold every row at full length: the engine's cache is bounded
     (its rows grow with their lengths and are preempted past the budget);
@@ -217,10 +271,11 @@ class Fit:
 
     @property
     def peak_bytes(self) -> int:
-        """Planned peak: weights, optimizer state and engine, plus its KV cache and a
-        training pass at once, or the larger of the two when the cache is released."""
+        """Planned peak: weights, optimizer state and engine, plus its KV cache and largest
+        prefill and a training pass at once, or the larger of the two when the cache is
+        released."""
         m = self.memory
-        turns = max(m.kv_cache_bytes, m.training_bytes) if self.released else m.kv_cache_bytes + m.training_bytes
+        turns = max(m.generation_bytes, m.training_bytes) if self.released else m.generation_bytes + m.training_bytes
         return self.static_bytes + turns
 
 
@@ -242,7 +297,7 @@ def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int
                for r in ([False, True] if can_release else [False])]
     for ckpt, released in options:
         m = sequence_memory(config, shape, ckpt)
-        room = usable - static_bytes - (0 if released else m.training_bytes)
+        room = usable - static_bytes - m.prefill_bytes - (0 if released else m.training_bytes)
         verdict = Fit(m, static_bytes, device_bytes, False, shape, released, room)
         if verdict.peak_bytes <= usable:
             return replace(verdict, fits=True)
@@ -264,7 +319,7 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_ke
     ``length_key``: the setting that bounds a row's length (``agent.max_context_tokens``
     for agent trajectories)."""
     m = verdict.memory
-    parts = {"kv": m.kv_cache_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
+    parts = {"kv": m.generation_bytes, "pass": m.training_bytes, "static": verdict.static_bytes}
     largest = max(parts, key=parts.get)
     remedy = {
         "kv": f"shorter rollouts ({length_key}: the engine decodes at least one row at full length), or more "
@@ -275,6 +330,7 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_ke
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
             f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache"
             f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
+            f"{gib(m.prefill_bytes)} GiB its largest prefill + "
             f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
             f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "

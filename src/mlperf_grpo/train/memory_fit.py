@@ -2,7 +2,7 @@
 ``model.activation_checkpointing: auto`` resolved, and a step that cannot fit refused.
 
 The figures are :mod:`mlperf_grpo.plan.sequences`' (activations, log-prob chunks, the
-packed attention mask, the engine's KV cache) on top of the weights, gradients, AdamW
+packed attention mask, the engine's KV cache and largest prefill) on top of the weights, gradients, AdamW
 moments and engine weights of :mod:`mlperf_grpo.plan.memory`, for the step's shape
 (:func:`step_shape`): the longest training prompt plus ``grpo.max_new_tokens`` (agent
 trajectories: ``agent.max_context_tokens``), the
@@ -24,13 +24,14 @@ def step_shape(config: RunConfig, longest_prompt: int, world_size: int, agentic:
     """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
     longest prompt + ``grpo.max_new_tokens`` (``agentic``: agent trajectories, whose turns,
     tool output and prompt fill up to ``agent.max_context_tokens``, as does each engine
-    call's row), passes by the config's budget."""
+    call's row and the prompt a turn prefills), passes by the config's budget."""
     g = config.grpo
     longest = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
     return sequences.step_shape(longest, max(1, config.global_batch_size // world_size),
                                 g.micro_batch_tokens, g.micro_batch_size,
                                 2 if config.model.train_compute_dtype == "bfloat16" else 4,
-                                memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs)
+                                memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs,
+                                None if agentic else longest_prompt)
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
