@@ -70,6 +70,24 @@ def test_qwen3_1_4b_figures_by_hand():
     assert spare.kv_cache_bytes == m.kv_cache_bytes * 257 // 256  # inference.prefill_graphs: a spare row
     assert sequences.LOGITS_CHUNK_BYTES == logprobs.LOGITS_CHUNK_BYTES
     assert sequences.PREFILL_WIDTH_BLOCK == slot_prefill.PREFILL_WIDTH_BLOCK
+    assert sequences.PREFILL_CHUNK == slot_prefill.PREFILL_CHUNK
+
+
+def test_qwen3_1_4b_prefill_bytes_by_hand():
+    # a query position: 2 (4 H + 2 d + max(3 I, 6 q + 4 kv)) = 2 (8192 + 256 + 18432) bytes;
+    # a row's logits and sampling: (2 + 12) V; a query-key pair's mask: 1 + 2 bytes
+    token, row = 2 * 26880, 14 * 151_936
+    assert sequences.prefill_bytes(QWEN3_1_4B, 256, 40) == 256 * (40 * 40 * 3 + 40 * token + row) + 40 * 40
+    # 16 agent turns of up to 65,536 tokens: the larger of a 65,536-token one alone in chunks
+    # of 1,024 columns (keys and values repeated over the 16 heads; 0.74 GiB, where one
+    # prefill of it would hold 12 GiB of masks) and 16 of at most 1,024 tokens together
+    alone = 1024 * 65536 * 3 + 1024 * token + 2 * 2048 * 2 * 65536 + row
+    together = 16 * (1024 * 1024 * 3 + 1024 * token + row) + 1024**2
+    assert sequences.prefill_bytes(QWEN3_1_4B, 1, 65536) == alone == 795_374_848
+    assert sequences.prefill_bytes(QWEN3_1_4B, 16, 65536) == together > alone
+    assert sequences.prefill_bytes(QWEN3_1_4B, 16, 1024) == together
+    # with inference.prefill_graphs the rows' width is rounded up to 16 columns
+    assert sequences.prefill_bytes(QWEN3_1_4B, 1, 40, spare_row=True) == 48 * 48 * 3 + 48 * token + row + 48 * 48
 
 
 @pytest.mark.parametrize("prompt, new_tokens", [(40, 24), (40, 1048), (16, 48), (1, 63)])
@@ -201,9 +219,23 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     shape = SequenceShape(65536, False, 16, 65536)
     assert out["checkpointing"] == sequences.sequence_memory(QWEN3_1_4B, shape, True).to_json()
     assert out["no_checkpointing"]["kv_cache_bytes"] == 2 * 28 * 16 * 1024 * 65537 * 2
+    # the engine's largest prefill, counted as a 65,536-token prompt (an agent turn)
+    memory = sequences.sequence_memory(QWEN3_1_4B, shape, True)
+    assert out["checkpointing"]["prefill_bytes"] == memory.prefill_bytes == sequences.prefill_bytes(QWEN3_1_4B, 16, 65536)
+    static = out["static_device_bytes"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
+    lines = {line[:38].strip(): line.split()[-1] for line in text.splitlines() if line.startswith("  ")}
+    assert lines["engine prefill (the largest)"] == sequences.gib(memory.prefill_bytes)
+    # the peak the trainer judges (plan_step's fit, nothing freed) is the one printed
+    verdict = sequences.fit(QWEN3_1_4B, shape, static, 1 << 50, checkpointing=True)
+    assert verdict.peak_bytes == static + memory.kv_cache_bytes + memory.prefill_bytes + memory.training_bytes
+    assert lines["= device peak (with all rows)"] == sequences.gib(verdict.peak_bytes)
+    # prompts of 40 tokens (not an agent's): the rows' prefill together, as the trainer counts it
+    assert main(argv + ["--prompt-tokens", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["sequences"]
+    assert out["checkpointing"]["prefill_bytes"] == sequences.prefill_bytes(QWEN3_1_4B, 16, 40) < memory.prefill_bytes
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
     assert "add --trajectory-tokens" in capsys.readouterr().err
 
@@ -213,6 +245,8 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     (["--trajectory-tokens", "65537"], "--trajectory-tokens 65,537 is over the model's context of 65,536 tokens"),
     # were ignored without --trajectory-tokens (and without --memory)
     (["--micro-batch-tokens", "100"], "--micro-batch-tokens sizes the sequences: add --trajectory-tokens L"),
+    (["--prompt-tokens", "40"], "--prompt-tokens sizes the sequences: add --trajectory-tokens L"),
+    (["--trajectory-tokens", "1024", "--prompt-tokens", "2048"], "--prompt-tokens 2,048 is over --trajectory-tokens 1,024"),
 ])
 def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, capsys, arguments, named):
     import json

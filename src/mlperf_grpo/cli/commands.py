@@ -289,8 +289,8 @@ def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[
     rows = request.rows or max(1, 256 // request.world_size)
     bytes_ = memory_plan.DTYPE_BYTES[request.dtype]
     tokens = request.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS
-    shape = plan_sequences.step_shape(request.trajectory_tokens, rows, tokens,
-                                      compute_bytes=bytes_, rollout_bytes=bytes_)
+    shape = plan_sequences.step_shape(request.trajectory_tokens, rows, tokens, compute_bytes=bytes_,
+                                      rollout_bytes=bytes_, prompt=request.prompt_tokens)
     static = (memory_plan.static_device_bytes(result, 1)
               + plan_sequences.autocast_copy_bytes(result.parameters, request.world_size, bytes_))
     figures = {"shape": shape.__dict__, "static_device_bytes": static,

@@ -192,6 +192,9 @@ def _add_plan(sub) -> None:
                         "L tokens (prompt + completion)")
     p.add_argument("--micro-batch-tokens", type=_positive_int, metavar="B",
                    help="--memory --trajectory-tokens: grpo.micro_batch_tokens (default 16384)")
+    p.add_argument("--prompt-tokens", type=_positive_int, metavar="P",
+                   help="--memory --trajectory-tokens: the longest prompt the engine prefills (default L: an agent "
+                        "turn re-prefills its conversation)")
     p.add_argument("--rows", type=_positive_int, metavar="R",
                    help="--memory --trajectory-tokens: rows a rank trains and its engine decodes (default 256 / N)")
 

@@ -178,7 +178,8 @@ class CheckRequest:
         return None
 
 
-MEMORY_FLAGS = ("model_shape", "model_config", "world_size", "trajectory_tokens", "micro_batch_tokens", "rows")
+MEMORY_FLAGS = ("model_shape", "model_config", "world_size", "trajectory_tokens", "micro_batch_tokens", "rows",
+                "prompt_tokens")
 MODEL_SHAPE_NAMES = ("qwen3.5-397b-a17b",)
 """``plan --memory --model-shape`` choices (``memory_plan.MODEL_SHAPES``: the parser is built
 without importing the library; a test keeps the two equal)."""
@@ -203,12 +204,13 @@ class PlanRequest:
     trajectory_tokens: int | None = None
     micro_batch_tokens: int | None = None
     rows: int | None = None
+    prompt_tokens: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanRequest:
         return cls(args.global_batch_size, args.config, args.json, args.memory, args.model_shape, args.model_config,
                    args.world_size, args.tensor_parallel_size, args.dtype, args.max_in_flight,
-                   args.trajectory_tokens, args.micro_batch_tokens, args.rows)
+                   args.trajectory_tokens, args.micro_batch_tokens, args.rows, args.prompt_tokens)
 
     def __post_init__(self) -> None:
         memory_options = [f"--{name.replace('_', '-')}" for name in MEMORY_FLAGS if getattr(self, name) is not None]
@@ -220,9 +222,13 @@ class PlanRequest:
                                "and --model-config PATH")
             if self.world_size is None:
                 raise BadInput("plan --memory: give --world-size N (the ranks, one accelerator each)")
-            for name, value in (("--rows", self.rows), ("--micro-batch-tokens", self.micro_batch_tokens)):
+            for name, value in (("--rows", self.rows), ("--micro-batch-tokens", self.micro_batch_tokens),
+                                ("--prompt-tokens", self.prompt_tokens)):
                 if value is not None and self.trajectory_tokens is None:
                     raise BadInput(f"plan --memory: {name} sizes the sequences: add --trajectory-tokens L")
+            if (self.prompt_tokens or 0) > (self.trajectory_tokens or 0):
+                raise BadInput(f"plan --memory: --prompt-tokens {self.prompt_tokens:,} is over --trajectory-tokens "
+                               f"{self.trajectory_tokens:,}, which counts the prompt: give at most {self.trajectory_tokens}")
             return
         if memory_options:
             raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")
