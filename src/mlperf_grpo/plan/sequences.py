@@ -45,14 +45,16 @@ rotary cosines and sines (``2 d``, ``d`` the head dimension) and the larger of t
 (SiLU's output, the up projection, their product: ``3 I``) and attention's (query, its
 norm and rotary copies and temporaries, ``transformers``' ``repeat_kv``'s key and value
 copies, SDPA's output: ``6 q``; key and value with their norm and rotary copies:
-``4 kv``), ``t = r (4 H + 2 d + max(3 I, 6 q + 4 kv))``; its boolean mask and SDPA's additive
-copy of it, ``(1 + r)`` a query-key pair; the last position's logits and sampling's
-float32 copies, ``(r + 12) V`` a row. Prompts of at most ``c`` tokens
+``4 kv``), ``t = r (4 H + 2 d + max(3 I, 6 q + 4 kv))``; its boolean mask and SDPA's
+additive copy of it, ``(1 + r)`` a query-key pair; the last position's logits and sampling's
+float32 copies, ``(r + 12) V`` a row (at top-p 1, training's rollouts; a top-p below 1
+sorts the vocabulary, about ``16 V`` more). Prompts of at most ``c`` tokens
 (``inference.slot_prefill.PREFILL_CHUNK``) are prefilled together: ``R (W^2 (1 + r) +
 W t + (r + 12) V) + W^2`` for ``R`` rows of ``W`` columns (the rows' masks share one
-causal pattern); a longer one (an agent turn that
-re-prefills its conversation) alone, ``c`` columns at a time over its ``P`` columns:
-``c P (1 + r) + c t + 2 q r P + (r + 12) V`` (its keys and values repeated over the heads).
+causal pattern); a longer one (an agent turn that re-prefills its conversation) alone,
+``c`` columns at a time over its ``P`` columns: ``c P (1 + r) + c t + 2 q r P + (r + 12)
+V`` (its keys and values repeated over the heads). The sum is an upper bound of the live
+bytes counted in a CPU prefill, within 40% (``tests/inference/test_decode_chunked_prefill.py``).
 
 These are estimates of the allocator's live bytes; the CUDA context, the allocator's
 slack and communication buffers are not counted (:data:`DEVICE_RESERVE_BYTES` is left
