@@ -118,6 +118,8 @@ def _config(**grpo):
 def test_step_shape_follows_the_token_budget():
     shape = step_shape(_config(max_new_tokens=1024), longest_prompt=40, world_size=1)
     assert (shape.pass_tokens, shape.packed, shape.engine_rows, shape.engine_length) == (16384, True, 256, 1064)
+    assert shape.engine_prompt == 40  # the engine prefills the prompts; an agent's turn, its whole context
+    assert step_shape(_config(max_new_tokens=1024), longest_prompt=40, world_size=1, agentic=True).engine_prompt is None
     long = step_shape(_config(max_new_tokens=65000, num_prompts_per_step=1), longest_prompt=40, world_size=1)
     assert (long.pass_tokens, long.packed, long.engine_rows) == (65040, False, 16)  # one row alone
     padded = step_shape(_config(micro_batch_size=4, micro_batch_tokens=None), longest_prompt=10, world_size=2)
