@@ -185,6 +185,18 @@ def test_activation_checkpointing_in_one_process_gives_the_same_update(tokens):
         torch.testing.assert_close(updates[0][name], updates[1][name], rtol=0, atol=0)
 
 
+def test_checkpointing_a_model_transformers_cannot_checkpoint_is_one_line():
+    # was transformers' ValueError, exit 1, after the run directory line
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    policy = JetMoeForCausalLM(JetMoeConfig(vocab_size=15, hidden_size=16, num_hidden_layers=1, num_key_value_heads=2,
+                                            kv_channels=4, intermediate_size=16, num_local_experts=2,
+                                            num_experts_per_tok=1))
+    with pytest.raises(ConfigError, match="^model.activation_checkpointing: JetMoeForCausalLM does not support "
+                                          "activation checkpointing .*set model.activation_checkpointing: off"):
+        checkpoint_layers(policy)
+
+
 def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsys):
     import json
 
