@@ -120,12 +120,21 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
     # 16 rows of 65k: the KV cache bounded, at least one row (7.0 GiB); the 65k-token pass
     # (27 GiB checkpointed) and 32 GiB of state do not fit 57 GiB even in turns with it
     long = _config(max_new_tokens=65_000, num_prompts_per_step=1)
-    with pytest.raises(ConfigError, match=r"about 59.0 GiB .* \+ 7.0 GiB engine KV cache \(one row at full length"):
+    # the cache is freed while the policy trains: 32.0 + the larger of 7.0 and 23.5 + 3.5 (the line summed all four)
+    with pytest.raises(ConfigError, match=r"about 59.0 GiB .* engine \+ the larger of 7.0 GiB engine KV cache \(one row "
+                                          r"at full length.*\) and \(23.5 GiB activations .* \+ 3.5 GiB log-prob"):
         plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
     with pytest.raises(ConfigError, match="set model.activation_checkpointing: on"):
         plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
+    # a pass of one 65k-token row: a lower token budget cannot split it (the remedy said to lower it)
+    one_row = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
+                            "grpo": {"num_prompts_per_step": 1, "first_eval_step": 1, "max_new_tokens": 65_000}},
+                           source="test")
+    with pytest.raises(ConfigError, match=r"set model.activation_checkpointing: on, or shorter rows \(lower "
+                                          r"grpo.max_new_tokens: the largest pass is already one row of 65,040 tokens"):
+        plan_step(one_row, QWEN3_1_4B, 40, 1, 80 * 10**9)
 
 
 def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
