@@ -55,6 +55,9 @@ from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
 from mlperf_grpo.train.rollout import RolloutBatch
 
 PROMPT_TOKENS = 40
+MAX_VOCAB = 1 << 20
+"""``--vocab``'s largest: real vocabularies reach 262,144 (Gemma 3); past this the
+embedding alone is terabytes at some sizes (an allocation traceback, not a line)."""
 GIB = 2**30
 
 
@@ -227,8 +230,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if unknown:
         bad_input(f"--real {' '.join(unknown)}: not among --cases ({' '.join(args.cases)})")
     tokens = len(AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR))
-    if args.vocab < tokens:
-        bad_input(f"--vocab {args.vocab}: must hold the built-in tokenizer's {tokens} ids")
+    if not tokens <= args.vocab <= MAX_VOCAB:
+        bad_input(f"--vocab {args.vocab:,}: must hold the built-in tokenizer's {tokens} ids and be at most "
+                  f"{MAX_VOCAB:,} (Qwen3's is 151,936)")
     if args.context <= PROMPT_TOKENS:
         bad_input(f"--context {args.context}: must be over the {PROMPT_TOKENS}-token prompts")
     if min(args.steps, args.train_rows) < 1:

@@ -43,6 +43,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("long_sequences.py", ["--cases", "1x64"], "--cases 1x64"),
     ("long_sequences.py", ["--cases", "16x64", "--real", "32x64"], "--real 32x64: not among --cases"),
     ("long_sequences.py", ["--vocab", "0"], "--vocab 0: must hold the built-in tokenizer's"),
+    # a RuntimeError traceback: the embedding of 1e14 ids was allocated
+    ("long_sequences.py", ["--vocab", "99999999999999"], "--vocab 99,999,999,999,999: must hold"),
     ("long_sequences.py", ["--context", "40"], "--context 40"),
     ("long_sequences.py", ["--steps", "0"], "--steps 0, --train-rows 2"),
     ("evaluate.py", ["--params", "inf"], "--params inf"),  # an OverflowError traceback

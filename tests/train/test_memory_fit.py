@@ -140,12 +140,22 @@ def test_auto_checkpointing_turns_on_only_where_needed_and_a_step_that_cannot_fi
     # 16 rows of 65k: the KV cache bounded, at least one row (7.0 GiB); the 65k-token pass
     # (27 GiB checkpointed) and 32 GiB of state do not fit 57 GiB even in turns with it
     long = _config(max_new_tokens=65_000, num_prompts_per_step=1)
-    with pytest.raises(ConfigError, match=r"about 59.0 GiB .* \+ 7.0 GiB engine KV cache \(one row at full length"):
+    # the cache is freed while the policy trains: 32.0 + the larger of 7.0 + 0.1 and 23.5 + 3.5 (the line summed all)
+    with pytest.raises(ConfigError, match=r"about 59.0 GiB .* engine \+ the larger of \(7.0 GiB engine KV cache \(one "
+                                          r"row at full length.*\) \+ 0.1 GiB its largest prefill\) and \(23.5 GiB "
+                                          r"activations .* \+ 3.5 GiB log-prob"):
         plan_step(long, QWEN3_1_4B, 40, 1, 60 * GIB)
     off = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
                         "grpo": {"num_prompts_per_step": 16, "max_new_tokens": 1024}}, source="test")
     with pytest.raises(ConfigError, match="set model.activation_checkpointing: on"):
         plan_step(off, QWEN3_1_4B, 40, 1, 80 * 10**9)
+    # a pass of one 65k-token row: a lower token budget cannot split it (the remedy said to lower it)
+    one_row = parse_config({"model": {"path": MODEL, "dtype": "bfloat16", "device": "cuda", "activation_checkpointing": "off"},
+                            "grpo": {"num_prompts_per_step": 1, "first_eval_step": 1, "max_new_tokens": 65_000}},
+                           source="test")
+    with pytest.raises(ConfigError, match=r"set model.activation_checkpointing: on, or shorter rows \(lower "
+                                          r"grpo.max_new_tokens: the largest pass is already one row of 65,040 tokens"):
+        plan_step(one_row, QWEN3_1_4B, 40, 1, 80 * 10**9)
 
 
 def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
@@ -206,6 +216,18 @@ def test_activation_checkpointing_in_one_process_gives_the_same_update(tokens):
         updates.append({n: p.detach().clone() for n, p in policy.named_parameters()})
     for name in updates[0]:  # the recomputed forward is the same float32 arithmetic
         torch.testing.assert_close(updates[0][name], updates[1][name], rtol=0, atol=0)
+
+
+def test_checkpointing_a_model_transformers_cannot_checkpoint_is_one_line():
+    # was transformers' ValueError, exit 1, after the run directory line
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    policy = JetMoeForCausalLM(JetMoeConfig(vocab_size=15, hidden_size=16, num_hidden_layers=1, num_key_value_heads=2,
+                                            kv_channels=4, intermediate_size=16, num_local_experts=2,
+                                            num_experts_per_tok=1))
+    with pytest.raises(ConfigError, match="^model.activation_checkpointing: JetMoeForCausalLM does not support "
+                                          "activation checkpointing .*set model.activation_checkpointing: off"):
+        checkpoint_layers(policy)
 
 
 def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsys):

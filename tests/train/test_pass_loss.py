@@ -69,3 +69,37 @@ def test_the_compiled_pass_loss_gives_the_eager_values_and_gradient():
     scale = torch.tensor([terms, 2 * n, 0, 0, 0, 0, (entropy.abs() * 1).sum().item()], dtype=torch.float64)
     assert ((stats_c - stats_e).abs() <= (32 * U + gamma) * scale).all()
     assert stats_c[2:6].tolist() == stats_e[2:6].tolist()  # the counts are exact
+
+
+def _uneven_batch(g, prompts, generations, longest):
+    """Rows of random tokens, prompts of 2..11 and completions of 1..longest-1 tokens."""
+    from mlperf_grpo.inference.base import Completion
+    from mlperf_grpo.train.grpo import group_advantages
+    from mlperf_grpo.train.rollout import build_batch
+
+    comps = [[Completion(torch.randint(3, 15, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist(),
+                         torch.randint(3, 15, (n,), generator=g).tolist(), [-1.0] * n, "")
+              for n in torch.randint(1, longest, (generations,), generator=g).tolist()] for _ in range(prompts)]
+    rewards = torch.rand(prompts, generations, generator=g)
+    return build_batch(comps, rewards, group_advantages(rewards), 0, [2])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_the_compiled_loss_is_not_recompiled_for_each_pass_shape():
+    # each pass's inputs were views of the step's tensors (other rows, widths, offsets): Dynamo
+    # guarded their strides and storage offsets and recompiled the loss on most new pass
+    # shapes (5 compilations in these 6 steps, 8 in 6 more), then ran it eager with a warning (recompile_limit)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from mlperf_grpo.model.load import load_model
+    from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
+
+    torch._dynamo.reset()
+    policy = load_model("builtin:arithmetic-tiny", "float32")
+    settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, width_multiple=8, compile_loss=True,
+                                micro_batch_tokens=41)  # packed, padded and one-row passes
+    g = torch.Generator().manual_seed(1)
+    for shape in ((2, 3, 40), (1, 2, 5), (3, 2, 60), (1, 2, 2), (2, 4, 30), (1, 3, 90)):
+        optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), _uneven_batch(g, *shape), settings)
+    assert len(_debug_get_cache_entry_list(pass_loss.__code__)) <= 2  # a pass of one row, and of several

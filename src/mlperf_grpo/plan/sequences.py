@@ -326,14 +326,20 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_ke
     remedy = {
         "kv": f"shorter rollouts ({length_key}: the engine decodes at least one row at full length), or more "
               "ranks (each holds a smaller share of the state)",
-        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower {length_key})",
+        "pass": f"lower {tokens_key} (a longer row is a pass of its own: then lower {length_key})"
+                if verdict.shape is None or verdict.shape.pass_tokens > verdict.shape.engine_length
+                else f"shorter rows (lower {length_key}: the largest pass is already one row of "
+                     f"{verdict.shape.pass_tokens:,} tokens, which no lower {tokens_key} splits)",
         "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
     }[largest]
+    kv = (f"{gib(m.kv_cache_bytes)} GiB engine KV cache"
+          f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
+          f"{gib(m.prefill_bytes)} GiB its largest prefill")
+    pass_ = (f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
+             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask")
+    # released: the cache is freed while the policy trains, so the peak holds the larger of the two
+    turns = f" + the larger of ({kv}) and ({pass_}), freed in turn" if verdict.released else f" + {kv} + {pass_}"
     return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
-            f"gradients, AdamW moments and engine + {gib(m.kv_cache_bytes)} GiB engine KV cache"
-            f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
-            f"{gib(m.prefill_bytes)} GiB its largest prefill + "
-            f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
-            f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask), over the device's "
+            f"gradients, AdamW moments and engine{turns}), over the device's "
             f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "
             f"'mlperf-grpo plan --memory --trajectory-tokens' gives the figures")

@@ -402,7 +402,20 @@ def _micro_batch(
     rows_kept = sample_mask[rows]  # [mb]
     if one.empty:
         rows_mask, rows_kept = rows_mask * 0, rows_kept * 0
-    loss, stats = loss_function(settings.compile_loss)(curr, entropy, rollout_logprobs[rows, cols], rows_mask,
-                                                        rows_kept, advantages[rows], divisor, settings.pass_loss)
+    inputs = (curr, entropy, rollout_logprobs[rows, cols], rows_mask, rows_kept, advantages[rows])
+    if settings.compile_loss:
+        inputs = owned(inputs)
+    loss, stats = loss_function(settings.compile_loss)(*inputs, divisor, settings.pass_loss)
     loss.backward()
     sums.values += stats
+
+
+def owned(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` each in its own contiguous storage (a copy of a view; ``clone``, so the
+    gradient flows): the compiled loss then sees no view of the step's tensors, whose
+    strides and storage offsets Dynamo guards (offsets and widths that happen to be equal
+    in one pass are specialized), which recompiled it on most new pass shapes until
+    ``recompile_limit`` (8) left it eager for the rest of the run, with a warning."""
+    return tuple(t if t._base is None and t.is_contiguous() and t.storage_offset() == 0
+                 else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)

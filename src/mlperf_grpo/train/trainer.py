@@ -46,6 +46,7 @@ from mlperf_grpo.agent.suite import AgentRunner
 from mlperf_grpo.checkpoint import CheckpointTiming
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.rundir import RunDir
+from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.evaluate.settings import evaluation_settings
 from mlperf_grpo.graceful_stop import GracefulStop
 from mlperf_grpo.inference.base import InferenceEngine, SamplingParams
@@ -373,7 +374,15 @@ def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointin
 def checkpoint_layers(policy: torch.nn.Module) -> None:
     """Recompute each decoder layer of an unsharded Hugging Face policy in its backward
     (``transformers``' non-reentrant activation checkpointing, in training mode only; the
-    parameter names stay those of the files)."""
+    parameter names stay those of the files).
+
+    Raises:
+        ConfigError: the model's class does not support it (``supports_gradient_checkpointing``
+            False, e.g. JetMoE): one line naming the fix, not ``transformers``' ValueError (exit 1).
+    """
+    if not getattr(policy, "supports_gradient_checkpointing", True):
+        raise ConfigError(f"model.activation_checkpointing: {type(policy).__name__} does not support activation "
+                          "checkpointing (transformers); set model.activation_checkpointing: off")
     enable = getattr(policy, "activation_checkpointing_enable", None)  # transformers >= 5.25
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
