@@ -147,7 +147,7 @@ def _stable_definition(scores: torch.Tensor, uniforms: torch.Tensor, temperature
     return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).clamp(max=x.shape[-1] - 1)[:, 0]
 
 
-@pytest.mark.parametrize("seed", [0, 1, -7, 2**32, 2**40 + 5, 12345678901234567890])
+@pytest.mark.parametrize("seed", [0, 1, -7, 2**32, 2**40 + 5, 12345678901234567890, 2**64 + 1, 3**200, -(2**100)])
 def test_row_uniforms_are_each_seeds_python_random_stream(seed):
     from mlperf_grpo.inference.sampling import draw_uniforms, row_streams
 

@@ -129,3 +129,27 @@ def test_the_planned_prefill_bytes_hold_what_a_prefill_allocates():
         planned = sequences.prefill_bytes({"model_type": "qwen3", **dims}, rows, prompt, 4, chunk=chunk)
         assert got <= planned <= 1.4 * got, (rows, prompt, chunk)
     assert peaks[64, 600] < peaks[1024, 600] / 4
+
+
+@pytest.mark.parametrize("chunk, max_new_tokens", [(8, 6), (8, 1), (1, 6)])
+def test_prompts_at_the_chunk_take_the_batched_prefill_and_longer_ones_the_chunked(chunk, max_new_tokens):
+    """Prompts of ``chunk`` - 1, ``chunk`` and ``chunk`` + 1 tokens (and 3 ``chunk``, and 1)
+    through 2 slots, so rows wait and a long prompt is admitted alone when a slot frees:
+    exactly those over ``chunk`` are prefilled in chunks (a chunk of 1: every prompt of
+    more than one token), and every completion is a one-row full-forward reference's
+    (float32: the same tokens; log-probabilities within 1e-5, as above), at one new token
+    too (the chunked path's first token ends the row)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    gen = random.Random(3)
+    prompts = [[gen.randrange(3, 24) for _ in range(n)] for n in (3 * chunk, chunk - 1 or 2, chunk, chunk + 1, 1)]
+    seeds = [gen.getrandbits(63) for _ in prompts]
+    decoder = SlotDecoder(model, 2, 0, DecodeOptions(key_block=4, prefill_chunk=chunk, check_every=2))
+    alone, chunked_ops = [], decoder._chunked_ops
+    decoder._chunked_ops = lambda slot, prompt, row, *args: (alone.append(len(prompt)),
+                                                             chunked_ops(slot, prompt, row, *args))
+    got = decoder.generate(prompts, seeds, 1.0, 1.0, max_new_tokens, [EOS])
+    assert sorted(alone) == sorted(len(p) for p in prompts if len(p) > chunk)
+    for prompt, seed, (tokens, logprobs) in zip(prompts, seeds, got):
+        want, expected = reference_sample(model, prompt, seed, SamplingParams(1.0, 1.0, max_new_tokens))
+        assert tokens == want
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=1e-5, atol=1e-5)

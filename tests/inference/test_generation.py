@@ -164,3 +164,25 @@ def test_the_models_generation_config_processors_are_ignored_with_one_note(capsy
     assert notes == ["note: tiny-with-processors: generation_config.json sets min_new_tokens=5, no_repeat_ngram_size=2, "
                      "repetition_penalty=1.3, suppress_tokens=[5, 6]; ignored: every engine samples from the run's "
                      "temperature and top-p of the raw logits, the distribution the trainer scores"]
+
+
+def test_odd_seeds_sample_each_seeds_python_stream_on_both_paths():
+    """Seeds below 0 (``random.Random`` takes their absolute value), 0, past 2**64 (seeded
+    from more than two 32-bit words) and one given twice: ``generate`` (the CPU's
+    ``auto``) and the slot decoder give every row the one-row reference's completion at
+    its own ``random.Random(seed)`` stream, the repeated seed twice the same (and -5 as 5)."""
+    model = tiny_qwen3(vocab_size=24, eos_token_id=EOS)
+    seeds = [-5, 0, 2**64 + 1, -(2**100), 7, 7, 5]
+    gen = random.Random(13)
+    prompts = [[gen.randrange(3, 24) for _ in range(4)] for _ in seeds]
+    prompts[5], prompts[6] = prompts[4], prompts[0]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
+    want = [reference_sample(model, prompt, seed, params) for prompt, seed in zip(prompts, seeds)]
+    for decode in ("auto", "slots"):
+        engine = HFEngine.from_model(model, batch_size=4, decode=decode)
+        assert (engine._decoder is None) is (decode == "auto")
+        completions = engine.generate_ids(prompts, params, seeds)
+        for c, (tokens, logprobs) in zip(completions, want):
+            assert c.token_ids == tokens
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(logprobs), rtol=1e-5, atol=1e-5)
+    assert want[4] == want[5] and want[0] == want[6]  # random.Random(-5) is random.Random(5)

@@ -249,7 +249,8 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     static = out["static_device_bytes"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536" in text
+    assert ("sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536 (prompts of up to "
+            "65,536)") in text
     lines = {line[:38].strip(): line.split()[-1] for line in text.splitlines() if line.startswith("  ")}
     assert lines["engine prefill (the largest)"] == sequences.gib(memory.prefill_bytes)
     # the peak the trainer judges (plan_step's fit, nothing freed) is the one printed
@@ -260,6 +261,8 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     assert main(argv + ["--prompt-tokens", "40", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["sequences"]
     assert out["checkpointing"]["prefill_bytes"] == sequences.prefill_bytes(QWEN3_1_4B, 16, 40) < memory.prefill_bytes
+    assert main(argv + ["--prompt-tokens", "40"]) == 0
+    assert "the engine decoding 16 rows of 65,536 (prompts of up to 40)" in capsys.readouterr().out
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--rows", "4"]) == 2
     assert "add --trajectory-tokens" in capsys.readouterr().err
 

@@ -174,7 +174,8 @@ def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> l
             ("= device peak (with all rows)", static_bytes + off.generation_bytes + off.training_bytes,
              static_bytes + on.generation_bytes + on.training_bytes)]
     head = (f"sequences: passes of {shape.pass_tokens:,} tokens ({'packed' if shape.packed else 'one row'}), the engine "
-            f"decoding {shape.engine_rows} rows of {shape.engine_length:,}; GiB per rank")
+            f"decoding {shape.engine_rows} rows of {shape.engine_length:,} (prompts of up to "
+            f"{shape.engine_prompt or shape.engine_length:,}); GiB per rank")
     lines = [head, f"  {'':36} {'no checkpointing':>16} {'checkpointing':>20}"]
     lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
     return lines
