@@ -155,6 +155,7 @@ def test_row_uniforms_are_each_seeds_python_random_stream(seed):
     want = torch.tensor([[python.random() for _ in range(300)]], dtype=torch.float32)
     streams = row_streams([seed])
     got = torch.cat([draw_uniforms(streams, 1), draw_uniforms(streams, 299)], dim=1)  # the stream goes on
+    assert draw_uniforms([], 3).shape == (0, 3)
     assert torch.equal(got, want)  # the same bits: both take (a * 2**26 + b) / 2**53 of two MT19937 words
 
 

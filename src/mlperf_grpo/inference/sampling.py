@@ -201,6 +201,8 @@ def row_streams(seeds: list[int]) -> list[np.random.RandomState]:
 
 def draw_uniforms(streams: list[np.random.RandomState], count: int) -> torch.Tensor:
     """``[len(streams), count]`` float32 on the host: each stream's next ``count`` draws."""
+    if not streams:
+        return torch.empty(0, count, dtype=torch.float32)
     return torch.from_numpy(np.stack([stream.random_sample(count) for stream in streams])).to(torch.float32)
 
 
