@@ -361,14 +361,30 @@ def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointin
         policy = load_sharded_policy(config.model.path, config.model.device, compute_dtype,
                                      activation_checkpointing, compile_layers=compiled,
                                      reshard_every_micro_batch=config.distributed.reshard_every_micro_batch)
+        disable_dropout(policy)
         return policy, engine_from_policy(config, policy, kv_cache_bytes=kv_cache_bytes)
     policy = load_model(config.model.path, "float32", config.model.device)
     policy.config.use_cache = False
+    disable_dropout(policy)
     if activation_checkpointing:
         checkpoint_layers(policy)
     if compiled:
         compile_decoder_layers(policy)
     return policy, build_engine(config, kv_cache_bytes=kv_cache_bytes)
+
+
+def disable_dropout(policy: torch.nn.Module) -> None:
+    """Every dropout of the policy set to 0: ``nn.Dropout``'s ``p`` and the float
+    ``*dropout*`` attributes modules pass to functional dropout and attention (``attention_dropout``,
+    OPT's ``dropout``). The loss passes run in training mode (activation checkpointing
+    needs it) and must score what the engine, in eval mode, sampled (as TRL's
+    ``disable_dropout`` and NeMo-RL's dropout 0)."""
+    for module in policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def checkpoint_layers(policy: torch.nn.Module) -> None:
