@@ -156,7 +156,7 @@ def test_a_step_whose_rows_are_all_left_out_runs_no_pass_and_changes_nothing():
         assert all(not u.any() for u in update.values())
 
 
-def test_auto_packs_only_rows_whose_padding_would_double_the_tokens():
+def test_auto_packs_only_rows_whose_padding_would_double_the_tokens_and_take_half_the_budget():
     from mlperf_grpo.train import optimize
 
     batch = _batch()  # GRPO rows of similar lengths: padded
@@ -164,8 +164,13 @@ def test_auto_packs_only_rows_whose_padding_would_double_the_tokens():
     assert [p.packed is None for p in optimize._passes(batch, settings, True, torch.device("cpu"))] == [True]
     batch.attention_mask[1:] = 0  # one long row among 1-token rows: padding would waste most of the pass
     batch.attention_mask[1:, 0] = 1
-    passes = optimize._passes(batch, settings, True, torch.device("cpu"))
-    assert [p.packed is not None for p in passes] == [True]
+    rows, width = batch.input_ids.shape
+    padding = rows * width - int(batch.attention_mask.sum())
+    for budget, packed in ((rows * width, True),  # padding > half the budget
+                           (2 * padding + 2, False)):  # padding at most half the budget: cheaper than a packed pass
+        settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=budget)
+        passes = optimize._passes(batch, settings, True, torch.device("cpu"))
+        assert [p.packed is not None for p in passes] == [packed], budget
     assert not optimize._passes(batch, settings, False, torch.device("cpu"))[0].packed  # linear attention: never
 
 

@@ -31,7 +31,13 @@ from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_compl
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
 
 PACK_PADDING_RATIO = 2.0
-"""``packing: auto`` packs a pass when padding its rows would more than double its tokens."""
+"""``packing: auto`` packs a pass when padding its rows would more than double its tokens..."""
+
+PACK_MIN_PADDING = 0.5
+"""... and add more than this fraction of ``micro_batch_tokens`` of padding: below it a
+padded pass is the faster (on one H100, 64-token completions of GBS 256 in 64-row passes
+took 1.40x the step of right-padded passes when the passes that more than doubled were
+packed: a packed pass's block-diagonal mask and its host read cost more than the padding)."""
 
 COMPILED_WIDTH_MULTIPLE = 8
 """Micro-batch widths of a compiled policy are multiples of this (see :class:`OptimizeSettings`)."""
@@ -98,7 +104,8 @@ class OptimizeSettings:
     packing: str = "auto"
     """With ``micro_batch_tokens``: ``auto`` packs a pass's rows only when right-padding
     them to the longest would take more than :data:`PACK_PADDING_RATIO` times their
-    tokens (rows of very different lengths: multi-turn trajectories); ``always``; ``never``
+    tokens and add more than :data:`PACK_MIN_PADDING` of the budget in padding (rows of
+    very different lengths: multi-turn trajectories); ``always``; ``never``
     (passes of at most the budget's tokens padding included, for a model packing does not
     suit: ``train/policy_probe.py``).
     A packed pass pays attention over all its tokens at once: SDPA with the block-diagonal
@@ -337,7 +344,8 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
         width = int(lengths[index].max())
         consecutive = index == list(range(index[0], index[-1] + 1))
         rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
-        wasteful = len(index) * width > PACK_PADDING_RATIO * int(lengths[index].sum())
+        tokens, padded = int(lengths[index].sum()), len(index) * width
+        wasteful = padded > PACK_PADDING_RATIO * tokens and padded - tokens > PACK_MIN_PADDING * settings.micro_batch_tokens
         # a part split_to_count cut from a packed micro-batch, padded past the budget: packed, so
         # that a pass holds at most the budget's tokens, as the planner counts (plan/sequences.py)
         over = len(index) > 1 and len(index) * width > settings.micro_batch_tokens
