@@ -149,14 +149,15 @@ def _stable_definition(scores: torch.Tensor, uniforms: torch.Tensor, temperature
 
 @pytest.mark.parametrize("seed", [0, 1, -7, 2**32, 2**40 + 5, 12345678901234567890, 2**64 + 1, 3**200, -(2**100)])
 def test_row_uniforms_are_each_seeds_python_random_stream(seed):
-    from mlperf_grpo.inference.sampling import draw_uniforms, row_streams
+    from mlperf_grpo.inference.sampling import PYTHON_DRAWS_MAX, draw_uniforms, row_streams
 
     python = random.Random(seed)
     want = torch.tensor([[python.random() for _ in range(300)]], dtype=torch.float32)
-    streams = row_streams([seed])
-    got = torch.cat([draw_uniforms(streams, 1), draw_uniforms(streams, 299)], dim=1)  # the stream goes on
-    assert draw_uniforms([], 3).shape == (0, 3)
-    assert torch.equal(got, want)  # the same bits: both take (a * 2**26 + b) / 2**53 of two MT19937 words
+    for draws in (300, PYTHON_DRAWS_MAX + 1):  # Python's generator itself; NumPy's set to its state
+        streams = row_streams([seed], draws)
+        got = torch.cat([draw_uniforms(streams, 1), draw_uniforms(streams, 299)], dim=1)  # the stream goes on
+        assert draw_uniforms(streams[:0], 3).shape == (0, 3)
+        assert torch.equal(got, want), draws  # the same bits: (a * 2**26 + b) / 2**53 of two MT19937 words
 
 
 def test_candidate_sampling_gives_the_definitions_token_or_says_it_cannot():
