@@ -288,3 +288,22 @@ def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, caps
     assert "--micro-batch-tokens belong to plan --memory" in capsys.readouterr().err
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
                  "--trajectory-tokens", "65536", "--micro-batch-tokens", "100"]) == 0  # at the context: planned
+
+
+def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anything_is_written(tmp_path, capsys):
+    # 1e11 prompts a step spent minutes drawing prompts in step 1, then ran out of host memory
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.plan.memory import MemoryPlanError
+    from mlperf_grpo.train.memory_fit import BATCH_BYTES_PER_TOKEN, check_host_batch
+
+    config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
+    need = 64 * 15 * BATCH_BYTES_PER_TOKEN  # 4 x 16 rows of a 5-token prompt + 10 new tokens
+    check_host_batch(config, 5, 1, host_bytes=need)
+    check_host_batch(config, 5, 2, host_bytes=need // 2)  # a rank holds its share of the rows
+    with pytest.raises(MemoryPlanError, match="rollout batch of 64 rows a rank .* lower grpo.num_prompts_per_step"):
+        check_host_batch(config, 5, 1, host_bytes=need - 1)
+    (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1,600,000,000,000 rows" in err[0] and "GiB of host memory" in err[0], err
+    assert not (tmp_path / "run").exists()
