@@ -235,7 +235,7 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
 
     from mlperf_grpo.cli import main
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_1_4B, "max_position_embeddings": 65536}))
     argv = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens", "65536",
             "--rows", "16"]
     assert main(argv + ["--json"]) == 0
@@ -307,3 +307,21 @@ def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anythi
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1,600,000,000,000 rows" in err[0] and "GiB of host memory" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_memory_checks_the_context_transformers_gives_a_config_without_one(tmp_path, capsys):
+    # a config.json without max_position_embeddings was planned at any length; the trainer loads
+    # it (transformers) with the model type's default context, Qwen3's 32,768
+    import json
+
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.model.files import context_length
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    assert context_length(str(tmp_path)) == (32768, "max_position_embeddings")
+    plan = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens"]
+    assert main([*plan, "32769"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "over the model's context of 32,768 tokens" in err, err
+    assert "the default for model_type 'qwen3', which the config leaves out" in err
+    assert main([*plan, "32768"]) == 0
