@@ -91,8 +91,10 @@ def test_grpo_max_sequence_length_is_enforced(tmp_path):
     """The built-in model (context 65536): a prompt of 7 tokens + 6 new is over a
     max_sequence_length of 12, and fits 13."""
     tasks = {"validation": [Task("v0", "12+34=", "46")]}  # <bos> + 6 characters
-    with pytest.raises(PromptTooLongError, match=r"= 13 tokens, over grpo.max_sequence_length 12 \(1 of 1"):
+    with pytest.raises(PromptTooLongError, match=r"= 13 tokens, over grpo.max_sequence_length 12 \(1 of 1") as err:
         check_prompt_lengths(parse_config({"grpo": {"max_sequence_length": 12}}), tasks)
+    # the remedy is the setting, not another model (whose context, 65,536, is not what binds)
+    assert str(err.value).endswith("lower grpo.max_new_tokens, or raise grpo.max_sequence_length")
     check_prompt_lengths(parse_config({"grpo": {"max_sequence_length": 13}}), tasks)
 
 

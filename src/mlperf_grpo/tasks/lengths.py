@@ -67,10 +67,11 @@ def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) ->
         if not over:
             continue
         worst = max(over, key=lambda i: lengths[i])
+        # a setting's limit is raised in the config; the model's context only by another model
+        longer = "use a model with a longer context" if what.startswith("the model's") else f"raise {what.split()[0]}"
         raise PromptTooLongError(
             f"{kind} task {task_list[worst].task_id!r}: its prompt is {lengths[worst]} tokens, + grpo.max_new_tokens "
             f"{new_tokens} = {lengths[worst] + new_tokens} tokens, over {what} ({len(over)} of {len(task_list)} "
-            f"{kind} prompts are over it); shorten or drop those prompts, lower grpo.max_new_tokens, or use a model "
-            "with a longer context"
+            f"{kind} prompts are over it); shorten or drop those prompts, lower grpo.max_new_tokens, or {longer}"
         )
     return longest
