@@ -73,7 +73,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
-    longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation})
+    longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation}, is_agentic(suite))
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
     step_fit = check_planned_memory(config, longest["training"], is_agentic(suite))
