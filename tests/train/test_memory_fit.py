@@ -190,6 +190,24 @@ def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
     assert short.kv_cache_bytes >= short.verdict.memory.kv_cache_bytes  # every row at full length, allocated at once
 
 
+def test_a_step_that_fits_only_with_synchronous_rollouts_names_that_remedy():
+    # age 1 keeps the next generation's KV cache live during the training pass; one row of 65,040 tokens
+    # (7.0 GiB of cache) beside the checkpointed 65k-token pass and the 1.4B state needs 66 GiB, which a
+    # 65 GiB device does not hold, while age 0 takes the two in turn (59 GiB): the refusal named only
+    # shorter rows, not the setting that fits
+    config = _config(max_new_tokens=65_000, num_prompts_per_step=1, max_trajectory_age_steps=1,
+                     use_importance_sampling_correction=True)
+    with pytest.raises(ConfigError, match=r"about 66.0 GiB .* reserve: set grpo.max_trajectory_age_steps: 0 \(open "
+                                          r"division: .* and the step fits\), or ") as err:
+        plan_step(config, QWEN3_1_4B, 40, 1, 65 * GIB)
+    assert "\n" not in str(err.value)
+    synchronous = plan_step(_config(max_new_tokens=65_000, num_prompts_per_step=1), QWEN3_1_4B, 40, 1, 65 * GIB)
+    assert synchronous.release_engine_memory and synchronous.verdict.fits
+    with pytest.raises(ConfigError) as err:  # where neither fits, the setting is not offered
+        plan_step(config, QWEN3_1_4B, 40, 1, 60 * GIB)
+    assert "max_trajectory_age_steps" not in str(err.value)
+
+
 def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():
     for asked, expected in (("auto", False), ("on", True), ("off", False)):
         config = parse_config({"model": {"activation_checkpointing": asked}}, source="test")

@@ -154,10 +154,16 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
         return StepFit(bool(forced), auto=forced is None)
     shape = step_shape(config, longest_prompt, world_size, agentic)
     can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
-    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
+    static = static_bytes(config, model, world_size)
+    verdict = sequences.fit(model, shape, static, device_bytes, forced, can_release)
     if not verdict.fits:
         line = sequences.refusal(verdict, length_key="agent.max_context_tokens" if agentic else "grpo.max_new_tokens")
         if not verdict.memory.checkpointing:
             line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
+        in_turn = not can_release and config.inference.engine == "hf" and sequences.fit(
+            model, shape, static, device_bytes, forced, True)
+        if in_turn and in_turn.fits:  # age 1 keeps the next generation's cache live while the policy trains
+            line = line.replace(" reserve: ", " reserve: set grpo.max_trajectory_age_steps: 0 (open division: the "
+                                "engine's KV cache is then freed while the policy trains, and the step fits), or ", 1)
         raise memory_plan.MemoryPlanError(line)
     return StepFit(verdict.memory.checkpointing, verdict, forced is None, max(1, config.global_batch_size // world_size))
