@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 
 from mlperf_grpo.errors import ModelLoadError
+from mlperf_grpo.train import collectives
 from mlperf_grpo.train.logprobs import policy_token_logprobs
 from mlperf_grpo.train.optimize import OptimizeSettings, compute_autocast
 from mlperf_grpo.train.packing import packed_inputs
@@ -106,8 +107,9 @@ in the half types :data:`TOLERANCE`'s few roundings."""
 def training_mode_problem(policy: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> str | None:
     """None when the policy's training-mode forward gives one row of :data:`FIRST` tokens
     the logits its eval-mode forward gives (within :data:`TRAINING_MODE_TOLERANCE`); else one
-    line naming the difference. ``compute_dtype``: the loss passes' (their autocast). Every
-    rank runs it alike (FSDP2's forward is collective)."""
+    line naming the difference (the largest over ranks, so that every rank decides alike).
+    ``compute_dtype``: the loss passes' (their autocast). Every rank runs it (FSDP2's
+    forward is collective)."""
     device = next(policy.parameters()).device
     ids = torch.randint(0, policy.lm_head.out_features, (1, FIRST), generator=torch.Generator().manual_seed(2))
     ids = ids.to(device)
@@ -119,6 +121,7 @@ def training_mode_problem(policy: torch.nn.Module, compute_dtype: torch.dtype = 
     finally:
         policy.train(training)
     off = float((logits[1] - logits[0]).abs().max()) / max(1.0, float(logits[0].abs().max()))
+    off = float(collectives.all_gather_rows(torch.tensor([[off]])).max())  # noise differs by rank: all ranks agree
     if off > TRAINING_MODE_TOLERANCE.get(compute_dtype, TOLERANCE[torch.bfloat16]):
         return (f"its training-mode forward scores a row differently from its eval-mode one (by {off:.2g}, relative: "
                 "noise or sampling only training mode applies, e.g. router_jitter_noise), so the loss passes "
