@@ -203,6 +203,20 @@ def test_before_publish_runs_in_the_writer_before_the_rename_and_its_failure_pub
         writer.finish()
     assert discover_checkpoints(failing)[0] == []
 
+    # torchrun's launcher SIGKILLed, its store gone: not an OSError (it was lost, finish() raised nothing and
+    # training_end.json said "finished"), not the disk's (no free bytes named)
+    def lost_store():
+        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    writer = AsyncCheckpointer(tmp_path / "lost", BUILTIN_MODEL_DIR, before_publish=lost_store)
+    writer.save({"w": torch.ones(10)}, _info(18))
+    with pytest.raises(CheckpointWriteError) as err:
+        writer.finish()
+    assert str(err.value).endswith("tmp_step_18: DistNetworkError: Failed to recv, got 0 bytes. Connection was "
+                                   "likely closed."), err.value
+    assert discover_checkpoints(tmp_path / "lost")[0] == []
+    assert read_training_end(tmp_path / "lost").reason == "write_failed"
+
 
 # --------------------------------------------------------------------------- device fingerprint, verified reads
 

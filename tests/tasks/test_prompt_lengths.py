@@ -91,8 +91,10 @@ def test_grpo_max_sequence_length_is_enforced(tmp_path):
     """The built-in model (context 65536): a prompt of 7 tokens + 6 new is over a
     max_sequence_length of 12, and fits 13."""
     tasks = {"validation": [Task("v0", "12+34=", "46")]}  # <bos> + 6 characters
-    with pytest.raises(PromptTooLongError, match=r"= 13 tokens, over grpo.max_sequence_length 12 \(1 of 1"):
+    with pytest.raises(PromptTooLongError, match=r"= 13 tokens, over grpo.max_sequence_length 12 \(1 of 1") as err:
         check_prompt_lengths(parse_config({"grpo": {"max_sequence_length": 12}}), tasks)
+    # the remedy is the setting, not another model (whose context, 65,536, is not what binds)
+    assert str(err.value).endswith("lower grpo.max_new_tokens, or raise grpo.max_sequence_length")
     check_prompt_lengths(parse_config({"grpo": {"max_sequence_length": 13}}), tasks)
 
 
@@ -120,3 +122,22 @@ def test_evaluate_checks_the_validation_prompts_before_anything(tmp_path):
     with pytest.raises(PromptTooLongError, match=r"validation task '.*': its prompt is \d+ tokens"):
         evaluate_series(SeriesRequest(RunDir(tmp_path / "run"), None, config, tmp_path / "run" / "mlperf.log"))
     assert not (tmp_path / "run").exists()
+
+
+def test_an_agent_context_over_a_limit_is_refused():
+    # an agent's trajectory runs to agent.max_context_tokens, whatever grpo.max_new_tokens: 100,000 on
+    # the built-in model (context 65,536), or over grpo.max_sequence_length, trained past either
+    tasks = {"training": [Task("t0", "12+34=", "46")]}
+    config = parse_config({"agent": {"max_context_tokens": 65537}})
+    check_prompt_lengths(config, tasks)  # not an agent's samples: the prompts alone are checked
+    with pytest.raises(PromptTooLongError) as err:
+        check_prompt_lengths(config, tasks, agentic=True)
+    assert str(err.value) == ("agent.max_context_tokens 65537 is over the model's context (max_position_embeddings "
+                              "65536 in config.json): an agent trajectory runs to it; lower agent.max_context_tokens "
+                              "to at most 65536, or use a model with a longer context")
+    config = parse_config({"agent": {"max_context_tokens": 8192}, "grpo": {"max_sequence_length": 4096}})
+    with pytest.raises(PromptTooLongError, match=r"over grpo.max_sequence_length 4096: .* at most 4096, or raise "
+                                                 r"grpo.max_sequence_length$"):
+        check_prompt_lengths(config, tasks, agentic=True)
+    check_prompt_lengths(parse_config({"agent": {"max_context_tokens": 4096}, "grpo": {"max_sequence_length": 4096}}),
+                         tasks, agentic=True)

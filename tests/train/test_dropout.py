@@ -52,3 +52,16 @@ def test_the_trainer_loads_its_policy_without_dropout(tmp_path):
     engine.close()
     ids = torch.randint(0, V, (2, 12))
     assert torch.equal(_logits(policy.train(), ids), _logits(policy.eval(), ids))
+
+
+def test_a_policy_without_dropout_skips_no_layer_in_training_mode():
+    # OPT's layerdrop skips a whole decoder layer at random in training mode (not a dropout module)
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=V, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                                     num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16,
+                                     layerdrop=0.5))
+    ids = torch.randint(0, V, (2, 12))
+    expected = _logits(model.eval(), ids)
+    assert any(not torch.equal(_logits(model.train(), ids), expected) for _ in range(8))  # P(no skip) = 1/4 each
+    disable_dropout(model)
+    assert all(torch.equal(_logits(model.train(), ids), expected) for _ in range(8))

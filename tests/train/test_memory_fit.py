@@ -190,6 +190,24 @@ def test_the_engine_frees_its_cache_while_training_and_bounds_it_where_needed():
     assert short.kv_cache_bytes >= short.verdict.memory.kv_cache_bytes  # every row at full length, allocated at once
 
 
+def test_a_step_that_fits_only_with_synchronous_rollouts_names_that_remedy():
+    # age 1 keeps the next generation's KV cache live during the training pass; one row of 65,040 tokens
+    # (7.0 GiB of cache) beside the checkpointed 65k-token pass and the 1.4B state needs 66 GiB, which a
+    # 65 GiB device does not hold, while age 0 takes the two in turn (59 GiB): the refusal named only
+    # shorter rows, not the setting that fits
+    config = _config(max_new_tokens=65_000, num_prompts_per_step=1, max_trajectory_age_steps=1,
+                     use_importance_sampling_correction=True)
+    with pytest.raises(ConfigError, match=r"about 66.0 GiB .* reserve: set grpo.max_trajectory_age_steps: 0 \(open "
+                                          r"division: .* and the step fits\), or ") as err:
+        plan_step(config, QWEN3_1_4B, 40, 1, 65 * GIB)
+    assert "\n" not in str(err.value)
+    synchronous = plan_step(_config(max_new_tokens=65_000, num_prompts_per_step=1), QWEN3_1_4B, 40, 1, 65 * GIB)
+    assert synchronous.release_engine_memory and synchronous.verdict.fits
+    with pytest.raises(ConfigError) as err:  # where neither fits, the setting is not offered
+        plan_step(config, QWEN3_1_4B, 40, 1, 60 * GIB)
+    assert "max_trajectory_age_steps" not in str(err.value)
+
+
 def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():
     for asked, expected in (("auto", False), ("on", True), ("off", False)):
         config = parse_config({"model": {"activation_checkpointing": asked}}, source="test")
@@ -235,7 +253,7 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
 
     from mlperf_grpo.cli import main
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_1_4B, "max_position_embeddings": 65536}))
     argv = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens", "65536",
             "--rows", "16"]
     assert main(argv + ["--json"]) == 0
@@ -288,3 +306,40 @@ def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, caps
     assert "--micro-batch-tokens belong to plan --memory" in capsys.readouterr().err
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
                  "--trajectory-tokens", "65536", "--micro-batch-tokens", "100"]) == 0  # at the context: planned
+
+
+def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anything_is_written(tmp_path, capsys):
+    # 1e11 prompts a step spent minutes drawing prompts in step 1, then ran out of host memory
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.plan.memory import MemoryPlanError
+    from mlperf_grpo.train.memory_fit import BATCH_BYTES_PER_TOKEN, check_host_batch
+
+    config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
+    need = 64 * 15 * BATCH_BYTES_PER_TOKEN  # 4 x 16 rows of a 5-token prompt + 10 new tokens
+    check_host_batch(config, 5, 1, host_bytes=need)
+    check_host_batch(config, 5, 2, host_bytes=need // 2)  # a rank holds its share of the rows
+    with pytest.raises(MemoryPlanError, match="rollout batch of 64 rows a rank .* lower grpo.num_prompts_per_step"):
+        check_host_batch(config, 5, 1, host_bytes=need - 1)
+    (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1,600,000,000,000 rows" in err[0] and "GiB of host memory" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_memory_checks_the_context_transformers_gives_a_config_without_one(tmp_path, capsys):
+    # a config.json without max_position_embeddings was planned at any length; the trainer loads
+    # it (transformers) with the model type's default context, Qwen3's 32,768
+    import json
+
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.model.files import context_length
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_4B))
+    assert context_length(str(tmp_path)) == (32768, "max_position_embeddings")
+    plan = ["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1", "--trajectory-tokens"]
+    assert main([*plan, "32769"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "over the model's context of 32,768 tokens" in err, err
+    assert "the default for model_type 'qwen3', which the config leaves out" in err
+    assert main([*plan, "32768"]) == 0

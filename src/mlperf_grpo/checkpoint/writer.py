@@ -344,7 +344,7 @@ class AsyncCheckpointer:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_path(self.root)
-        except OSError as err:
+        except BaseException as err:  # any: one that was not an OSError was lost, the run said "finished"
             self._fail(self._write_error(tmp, plan, err))
             raise
         with self._lock:
@@ -420,6 +420,8 @@ class AsyncCheckpointer:
     def _write_error(self, tmp: Path, plan: ShardPlan, err: BaseException) -> CheckpointWriteError:
         if isinstance(err, (RankReportError, CheckpointWriteError)):
             return CheckpointWriteError(f"cannot write checkpoint {tmp}: {err}")
+        if not isinstance(err, OSError):  # not the disk's: the job's store lost (its launcher killed), ...
+            return CheckpointWriteError(f"cannot write checkpoint {tmp}: {type(err).__name__}: {err}")
         needed = plan.total_bytes + sum(len(d) for d in self.model_files.values())
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__

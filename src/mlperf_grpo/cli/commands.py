@@ -282,10 +282,14 @@ def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[
 
     if not plan_sequences.plans_sequences(model):
         return None, f"sequences: not counted for model_type {model.get('model_type')!r} (dense llama / qwen3 only)"
-    context = model.get("max_position_embeddings")
+    from mlperf_grpo.model.files import config_context_length
+
+    context, key = config_context_length(model)
     if context and request.trajectory_tokens > context:
+        given = key if key in model else (f"{key}: the default for model_type {model.get('model_type')!r}, which "
+                                          "the config leaves out, as the trainer loads it")
         raise BadInput(f"--trajectory-tokens {request.trajectory_tokens:,} is over the model's context of "
-                       f"{context:,} tokens (max_position_embeddings): give at most {context}")
+                       f"{context:,} tokens ({given}): give at most {context}")
     rows = request.rows or max(1, 256 // request.world_size)
     bytes_ = memory_plan.DTYPE_BYTES[request.dtype]
     tokens = request.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS

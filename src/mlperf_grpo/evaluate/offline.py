@@ -57,6 +57,7 @@ from mlperf_grpo.logs.merge import MergeError, merge_logs
 from mlperf_grpo.logs.mllog import MLLogWriter, ParsedLog, parse_log_text, read_log, time_to_train_ms
 from mlperf_grpo.step_dirs import tmp_step_dir_name
 from mlperf_grpo.tasks import ValidationSet, load_validation_set
+from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 
 
@@ -196,7 +197,7 @@ def evaluate_series(request: SeriesRequest) -> EvalOutcome:
     run, source, config, mllog_file, eval_log = r.run, r.source, r.config, r.mllog_file, r.eval_log
     check_engine_available(config)  # before the lock or anything else is written
     validation = load_validation_set(config) if r.validation is None else r.validation
-    check_prompt_lengths(config, {"validation": validation.tasks})
+    check_prompt_lengths(config, {"validation": validation.tasks}, is_agentic(validation.suite))
     if r.workers > 1 and r.ranks is None:
         prestart_rank_server(RANK_MODULE)  # the ranks' imports run while the series is checked
     with RunLock(run.root, "evaluator"):  # held: no trainer is running, training is over

@@ -170,11 +170,30 @@ def context_length(path: str) -> tuple[int | None, str]:
         ModelLoadError: no model directory, or ``config.json`` does not load.
     """
     values = hf_config(check_model_path(path)).get_text_config().to_dict()  # the keys as config.json spells them
+    return _context_of(values)
+
+
+def _context_of(values: dict) -> tuple[int | None, str]:
     for key in CONTEXT_KEYS:
         value = values.get(key)
         if isinstance(value, int) and value > 0:
             return value, key
     return None, ""
+
+
+def config_context_length(values: dict) -> tuple[int | None, str]:
+    """:func:`context_length` of a ``config.json``'s text config given as a dict, as
+    ``transformers`` fills it in for the training: a context key the dict leaves out is
+    the model type's default (Qwen3: 32,768; Llama: 2,048). ``(None, "")`` where neither
+    the dict nor its model type (unknown to ``transformers``) gives one."""
+    found = _context_of(values)
+    if found[0] is not None:
+        return found
+    try:
+        config = AutoConfig.for_model(**values)
+    except (ValueError, TypeError, KeyError, StrictDataclassError):
+        return None, ""
+    return _context_of(config.get_text_config().to_dict())
 
 
 def linear_attention_layers(path: str) -> bool:

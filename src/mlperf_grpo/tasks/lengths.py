@@ -41,7 +41,7 @@ def sequence_limits(config: RunConfig) -> dict[str, int]:
     return limits
 
 
-def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) -> dict[str, int]:
+def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]], agentic: bool = False) -> dict[str, int]:
     """Refuse a run in which any prompt plus ``grpo.max_new_tokens`` exceeds a limit of
     :func:`sequence_limits`, before anything is written; return each set's longest prompt
     in tokens (0 for an empty set).
@@ -49,14 +49,22 @@ def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) ->
     Args:
         config: the run config (model, ``grpo.max_new_tokens``, the limits).
         task_sets: what each list is (``"training"``, ``"validation"``) -> its tasks.
+        agentic: the samples are agent trajectories (``task.name: swe``), which run to
+            ``agent.max_context_tokens``: that must be within the limits too.
     Raises:
         PromptTooLongError: one line naming the longest offending prompt's task id and set,
             its tokens, ``max_new_tokens``, the limit exceeded, how many prompts exceed it,
-            and what to change.
+            and what to change; or ``agent.max_context_tokens`` and the limit it exceeds.
         ModelLoadError: the model's tokenizer or ``config.json`` does not load.
     """
     limits = sequence_limits(config)
     what, limit = min(limits.items(), key=lambda item: item[1])
+    # a setting's limit is raised in the config; the model's context only by another model
+    longer = "use a model with a longer context" if what.startswith("the model's") else f"raise {what.split()[0]}"
+    if agentic and config.agent.max_context_tokens > limit:  # a trajectory would run past it
+        raise PromptTooLongError(
+            f"agent.max_context_tokens {config.agent.max_context_tokens} is over {what}: an agent trajectory runs to "
+            f"it; lower agent.max_context_tokens to at most {limit}, or {longer}")
     new_tokens = config.grpo.max_new_tokens
     tokenizer = load_tokenizer(config.model.path)
     longest = {}
@@ -70,7 +78,6 @@ def check_prompt_lengths(config: RunConfig, task_sets: dict[str, list[Task]]) ->
         raise PromptTooLongError(
             f"{kind} task {task_list[worst].task_id!r}: its prompt is {lengths[worst]} tokens, + grpo.max_new_tokens "
             f"{new_tokens} = {lengths[worst] + new_tokens} tokens, over {what} ({len(over)} of {len(task_list)} "
-            f"{kind} prompts are over it); shorten or drop those prompts, lower grpo.max_new_tokens, or use a model "
-            "with a longer context"
+            f"{kind} prompts are over it); shorten or drop those prompts, lower grpo.max_new_tokens, or {longer}"
         )
     return longest

@@ -26,7 +26,7 @@ from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
-from mlperf_grpo.train.memory_fit import StepFit, plan_step
+from mlperf_grpo.train.memory_fit import StepFit, check_host_batch, plan_step
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def check_training_inputs(config: RunConfig, run: RunDir, check_output: bool = T
     validation = tasks.validation_tasks(suite, config.validation.num_tasks)  # refused now, not at evaluation
     train_pool = tasks.train_tasks(suite, config.task.num_train_tasks, config.validation.num_tasks, config.seed)
     check_model(config.model.path, sample_text=validation[0].prompt)
-    longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation})
+    longest = check_prompt_lengths(config, {"training": train_pool, "validation": validation}, is_agentic(suite))
     check_device(config.model.device)
     check_linear_attention_kernels(config.model.path, config.model.device)
     step_fit = check_planned_memory(config, longest["training"], is_agentic(suite))
@@ -102,14 +102,17 @@ def check_planned_memory(config: RunConfig, longest_prompt: int = 0, agentic: bo
     step does not fit with its sequences (:func:`~mlperf_grpo.train.memory_fit.plan_step`,
     ``longest_prompt`` tokens + ``grpo.max_new_tokens`` a row; ``agentic``: agent
     trajectories of ``agent.max_context_tokens``), which also resolves
-    ``model.activation_checkpointing``. CPU memory is not checked, nor a model type the
-    planner does not count.
+    ``model.activation_checkpointing``. Host memory is checked only for the step's rollout
+    batch (:func:`~mlperf_grpo.train.memory_fit.check_host_batch`); a model type the
+    planner does not count is not planned.
 
     Raises:
-        MemoryPlanError: the divisibility or the bytes, in one line with the remedy.
+        MemoryPlanError: the divisibility or the bytes (the rollout batch's on the host
+            too), in one line with the remedy.
     """
     model = memory_plan.load_model_config(check_model_path(config.model.path))
     world_size = ranks.layout().world_size
+    check_host_batch(config, longest_prompt, world_size, agentic)
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
     if ranks.launched() or hf:  # the hf engine splits over the world's ranks
         memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)

@@ -13,6 +13,8 @@ Planned on CUDA for the dense decoders the planner counts; elsewhere nothing is 
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 from mlperf_grpo.config.run import RunConfig
@@ -32,6 +34,41 @@ def step_shape(config: RunConfig, longest_prompt: int, world_size: int, agentic:
                                 2 if config.model.train_compute_dtype == "bfloat16" else 4,
                                 memory_plan.DTYPE_BYTES[config.model.dtype], config.inference.prefill_graphs,
                                 None if agentic else longest_prompt)
+
+
+BATCH_BYTES_PER_TOKEN = 8 + 8 + 4 + 4
+"""Host bytes a step's rollout batch holds per row position (``train/rollout.py``:
+``input_ids`` and ``attention_mask`` int64, ``completion_mask`` and ``rollout_logprobs``
+float32, ``[rows, width]`` each)."""
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, agentic: bool = False,
+                     host_bytes: int | None = None) -> None:
+    """Refuse a step whose rollout batch alone, at its planned shape (:func:`step_shape`'s
+    rows of a rank, each as wide as the longest), exceeds the host's memory
+    (``host_bytes``, default :func:`host_memory_bytes`): it could not be right (a
+    ``grpo.num_prompts_per_step`` of 1e11 spent minutes drawing prompts, then ran out of
+    memory). Only the batch's tensors are counted, not the completions they are made of.
+
+    Raises:
+        MemoryPlanError: one line with the rows, the bytes and the fix.
+    """
+    g = config.grpo
+    width = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
+    rows = math.ceil(config.global_batch_size / world_size)
+    need, have = rows * width * BATCH_BYTES_PER_TOKEN, host_memory_bytes() if host_bytes is None else host_bytes
+    if need > have:
+        raise memory_plan.MemoryPlanError(
+            f"a step's rollout batch of {rows:,} rows a rank (grpo.num_prompts_per_step {g.num_prompts_per_step:,} x "
+            f"num_generations_per_prompt {g.num_generations_per_prompt:,}"
+            f"{f' / {world_size} ranks' if world_size > 1 else ''}) of up to {width:,} tokens needs "
+            f"{sequences.gib(need)} GiB of host memory ({BATCH_BYTES_PER_TOKEN} bytes a token) and this machine has "
+            f"{sequences.gib(have)} GiB; lower grpo.num_prompts_per_step")
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
@@ -117,10 +154,16 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
         return StepFit(bool(forced), auto=forced is None)
     shape = step_shape(config, longest_prompt, world_size, agentic)
     can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
-    verdict = sequences.fit(model, shape, static_bytes(config, model, world_size), device_bytes, forced, can_release)
+    static = static_bytes(config, model, world_size)
+    verdict = sequences.fit(model, shape, static, device_bytes, forced, can_release)
     if not verdict.fits:
         line = sequences.refusal(verdict, length_key="agent.max_context_tokens" if agentic else "grpo.max_new_tokens")
         if not verdict.memory.checkpointing:
             line = line.replace(" reserve: ", " reserve: set model.activation_checkpointing: on, or ", 1)
+        in_turn = not can_release and config.inference.engine == "hf" and sequences.fit(
+            model, shape, static, device_bytes, forced, True)
+        if in_turn and in_turn.fits:  # age 1 keeps the next generation's cache live while the policy trains
+            line = line.replace(" reserve: ", " reserve: set grpo.max_trajectory_age_steps: 0 (open division: the "
+                                "engine's KV cache is then freed while the policy trains, and the step fits), or ", 1)
         raise memory_plan.MemoryPlanError(line)
     return StepFit(verdict.memory.checkpointing, verdict, forced is None, max(1, config.global_batch_size // world_size))

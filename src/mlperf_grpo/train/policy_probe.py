@@ -1,5 +1,11 @@
 """Whether the loss pass's shortcuts hold for a policy, checked on a few tokens before
-training: the log-prob head (``train/logprobs.py``) and packing (``train/packing.py``).
+training: training mode, the log-prob head (``train/logprobs.py``) and packing (``train/packing.py``).
+
+The loss passes run in training mode (activation checkpointing needs it), the engine
+samples in eval mode; with dropout off (``trainer.disable_dropout``) the two forwards
+are the same computation for most models. :func:`training_mode_problem` checks it on one
+short row; a model whose training mode adds noise or randomness (Mixtral's and PhiMoE's
+``router_jitter_noise``: hidden states jittered, experts sampled) is refused (exit 2).
 
 The log-prob head stands in for ``lm_head`` and returns log-probs, so a model that
 transforms its logits after ``lm_head`` (Gemma2/3's ``final_logit_softcapping``, a
@@ -30,6 +36,7 @@ from dataclasses import replace
 import torch
 
 from mlperf_grpo.errors import ModelLoadError
+from mlperf_grpo.train import collectives
 from mlperf_grpo.train.logprobs import policy_token_logprobs
 from mlperf_grpo.train.optimize import OptimizeSettings, compute_autocast
 from mlperf_grpo.train.packing import packed_inputs
@@ -89,6 +96,39 @@ def packing_problem(policy: torch.nn.Module, compute_dtype: torch.dtype, width_m
     return None
 
 
+TRAINING_MODE_TOLERANCE = {**TOLERANCE, torch.float32: 1e-5}
+"""Largest difference of a row's training-mode logits from its eval-mode ones, relative to
+the largest logit (at least 1): 0 where both modes run the same kernels (the usual case);
+in float32 about 80 roundings (2^-23 each) of a model whose modes sum in another order,
+in the half types :data:`TOLERANCE`'s few roundings."""
+
+
+@torch.no_grad()
+def training_mode_problem(policy: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> str | None:
+    """None when the policy's training-mode forward gives one row of :data:`FIRST` tokens
+    the logits its eval-mode forward gives (within :data:`TRAINING_MODE_TOLERANCE`); else one
+    line naming the difference (the largest over ranks, so that every rank decides alike).
+    ``compute_dtype``: the loss passes' (their autocast). Every rank runs it (FSDP2's
+    forward is collective)."""
+    device = next(policy.parameters()).device
+    ids = torch.randint(0, policy.lm_head.out_features, (1, FIRST), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(device)
+    training, logits = policy.training, []
+    try:
+        for mode in (False, True):
+            with compute_autocast(device, compute_dtype):
+                logits.append(policy.train(mode)(input_ids=ids, use_cache=False).logits.float())
+    finally:
+        policy.train(training)
+    off = float((logits[1] - logits[0]).abs().max()) / max(1.0, float(logits[0].abs().max()))
+    off = float(collectives.all_gather_rows(torch.tensor([[off]])).max())  # noise differs by rank: all ranks agree
+    if off > TRAINING_MODE_TOLERANCE.get(compute_dtype, TOLERANCE[torch.bfloat16]):
+        return (f"its training-mode forward scores a row differently from its eval-mode one (by {off:.2g}, relative: "
+                "noise or sampling only training mode applies, e.g. router_jitter_noise), so the loss passes "
+                "(training mode) would not score the tokens as the engine (eval mode) sampled them")
+    return None
+
+
 @torch.no_grad()
 def logprob_head_problem(policy: torch.nn.Module) -> str | None:
     """None when the policy's logits are its ``lm_head``'s output (up to a cast to
@@ -125,8 +165,8 @@ def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
     trained.
 
     Raises:
-        ModelLoadError: :func:`logprob_head_problem` (the loss would score other log-probs
-            than the engine samples from).
+        ModelLoadError: :func:`training_mode_problem` or :func:`logprob_head_problem` (the
+            loss would score other log-probs than the engine samples from).
     """
     with torch.compiler.set_stance("force_eager"):
         return _checked_settings(policy, settings, model)
@@ -134,6 +174,9 @@ def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
 
 def _checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
                       model: str) -> tuple[OptimizeSettings, str | None]:
+    problem = training_mode_problem(policy, settings.compute_dtype)
+    if problem is not None:
+        raise ModelLoadError(f"model {model}: {problem}; set that noise to 0 in its config.json, or use another model")
     problem = logprob_head_problem(policy)
     if problem is not None:
         raise ModelLoadError(f"model {model}: {problem}; use a model whose logits are its lm_head's output")

@@ -374,16 +374,18 @@ def policy_and_engine(config: RunConfig, compiled: bool, activation_checkpointin
 
 
 def disable_dropout(policy: torch.nn.Module) -> None:
-    """Every dropout of the policy set to 0: ``nn.Dropout``'s ``p`` and the float
+    """Every dropout of the policy set to 0: ``nn.Dropout``'s ``p``, the float
     ``*dropout*`` attributes modules pass to functional dropout and attention (``attention_dropout``,
-    OPT's ``dropout``). The loss passes run in training mode (activation checkpointing
-    needs it) and must score what the engine, in eval mode, sampled (as TRL's
-    ``disable_dropout`` and NeMo-RL's dropout 0)."""
+    OPT's ``dropout``) and ``*layerdrop*`` (OPT, XGLM, BioGPT: a whole decoder layer
+    skipped at random in training mode). The loss passes run in training mode (activation
+    checkpointing needs it) and must score what the engine, in eval mode, sampled (as TRL's
+    ``disable_dropout`` and NeMo-RL's dropout 0); other training-mode differences are
+    refused (``policy_probe.training_mode_problem``)."""
     for module in policy.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float):
+            if ("dropout" in name or "layerdrop" in name) and isinstance(value, float):
                 setattr(module, name, 0.0)
 
 
