@@ -418,10 +418,9 @@ class AsyncCheckpointer:
                 self._error = error
 
     def _write_error(self, tmp: Path, plan: ShardPlan, err: BaseException) -> CheckpointWriteError:
-        if isinstance(err, (RankReportError, CheckpointWriteError)):
-            return CheckpointWriteError(f"cannot write checkpoint {tmp}: {err}")
-        if not isinstance(err, OSError):  # not the disk's: the job's store lost (its launcher killed), ...
-            return CheckpointWriteError(f"cannot write checkpoint {tmp}: {type(err).__name__}: {err}")
+        own = isinstance(err, (RankReportError, CheckpointWriteError))
+        if own or not isinstance(err, OSError):  # ours, or not the disk's (the job's store lost: its launcher killed)
+            return CheckpointWriteError(f"cannot write checkpoint {tmp}: {'' if own else type(err).__name__ + ': '}{err}")
         needed = plan.total_bytes + sum(len(d) for d in self.model_files.values())
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
