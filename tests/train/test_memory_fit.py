@@ -312,12 +312,15 @@ def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anythi
     # 1e11 prompts a step spent minutes drawing prompts in step 1, then ran out of host memory
     from mlperf_grpo.cli import main
     from mlperf_grpo.plan.memory import MemoryPlanError
-    from mlperf_grpo.train.memory_fit import BATCH_BYTES_PER_TOKEN, check_host_batch
+    from mlperf_grpo.train.memory_fit import BATCH_BYTES_PER_TOKEN, HOST_BYTES_PER_ROW, check_host_batch
 
     config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
-    need = 64 * 15 * BATCH_BYTES_PER_TOKEN  # 4 x 16 rows of a 5-token prompt + 10 new tokens
+    need = 64 * (15 * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)  # 4 x 16 rows of a 5-token prompt + 10 new tokens
     check_host_batch(config, 5, 1, host_bytes=need)
     check_host_batch(config, 5, 2, host_bytes=need // 2)  # a rank holds its share of the rows
+    big = parse_config({"grpo": {"num_prompts_per_step": 10**6, "max_new_tokens": 10, "first_eval_step": 1}})
+    with pytest.raises(MemoryPlanError, match="rollout batch of 16,000,000 rows"):  # ran the host out of memory
+        check_host_batch(big, 5, 1, host_bytes=24 << 30)
     with pytest.raises(MemoryPlanError, match="rollout batch of 64 rows a rank .* lower grpo.num_prompts_per_step"):
         check_host_batch(config, 5, 1, host_bytes=need - 1)
     (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")

@@ -41,6 +41,11 @@ BATCH_BYTES_PER_TOKEN = 8 + 8 + 4 + 4
 ``input_ids`` and ``attention_mask`` int64, ``completion_mask`` and ``rollout_logprobs``
 float32, ``[rows, width]`` each)."""
 
+HOST_BYTES_PER_ROW = 4096
+"""Host bytes a rollout row holds besides its batch tensors, at least (its completion and
+prompt as Python objects: 80,000 rows of 13 tokens took 0.61 GB more than 32 rows, about
+7.6 KB a row; half of it counted, so that no step that fits is refused)."""
+
 
 def host_memory_bytes() -> int:
     """This machine's physical memory in bytes."""
@@ -53,7 +58,7 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
     rows of a rank, each as wide as the longest), exceeds the host's memory
     (``host_bytes``, default :func:`host_memory_bytes`): it could not be right (a
     ``grpo.num_prompts_per_step`` of 1e11 spent minutes drawing prompts, then ran out of
-    memory). Only the batch's tensors are counted, not the completions they are made of.
+    memory). Counted: the batch's tensors and :data:`HOST_BYTES_PER_ROW` a row.
 
     Raises:
         MemoryPlanError: one line with the rows, the bytes and the fix.
@@ -61,13 +66,15 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
     g = config.grpo
     width = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
     rows = math.ceil(config.global_batch_size / world_size)
-    need, have = rows * width * BATCH_BYTES_PER_TOKEN, host_memory_bytes() if host_bytes is None else host_bytes
+    need = rows * (width * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)
+    have = host_memory_bytes() if host_bytes is None else host_bytes
     if need > have:
         raise memory_plan.MemoryPlanError(
             f"a step's rollout batch of {rows:,} rows a rank (grpo.num_prompts_per_step {g.num_prompts_per_step:,} x "
             f"num_generations_per_prompt {g.num_generations_per_prompt:,}"
             f"{f' / {world_size} ranks' if world_size > 1 else ''}) of up to {width:,} tokens needs "
-            f"{sequences.gib(need)} GiB of host memory ({BATCH_BYTES_PER_TOKEN} bytes a token) and this machine has "
+            f"{sequences.gib(need)} GiB of host memory ({BATCH_BYTES_PER_TOKEN} bytes a token, {HOST_BYTES_PER_ROW:,} a row) "
+            f"and this machine has "
             f"{sequences.gib(have)} GiB; lower grpo.num_prompts_per_step")
 
 
