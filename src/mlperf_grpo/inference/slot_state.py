@@ -182,7 +182,8 @@ class SlotState:
         row's ``max_new_tokens`` uniforms are drawn now (the first ones of its stream);
         the host mirrors count the prefill's token (:meth:`record_first` records it)."""
         index = torch.tensor(slots, device=self.device)
-        self.uniforms[index, :max_new_tokens] = draw_uniforms(row_streams(seeds, max_new_tokens), max_new_tokens).to(self.device)
+        uniforms = draw_uniforms(row_streams(seeds, max_new_tokens), max_new_tokens)  # [rows, max_new_tokens]
+        self.uniforms[index, :max_new_tokens] = uniforms.to(self.device)
         self.starts[index] = torch.tensor(pads, device=self.device)
         self.positions[index] = torch.tensor(lengths, device=self.device)
         cache.write_columns[index] = width

@@ -345,7 +345,8 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
         consecutive = index == list(range(index[0], index[-1] + 1))
         rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
         tokens, padded = int(lengths[index].sum()), len(index) * width
-        wasteful = padded > PACK_PADDING_RATIO * tokens and padded - tokens > PACK_MIN_PADDING * settings.micro_batch_tokens
+        wasteful = (padded > PACK_PADDING_RATIO * tokens
+                    and padded - tokens > PACK_MIN_PADDING * settings.micro_batch_tokens)
         # a part split_to_count cut from a packed micro-batch, padded past the budget: packed, so
         # that a pass holds at most the budget's tokens, as the planner counts (plan/sequences.py)
         over = len(index) > 1 and len(index) * width > settings.micro_batch_tokens
