@@ -100,6 +100,8 @@ def test_packed_micro_batches_give_the_one_big_batch_update(budget):
         _assert_same_update(whole, _update(policy, batch, micro_batch_tokens=budget, packing=packing))
     aligned = _update(policy, batch, micro_batch_tokens=budget, width_multiple=8, packing="always")  # compiled
     _assert_same_update(whole, aligned)
+    for packing in ("auto", "never"):  # compiled widths, the passes cut so that rounded up they keep the budget
+        _assert_same_update(whole, _update(policy, batch, micro_batch_tokens=budget, width_multiple=8, packing=packing))
 
 
 def test_packing_with_an_arbitrary_completion_mask_and_dropped_rows():
@@ -198,3 +200,21 @@ def test_no_pass_computes_more_than_the_token_budget():
         settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=18, packing=packing)
         for p in optimize._passes(batch, settings, pack, torch.device("cpu")):
             assert p.packed is None and len(p.host_rows) * p.width <= 18, (len(p.host_rows), p.width)
+
+
+def test_no_padded_pass_of_a_compiled_policy_passes_the_budget_once_its_width_is_rounded_up():
+    # a compiled policy pads a pass to a multiple of 8 columns: 2-token rows under a budget
+    # of 20 were passes of 10 rows, 10 x 8 = 80 tokens computed (the update: the test above)
+    from mlperf_grpo.train import optimize
+
+    batch = _batch()
+    batch.attention_mask.zero_()
+    batch.attention_mask[:, :2] = 1
+    batch.attention_mask[::5, :] = 1  # a long row now and then: the rest of the batch right-padded or packed
+    for packing, pack in (("never", True), ("auto", False), ("auto", True)):
+        settings = OptimizeSettings(None, 1.0, PGLossOptions(), 1e9, micro_batch_tokens=20, packing=packing,
+                                    width_multiple=8)
+        passes = optimize._passes(batch, settings, pack, torch.device("cpu"))
+        for p in passes:
+            if p.packed is None and len(p.host_rows) > 1:
+                assert len(p.host_rows) * p.width <= 20, (packing, pack, len(p.host_rows), p.width)

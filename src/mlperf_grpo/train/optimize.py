@@ -24,7 +24,7 @@ from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grad_accumulation import GradSum, usable
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
-from mlperf_grpo.train.packing import (PackedInputs, packed_inputs, split_padded, split_to_count,
+from mlperf_grpo.train.packing import (PackedInputs, packed_inputs, padded_width, split_padded, split_to_count,
                                        token_budget_micro_batches)
 from mlperf_grpo.train.pass_loss import STATS, PassLossSettings, loss_function
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
@@ -334,9 +334,10 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
     kept = (batch.sample_mask > 0).tolist()
     padded_only = not pack or settings.packing == "never"
     micro = token_budget_micro_batches(lengths.tolist(), kept, settings.micro_batch_tokens, settings.micro_batch_size,
-                                       padded=padded_only)
+                                       padded=padded_only, multiple=settings.width_multiple)
     if settings.packing == "auto" and not padded_only:
-        micro = split_padded(micro, lengths.tolist(), settings.micro_batch_tokens, PACK_PADDING_RATIO)
+        micro = split_padded(micro, lengths.tolist(), settings.micro_batch_tokens, PACK_PADDING_RATIO,
+                             settings.width_multiple)
     micro = split_to_count(micro, lengths.tolist(), collectives.all_reduce_max(len(micro)))
     out = []
     for m in micro:
@@ -349,9 +350,9 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
                     and padded - tokens > PACK_MIN_PADDING * settings.micro_batch_tokens)
         # a part split_to_count cut from a packed micro-batch, padded past the budget: packed, so
         # that a pass holds at most the budget's tokens, as the planner counts (plan/sequences.py)
-        over = len(index) > 1 and len(index) * width > settings.micro_batch_tokens
+        over = len(index) > 1 and len(index) * padded_width(width, settings.width_multiple) > settings.micro_batch_tokens
         if padded_only or (settings.packing == "auto" and not wasteful and not over):
-            width = min(-(-width // settings.width_multiple) * settings.width_multiple, batch.input_ids.shape[1])
+            width = min(padded_width(width, settings.width_multiple), batch.input_ids.shape[1])
             out.append(_Pass(rows, width, None, m.empty, index))
             continue
         score = batch.loss_mask[index, :width - 1] > 0

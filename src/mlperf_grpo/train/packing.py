@@ -38,10 +38,10 @@ class MicroBatch:
 
 
 def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int,
-                               max_rows: int | None = None, padded: bool = False) -> list[MicroBatch]:
+                               max_rows: int | None = None, padded: bool = False, multiple: int = 1) -> list[MicroBatch]:
     """The micro-batches of the kept rows, in row order, each at most ``budget`` tokens
-    (sum of its rows' lengths; ``padded``: rows x its longest, what a right-padded pass
-    computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
+    (sum of its rows' lengths; ``padded``: rows x its longest rounded up to ``multiple``,
+    what a right-padded pass computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
 
     Args:
         lengths: each row's tokens (prompt + completion, no padding).
@@ -50,13 +50,14 @@ def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int
         max_rows: ``grpo.micro_batch_size`` or None (no cap).
         padded: the passes are right-padded, never packed (a model packing does not
             suit: ``train/policy_probe.py``).
+        multiple: a padded pass's width is a multiple of this (a compiled policy's 8).
     """
     out: list[list[int]] = []
     tokens = longest = 0
     for row, (length, keep) in enumerate(zip(lengths, kept)):
         if not keep:
             continue
-        after = (len(out[-1]) + 1) * max(longest, length) if out and padded else tokens + length
+        after = (len(out[-1]) + 1) * padded_width(max(longest, length), multiple) if out and padded else tokens + length
         full = out and (after > budget or (max_rows is not None and len(out[-1]) >= max_rows))
         if not out or full:
             out.append([])
@@ -67,18 +68,26 @@ def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int
     return [MicroBatch(tuple(rows)) for rows in out]
 
 
-def split_padded(micro_batches: list[MicroBatch], lengths: list[int], budget: int, ratio: float) -> list[MicroBatch]:
+def padded_width(longest: int, multiple: int) -> int:
+    """The width of a right-padded pass whose longest row is ``longest`` tokens: rounded up
+    to ``multiple`` (a compiled policy's widths, ``OptimizeSettings.width_multiple``)."""
+    return -(-longest // multiple) * multiple
+
+
+def split_padded(micro_batches: list[MicroBatch], lengths: list[int], budget: int, ratio: float,
+                 multiple: int = 1) -> list[MicroBatch]:
     """The micro-batches that stay right-padded (``packing: auto``: padded, they take at
     most ``ratio`` x their tokens) and would pass ``budget`` tokens so, cut in row order
-    into parts of at most ``budget`` tokens padding included
+    into parts of at most ``budget`` tokens padding included, widths rounded up to ``multiple``
     (:func:`token_budget_micro_batches` ``padded``); the others as they are. A pass then
     holds at most the budget's tokens, packed or padded, as the planner counts."""
     out = []
     for m in micro_batches:
         rows = list(m.rows)
-        padded = len(rows) * max(lengths[r] for r in rows)
+        padded = len(rows) * padded_width(max(lengths[r] for r in rows), multiple)
         if len(rows) > 1 and budget < padded <= ratio * sum(lengths[r] for r in rows):
-            parts = token_budget_micro_batches([lengths[r] for r in rows], [True] * len(rows), budget, padded=True)
+            parts = token_budget_micro_batches([lengths[r] for r in rows], [True] * len(rows), budget, padded=True,
+                                               multiple=multiple)
             out += [MicroBatch(tuple(rows[i] for i in part.rows)) for part in parts]
         else:
             out.append(m)
