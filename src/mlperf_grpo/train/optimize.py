@@ -345,12 +345,12 @@ def _passes(batch: RolloutBatch, settings: OptimizeSettings, pack: bool, device:
         width = int(lengths[index].max())
         consecutive = index == list(range(index[0], index[-1] + 1))
         rows = slice(index[0], index[-1] + 1) if consecutive else torch.tensor(index).to(device)
-        tokens, padded = int(lengths[index].sum()), len(index) * width
+        tokens, padded = int(lengths[index].sum()), len(index) * padded_width(width, settings.width_multiple)
         wasteful = (padded > PACK_PADDING_RATIO * tokens
                     and padded - tokens > PACK_MIN_PADDING * settings.micro_batch_tokens)
         # a part split_to_count cut from a packed micro-batch, padded past the budget: packed, so
         # that a pass holds at most the budget's tokens, as the planner counts (plan/sequences.py)
-        over = len(index) > 1 and len(index) * padded_width(width, settings.width_multiple) > settings.micro_batch_tokens
+        over = len(index) > 1 and padded > settings.micro_batch_tokens
         if padded_only or (settings.packing == "auto" and not wasteful and not over):
             width = min(padded_width(width, settings.width_multiple), batch.input_ids.shape[1])
             out.append(_Pass(rows, width, None, m.empty, index))
