@@ -317,12 +317,15 @@ def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anythi
     config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
     need = 64 * (15 * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)  # 4 x 16 rows of a 5-token prompt + 10 new tokens
     check_host_batch(config, 5, 1, host_bytes=need)
-    check_host_batch(config, 5, 2, host_bytes=need // 2)  # a rank holds its share of the rows
+    check_host_batch(config, 5, 2, host_bytes=need // 2, ranks_on_host=1)  # a rank holds its share of the rows
+    check_host_batch(config, 5, 2, host_bytes=need, ranks_on_host=2)  # two ranks on one host: both shares
+    with pytest.raises(MemoryPlanError, match="for the 2 ranks on this host"):
+        check_host_batch(config, 5, 2, host_bytes=need - 1, ranks_on_host=2)
     big = parse_config({"grpo": {"num_prompts_per_step": 10**6, "max_new_tokens": 10, "first_eval_step": 1}})
     with pytest.raises(MemoryPlanError, match="rollout batch of 16,000,000 rows"):  # ran the host out of memory
         check_host_batch(big, 5, 1, host_bytes=24 << 30)
     with pytest.raises(MemoryPlanError, match="rollout batch of 64 rows a rank .* lower grpo.num_prompts_per_step"):
-        check_host_batch(config, 5, 1, host_bytes=need - 1)
+        check_host_batch(config, 5, 1, host_bytes=need - 1, ranks_on_host=1)
     (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -53,12 +53,13 @@ def host_memory_bytes() -> int:
 
 
 def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, agentic: bool = False,
-                     host_bytes: int | None = None) -> None:
-    """Refuse a step whose rollout batch alone, at its planned shape (:func:`step_shape`'s
-    rows of a rank, each as wide as the longest), exceeds the host's memory
-    (``host_bytes``, default :func:`host_memory_bytes`): it could not be right (a
-    ``grpo.num_prompts_per_step`` of 1e11 spent minutes drawing prompts, then ran out of
-    memory). Counted: the batch's tensors and :data:`HOST_BYTES_PER_ROW` a row.
+                     host_bytes: int | None = None, ranks_on_host: int | None = None) -> None:
+    """Refuse a step whose rollout batches alone, at their planned shape (:func:`step_shape`'s
+    rows of a rank, each as wide as the longest, times ``ranks_on_host``), exceed the
+    host's memory (``host_bytes``, default :func:`host_memory_bytes`): it could not be
+    right (a ``grpo.num_prompts_per_step`` of 1e11 spent minutes drawing prompts, then ran
+    out of memory). Counted: the batch's tensors and :data:`HOST_BYTES_PER_ROW` a row.
+    ``ranks_on_host``: default torchrun's ``LOCAL_WORLD_SIZE`` (1 without it).
 
     Raises:
         MemoryPlanError: one line with the rows, the bytes and the fix.
@@ -66,15 +67,16 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
     g = config.grpo
     width = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
     rows = math.ceil(config.global_batch_size / world_size)
-    need = rows * (width * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks_on_host is None else ranks_on_host
+    need = local * rows * (width * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)
     have = host_memory_bytes() if host_bytes is None else host_bytes
     if need > have:
         raise memory_plan.MemoryPlanError(
             f"a step's rollout batch of {rows:,} rows a rank (grpo.num_prompts_per_step {g.num_prompts_per_step:,} x "
             f"num_generations_per_prompt {g.num_generations_per_prompt:,}"
             f"{f' / {world_size} ranks' if world_size > 1 else ''}) of up to {width:,} tokens needs "
-            f"{sequences.gib(need)} GiB of host memory ({BATCH_BYTES_PER_TOKEN} bytes a token, {HOST_BYTES_PER_ROW:,} a row) "
-            f"and this machine has "
+            f"{sequences.gib(need)} GiB of host memory{f' for the {local} ranks on this host' if local > 1 else ''} "
+            f"({BATCH_BYTES_PER_TOKEN} bytes a token, {HOST_BYTES_PER_ROW:,} a row) and this machine has "
             f"{sequences.gib(have)} GiB; lower grpo.num_prompts_per_step")
 
 
@@ -125,8 +127,8 @@ class StepFit:
         if v.released:
             said.append("the engine's KV cache and graphs freed while the policy trains (synchronous rollouts)")
         if self.checkpointing and self.auto:
-            said.append(f"activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
-                        f"does not fit)")
+            said.append("activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
+                        "does not fit)")
         if v.bounded:
             said.append(f"the engine's KV cache bounded to {sequences.gib(v.kv_budget_bytes)} GiB, not all "
                         f"{v.shape.engine_rows} rows at full length (it grows with the rows' lengths; rows past it wait "
