@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlperf_grpo.inference.base import (
@@ -57,10 +57,11 @@ from mlperf_grpo.inference.tensor_parallel import (
     mesh_of,
     tensor_parallel_mesh,
 )
+from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
 from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.model.load import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
 
-GENERATION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+GENERATION_SDPA_BACKENDS = PLANLESS_SDPA_BACKENDS
 """The attention kernels ``generate`` may use: all but cuDNN's. A KV-cached generation
 gives attention a new key length at every step, and cuDNN's attention builds an execution
 plan per new shape. On the H200 (torch 2.11, a 1.4B Qwen3-shaped model, 256 rows),

@@ -9,16 +9,16 @@ import contextlib
 import inspect
 
 import torch
-from torch.nn.attention import SDPBackend
 from transformers import AttentionInterface, PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
+from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
 
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
 ``AttentionInterface``; the model's own is restored after each step)."""
 
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PREFILL_SDPA_BACKENDS = PLANLESS_SDPA_BACKENDS
 """Kernels a prefill may use: not cuDNN's, which plans every new shape (prefill widths
 vary; see ``hf.GENERATION_SDPA_BACKENDS``)."""
 
