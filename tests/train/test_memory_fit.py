@@ -349,3 +349,26 @@ def test_plan_memory_checks_the_context_transformers_gives_a_config_without_one(
     assert len(err.strip().splitlines()) == 1 and "over the model's context of 32,768 tokens" in err, err
     assert "the default for model_type 'qwen3', which the config leaves out" in err
     assert main([*plan, "32768"]) == 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_every_attention_call_of_a_step_leaves_cudnn_out(monkeypatch, checkpointing):
+    # cuDNN's attention plans each new shape: 73 ms + 46 ms of host time a new pass width
+    # on an H100; a checkpointed layer's recomputation (in backward) must pick as its forward did
+    batch = _batch()
+    policy = load_model(MODEL, "float32")
+    if checkpointing:
+        checkpoint_layers(policy)
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's default is untouched
+    optimize_step(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch,
+                  OptimizeSettings(16, 1.0, PGLossOptions(), 1e9, needs_prev_logprobs=True))
+    layers = policy.config.num_hidden_layers
+    assert len(seen) >= layers * (2 if checkpointing else 1) and not any(cudnn for _, cudnn in seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()
