@@ -202,7 +202,7 @@ def test_no_pass_computes_more_than_the_token_budget():
             assert p.packed is None and len(p.host_rows) * p.width <= 18, (len(p.host_rows), p.width)
 
 
-def test_no_padded_pass_of_a_compiled_policy_passes_the_budget_once_its_width_is_rounded_up():
+def test_no_pass_of_a_compiled_policy_passes_the_budget_once_its_width_is_rounded_up():
     # a compiled policy pads a pass to a multiple of 8 columns: 2-token rows under a budget
     # of 20 were passes of 10 rows, 10 x 8 = 80 tokens computed (the update: the test above)
     from mlperf_grpo.train import optimize
@@ -218,3 +218,5 @@ def test_no_padded_pass_of_a_compiled_policy_passes_the_budget_once_its_width_is
         for p in passes:
             if p.packed is None and len(p.host_rows) > 1:
                 assert len(p.host_rows) * p.width <= 20, (packing, pack, len(p.host_rows), p.width)
+            if p.packed is not None and len(p.host_rows) > 1:  # packed to a multiple of 8 too: 24 > 20
+                assert p.packed.input_ids.shape[-1] <= 20, (packing, pack, p.packed.input_ids.shape)

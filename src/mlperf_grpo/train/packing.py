@@ -40,8 +40,9 @@ class MicroBatch:
 def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int,
                                max_rows: int | None = None, padded: bool = False, multiple: int = 1) -> list[MicroBatch]:
     """The micro-batches of the kept rows, in row order, each at most ``budget`` tokens
-    (sum of its rows' lengths; ``padded``: rows x its longest rounded up to ``multiple``,
-    what a right-padded pass computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
+    (sum of its rows' lengths rounded up to ``multiple``, what a packed pass computes;
+    ``padded``: rows x its longest rounded up to ``multiple``, what a right-padded pass
+    computes) and ``max_rows`` rows; a row longer than ``budget`` alone.
 
     Args:
         lengths: each row's tokens (prompt + completion, no padding).
@@ -50,14 +51,15 @@ def token_budget_micro_batches(lengths: list[int], kept: list[bool], budget: int
         max_rows: ``grpo.micro_batch_size`` or None (no cap).
         padded: the passes are right-padded, never packed (a model packing does not
             suit: ``train/policy_probe.py``).
-        multiple: a padded pass's width is a multiple of this (a compiled policy's 8).
+        multiple: a pass's width is a multiple of this (a compiled policy's 8).
     """
     out: list[list[int]] = []
     tokens = longest = 0
     for row, (length, keep) in enumerate(zip(lengths, kept)):
         if not keep:
             continue
-        after = (len(out[-1]) + 1) * padded_width(max(longest, length), multiple) if out and padded else tokens + length
+        after = ((len(out[-1]) + 1) * padded_width(max(longest, length), multiple) if out and padded
+                 else padded_width(tokens + length, multiple))
         full = out and (after > budget or (max_rows is not None and len(out[-1]) >= max_rows))
         if not out or full:
             out.append([])
