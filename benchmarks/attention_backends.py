@@ -7,7 +7,7 @@ Builds a Qwen3-shaped model (random init, nothing downloaded; ``benchmarks/check
 in an ``HFEngine`` and, after one warm-up generation, generates ``--rows`` prompts x
 ``--new-tokens`` twice at prompt widths not used before (every step's key length is new
 the first time, seen the second), once with the engine's kernels
-(``GENERATION_SDPA_BACKENDS``: no cuDNN attention) and once with cuDNN attention allowed
+(``model/attention.planless_attention``: no cuDNN attention) and once with cuDNN attention allowed
 (torch's default set). Each arm has its own widths, so neither warms the other's shapes.
 
 Prints ONE JSON line: per arm ``first_s``, ``repeat_s`` and ``first_time_cost_s``
@@ -22,6 +22,7 @@ evaluator, the training's early rollouts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -38,9 +39,6 @@ from mlperf_grpo.cli.parser import parse_args_one_line  # noqa: E402
 from mlperf_grpo.inference import hf  # noqa: E402
 from mlperf_grpo.inference.base import SamplingParams  # noqa: E402
 from mlperf_grpo.inference.hf import HFEngine  # noqa: E402
-
-WITH_CUDNN = [*hf.GENERATION_SDPA_BACKENDS, torch.nn.attention.SDPBackend.CUDNN_ATTENTION]
-
 
 def timed_generation(engine: HFEngine, rows: int, width: int, new_tokens: int) -> float:
     """Seconds for ``rows`` prompts of about ``width`` tokens (3 lengths: left padding)."""
@@ -75,9 +73,9 @@ def main() -> None:
     out: dict = {"device": args.device, "params": sum(p.numel() for p in model.parameters()), "rows": args.rows,
                  "new_tokens": args.new_tokens, "torch": torch.__version__}
     step = args.new_tokens + 40  # widths far enough apart that the arms share no key length
-    for name, backends, width in (("engine", hf.GENERATION_SDPA_BACKENDS, 100),
-                                  ("cudnn_allowed", WITH_CUDNN, 100 + step)):
-        with mock.patch.object(hf, "GENERATION_SDPA_BACKENDS", backends):
+    for name, kernels, width in (("engine", hf.planless_attention, 100),
+                                 ("cudnn_allowed", contextlib.nullcontext, 100 + step)):  # torch's default set
+        with mock.patch.object(hf, "planless_attention", kernels):
             first_s = timed_generation(engine, args.rows, width, args.new_tokens)
             repeat_s = timed_generation(engine, args.rows, width, args.new_tokens)
         out[name] = {"width": width, "first_s": round(first_s, 4), "repeat_s": round(repeat_s, 4),

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch.nn.attention import sdpa_kernel
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlperf_grpo.inference.base import (
@@ -57,20 +56,9 @@ from mlperf_grpo.inference.tensor_parallel import (
     mesh_of,
     tensor_parallel_mesh,
 )
-from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
+from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.model.fingerprint import canary_logits, weights_fingerprint
 from mlperf_grpo.model.load import build_model_for_refit, check_model_path, encode_prompts, load_model, load_tokenizer
-
-GENERATION_SDPA_BACKENDS = PLANLESS_SDPA_BACKENDS
-"""The attention kernels ``generate`` may use: all but cuDNN's. A KV-cached generation
-gives attention a new key length at every step, and cuDNN's attention builds an execution
-plan per new shape. On the H200 (torch 2.11, a 1.4B Qwen3-shaped model, 256 rows),
-64-token generations at key lengths not seen before took 8.4 s, then 3.1 s at the same
-lengths: a process paid seconds to minutes of planning before its steps ran at speed
-(the training's first rollouts, every evaluator's first checkpoint). Without cuDNN:
-5.07 s then 5.01 s (at other lengths), no first-time cost, steady steps slower by about
-8%. Measured by ``benchmarks/attention_backends.py``."""
-
 
 class HFEngine:
     """An inference engine holding its own copy of the model (refit by copying weights).
@@ -415,7 +403,7 @@ class HFEngine:
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P], left-padded
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
         sampler = RowSeededSampler(seeds, params.temperature, params.top_p, params.max_new_tokens)
-        with sdpa_kernel(GENERATION_SDPA_BACKENDS), generating_with(self.model, self._generation_config):
+        with planless_attention(), generating_with(self.model, self._generation_config):
             sequences = self.model.generate(
                 input_ids=input_ids.to(self.model.device),
                 attention_mask=attention_mask.to(self.model.device),

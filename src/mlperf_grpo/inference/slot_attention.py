@@ -1,6 +1,6 @@
 """The slot decoder's attention: :func:`slot_attention` (registered with transformers as
 :data:`SLOT_ATTENTION`) reads each row's own columns of the slot cache; a prefill uses
-SDPA with :data:`PREFILL_SDPA_BACKENDS`; :func:`supports_slot_decoding` says which models
+SDPA without cuDNN's kernel (``model/attention.planless_attention``); :func:`supports_slot_decoding` says which models
 the slot decoder takes."""
 
 from __future__ import annotations
@@ -12,15 +12,11 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from mlperf_grpo.inference import fused_decode
-from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
 
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
 ``AttentionInterface``; the model's own is restored after each step)."""
 
-PREFILL_SDPA_BACKENDS = PLANLESS_SDPA_BACKENDS
-"""Kernels a prefill may use: not cuDNN's, which plans every new shape (prefill widths
-vary; see ``hf.GENERATION_SDPA_BACKENDS``)."""
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -12,11 +12,11 @@ import warnings
 from typing import NamedTuple
 
 import torch
-from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from mlperf_grpo.inference.sampling import sample_tokens
-from mlperf_grpo.inference.slot_attention import PREFILL_SDPA_BACKENDS, attention_implementation
+from mlperf_grpo.inference.slot_attention import attention_implementation
+from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.inference.slot_schedule import Resumed
 from mlperf_grpo.inference.slot_state import ChunkWriter, DecodeCall, PrefillWriter, first_line
 
@@ -131,7 +131,7 @@ class PrefillSteps:
         for start in range(0, n, self.prefill_chunk):
             end = min(n, start + self.prefill_chunk)
             visible = arange[None, :end] <= arange[start:end, None]  # [C(q), end(k)]
-            with attention_implementation(self.model, "sdpa"), sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            with attention_implementation(self.model, "sdpa"), planless_attention():
                 logits = self.model(input_ids=ids_t[:, start:end], attention_mask=visible[None, None],
                                     position_ids=arange[None, start:end], use_cache=True,
                                     **{self._cache_arg: ChunkWriter(self.cache, slot, start)}, **self._last_logits
@@ -170,7 +170,7 @@ class PrefillSteps:
         causal = arange[None, :] <= arange[:, None]  # [W(q), W(k)]
         visible = (causal[None] & (arange[None, None, :] >= pads[:, None, None])) | torch.eye(
             width, dtype=torch.bool, device=ids.device)[None]  # [R, W, W]
-        with attention_implementation(self.model, "sdpa"), sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        with attention_implementation(self.model, "sdpa"), planless_attention():
             logits = self.model(input_ids=ids, attention_mask=visible[:, None], position_ids=positions, use_cache=True,
                                 **{self._cache_arg: PrefillWriter(self.cache, rows)}, **self._last_logits
                                 ).logits[:, -1]  # [R, V]

@@ -25,10 +25,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
+from mlperf_grpo.model.attention import planless_attention
 
 LOGITS_CHUNK_BYTES = 1 << 30
 """Float32 logits of one chunk: ``chunk_tokens = LOGITS_CHUNK_BYTES // (4 V)`` (1 GiB:
@@ -166,6 +165,6 @@ def policy_token_logprobs(
     if not isinstance(linear, torch.nn.Linear):
         raise ValueError(f"{type(policy).__name__} has no lm_head linear layer to score tokens with")
     head = LogprobHead(linear, targets, temperature, chunk_tokens, with_entropy, compiled)
-    with _head_swapped(policy, head), sdpa_kernel(PLANLESS_SDPA_BACKENDS):  # widths vary: no cuDNN plans
+    with _head_swapped(policy, head), planless_attention():  # widths vary: no cuDNN plans
         out = policy(**inputs).logits  # [..., 1]
     return out.squeeze(-1), head.entropy

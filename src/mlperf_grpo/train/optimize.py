@@ -13,13 +13,12 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import sdpa_kernel
 
 from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.config.sections import GRPOConfig
 from mlperf_grpo.inference.base import Completion
-from mlperf_grpo.model.attention import PLANLESS_SDPA_BACKENDS
+from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
@@ -418,7 +417,7 @@ def _micro_batch(
     if settings.compile_loss:
         inputs = owned(inputs)
     loss, stats = loss_function(settings.compile_loss)(*inputs, divisor, settings.pass_loss)
-    with sdpa_kernel(PLANLESS_SDPA_BACKENDS):  # a checkpointed layer's recomputation picks its kernel again
+    with planless_attention():  # a checkpointed layer's recomputation picks its kernel again
         loss.backward()
     sums.values += stats
 
