@@ -3,6 +3,7 @@
 cannot fit refused in one line, checkpointing in one process giving the same update."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -331,6 +332,33 @@ def test_a_step_whose_rollout_batch_cannot_fit_the_host_is_refused_before_anythi
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1,600,000,000,000 rows" in err[0] and "GiB of host memory" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["", "abc", "0", "-1", "2.5", " 2"])
+def test_local_world_size_is_torchruns_alone_and_a_bad_one_is_refused_in_one_line(tmp_path, capsys, monkeypatch, value):
+    # int(os.environ["LOCAL_WORLD_SIZE"]) ended a single-process train with exit 1 and
+    # "invalid literal for int()", and "-1" made every step fit
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.train.memory_fit import check_host_batch
+    from mlperf_grpo.plan.memory import MemoryPlanError
+    from mlperf_grpo.train.ranks import LayoutError
+
+    config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    check_host_batch(config, 5, 1, host_bytes=285_184)  # one process: the variable is not read
+    with pytest.raises(MemoryPlanError, match=r"needs 0.0 GiB of host memory \(24 bytes"):
+        check_host_batch(config, 5, 1, host_bytes=285_183)
+    (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB of host memory (" in err[0], err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # a torchrun rank
+    with pytest.raises(LayoutError, match=f"^LOCAL_WORLD_SIZE must be .* got {re.escape(repr(value))}; launch with"):
+        check_host_batch(config, 5, 1, host_bytes=1 << 40)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    check_host_batch(config, 5, 1, host_bytes=3 * 285_184)  # a rank's 64 rows: 64 x (15 x 24 + 4,096) bytes
+    with pytest.raises(MemoryPlanError, match="for the 3 ranks on this host"):
+        check_host_batch(config, 5, 1, host_bytes=3 * 285_184 - 1)
 
 
 def test_plan_memory_checks_the_context_transformers_gives_a_config_without_one(tmp_path, capsys):

@@ -21,6 +21,7 @@ from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.plan import memory as memory_plan
 from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import Fit, SequenceShape
+from mlperf_grpo.train import ranks
 
 def step_shape(config: RunConfig, longest_prompt: int, world_size: int, agentic: bool = False) -> SequenceShape:
     """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
@@ -59,15 +60,17 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
     host's memory (``host_bytes``, default :func:`host_memory_bytes`): it could not be
     right (a ``grpo.num_prompts_per_step`` of 1e11 spent minutes drawing prompts, then ran
     out of memory). Counted: the batch's tensors and :data:`HOST_BYTES_PER_ROW` a row.
-    ``ranks_on_host``: default torchrun's ``LOCAL_WORLD_SIZE`` (1 without it).
+    ``ranks_on_host``: default :func:`~mlperf_grpo.train.ranks.ranks_on_host` (torchrun's
+    ``LOCAL_WORLD_SIZE``; 1 outside torchrun).
 
     Raises:
         MemoryPlanError: one line with the rows, the bytes and the fix.
+        LayoutError: under torchrun, a ``LOCAL_WORLD_SIZE`` that is not a positive whole number.
     """
     g = config.grpo
     width = config.agent.max_context_tokens if agentic else longest_prompt + g.max_new_tokens
     rows = math.ceil(config.global_batch_size / world_size)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks_on_host is None else ranks_on_host
+    local = ranks.ranks_on_host() if ranks_on_host is None else ranks_on_host
     need = local * rows * (width * BATCH_BYTES_PER_TOKEN + HOST_BYTES_PER_ROW)
     have = host_memory_bytes() if host_bytes is None else host_bytes
     if need > have:

@@ -67,6 +67,23 @@ def launched() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
 
 
+def ranks_on_host() -> int:
+    """The ranks sharing this host's memory: torchrun's ``LOCAL_WORLD_SIZE`` under
+    torchrun, else 1 (one process; a ``LOCAL_WORLD_SIZE`` left in its environment is not
+    read).
+
+    Raises:
+        LayoutError: under torchrun, ``LOCAL_WORLD_SIZE`` is not a positive whole number.
+    """
+    if not launched():
+        return 1
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise LayoutError(f"LOCAL_WORLD_SIZE must be the number of ranks on this host, a positive whole number "
+                          f"(torchrun sets it), got {value!r}; launch with torchrun or set it to the ranks on this host")
+    return int(value)
+
+
 def in_process_group() -> bool:
     """True when this process is a torchrun rank that has joined its process group
     (:func:`process_group`): the one test of "distributed" every helper here uses. A
