@@ -2,30 +2,44 @@
 
 import threading
 
+import pytest
 import torch
 
 from mlperf_grpo.model.attention import planless_attention
 
 
-def test_cudnn_attention_stays_off_until_the_last_thread_leaves():
-    # a rollout thread (max_trajectory_age_steps 1) leaving generation inside a training pass:
-    # torch's sdpa_kernel would restore the flag it saw on entry (on) at its exit
-    entered, leave = threading.Event(), threading.Event()
+@pytest.mark.parametrize("first_out", ["generation", "training"])
+def test_overlapping_passes_of_two_threads_keep_cudnn_out_and_restore_it_after_both(first_out):
+    # the one-step-async rollout thread generates while the trainer's passes run: with
+    # sdpa_kernel in each, the first to leave turned cuDNN back on inside the other, and
+    # the last one out left it off for the rest of the process
+    inside, leave, left, seen = threading.Event(), threading.Event(), threading.Event(), []
 
-    def rollout():
+    def first():  # enters first, leaves first when first_out is "generation"
         with planless_attention():
-            entered.set()
+            inside.set()
             leave.wait(10)
+            if first_out == "training":
+                left.wait(10)
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if first_out == "generation":
+            left.set()
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    thread = threading.Thread(target=rollout)
+    thread = threading.Thread(target=first)
     thread.start()
-    assert entered.wait(10)
+    inside.wait(10)
     with planless_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
         leave.set()
-        thread.join(10)
-        assert not thread.is_alive() and not torch.backends.cuda.cudnn_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+        if first_out == "generation":
+            left.wait(10)
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+    if first_out == "training":
+        left.set()
+    thread.join(10)
+    assert seen == [False, False]  # each pass ran without cuDNN to its end
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
 
 
 def test_the_flag_is_restored_after_an_error_and_a_process_setting_is_kept():
