@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 
 from mlperf_grpo.errors import ModelLoadError
+from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.train import collectives
 from mlperf_grpo.train.logprobs import policy_token_logprobs
 from mlperf_grpo.train.optimize import OptimizeSettings, compute_autocast
@@ -168,7 +169,7 @@ def checked_settings(policy: torch.nn.Module, settings: OptimizeSettings,
         ModelLoadError: :func:`training_mode_problem` or :func:`logprob_head_problem` (the
             loss would score other log-probs than the engine samples from).
     """
-    with torch.compiler.set_stance("force_eager"):
+    with torch.compiler.set_stance("force_eager"), planless_attention():  # the passes' attention kernels
         return _checked_settings(policy, settings, model)
 
 
