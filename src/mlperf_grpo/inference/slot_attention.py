@@ -1,7 +1,7 @@
 """The slot decoder's attention: :func:`slot_attention` (registered with transformers as
 :data:`SLOT_ATTENTION`) reads each row's own columns of the slot cache; a prefill uses
-SDPA without cuDNN's kernel (``model/attention.planless_attention``); :func:`supports_slot_decoding` says which models
-the slot decoder takes."""
+SDPA without cuDNN's kernel (``model/attention.planless_attention``);
+:func:`supports_slot_decoding` says which models the slot decoder takes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from mlperf_grpo.inference import fused_decode
 SLOT_ATTENTION = "mlperf_grpo_slot_sdpa"
 """The attention implementation a decode step runs (registered with ``transformers``'
 ``AttentionInterface``; the model's own is restored after each step)."""
-
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -16,9 +16,9 @@ from transformers import DynamicCache
 
 from mlperf_grpo.inference.sampling import sample_tokens
 from mlperf_grpo.inference.slot_attention import attention_implementation
-from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.inference.slot_schedule import Resumed
 from mlperf_grpo.inference.slot_state import ChunkWriter, DecodeCall, PrefillWriter, first_line
+from mlperf_grpo.model.attention import planless_attention
 
 PREFILL_WIDTH_BLOCK = 16
 """With ``prefill_graphs``, prefill widths are multiples of this many columns."""

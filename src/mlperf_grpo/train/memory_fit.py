@@ -23,6 +23,7 @@ from mlperf_grpo.plan import sequences
 from mlperf_grpo.plan.sequences import Fit, SequenceShape
 from mlperf_grpo.train import ranks
 
+
 def step_shape(config: RunConfig, longest_prompt: int, world_size: int, agentic: bool = False) -> SequenceShape:
     """The shape of one rank's step (see the module docstring): ``GBS / N`` rows of the
     longest prompt + ``grpo.max_new_tokens`` (``agentic``: agent trajectories, whose turns,
