@@ -159,6 +159,24 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
     assert captured.out == "" and needle in captured.err and captured.err.count("\n") == 1
 
 
+@pytest.mark.parametrize("key, value, least", [("num_attention_heads", 0, 1), ("vocab_size", 0, 1),
+                                               ("num_hidden_layers", 2.5, 0), ("hidden_size", "64", 0),
+                                               ("hidden_size", -64, 0), ("intermediate_size", True, 0)])
+def test_a_config_count_that_is_not_a_whole_number_is_one_line(tmp_path, capsys, key, value, least):
+    """Before: ZeroDivisionError / TypeError text and exit 1, or negative bytes and exit 0 (a new-user trial)."""
+    import json
+
+    from mlperf_grpo.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 64, "vocab_size": 15, "num_hidden_layers": 2, "intermediate_size": 96,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 4096, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "2", "--trajectory-tokens", "100"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"{key} is {value!r}, not a whole number >= {least}" in captured.err
+
+
 def test_the_hf_engine_does_not_replicate_kv_heads():
     """vLLM replicates Qwen3.5-397B's 2 KV heads over T = 8; transformers' tensor
     parallelism (the hf engine) would cut them into quarters, so T must divide them."""

@@ -80,12 +80,32 @@ class Tensor:
         return math.prod(self.shape)
 
 
+DIVISOR_KEYS = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
+                "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings")
+"""Keys of a model config the planner divides by: where present (not null), whole numbers >= 1."""
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
+
+
+def _check_dimensions(config: dict, file: Path) -> None:
+    """Refuse a count the planner's arithmetic cannot take (a string, a fraction, a
+    negative, a 0 it divides by): one line, not a ZeroDivisionError or TypeError."""
+    for keys, least in ((DIVISOR_KEYS, 1), (SIZE_KEYS, 0)):
+        for key in keys:
+            value = config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise MemoryPlanError(f"{file}: {key} is {value!r}, not a whole number >= {least}; "
+                                      "give the model's real config.json")
+
+
 def load_model_config(path: Path) -> dict:
     """A model's ``config.json`` (``path`` is the file or its directory) as a dict; a
     multimodal config's ``text_config`` is what is planned (the text model).
 
     Raises:
-        MemoryPlanError: the file is missing or not JSON.
+        MemoryPlanError: the file is missing or not JSON, or (for a model type the planner
+            counts) a count is not a whole number (:func:`_check_dimensions`).
     """
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -95,7 +115,10 @@ def load_model_config(path: Path) -> dict:
     if not isinstance(data, dict):
         raise MemoryPlanError(f"{file} is not a JSON object; give a model's config.json")
     text = data.get("text_config")
-    return {"model_type": data.get("model_type"), **text} if isinstance(text, dict) else data
+    config = {"model_type": data.get("model_type"), **text} if isinstance(text, dict) else data
+    if counts(config):  # other model types are not planned
+        _check_dimensions(config, file)
+    return config
 
 
 def _get(config: dict, key: str, default=None):
