@@ -189,8 +189,10 @@ class GRPOConfig(Strict):
     and divide the global batch (and each rank's share of it)."""
     micro_batch_tokens: int | None = Field(DEFAULT_MICRO_BATCH_TOKENS, gt=0)
     """Token budget of one forward/backward pass: completions (prompt + completion tokens
-    each) are packed end to end into one sequence up to it, attention kept within each,
-    no padding computed (``train/packing.py``); one longer than it is a pass of its own.
+    each) in order up to it a pass, right-padded, or packed end to end into one sequence
+    (attention kept within each, no padding computed: ``train/packing.py``) where the
+    padding would more than double the pass and add over half the budget
+    (``train/optimize.py`` ``PACK_MIN_PADDING``); one longer than it is a pass of its own.
     ``null``: ``micro_batch_size`` right-padded completions a pass."""
     max_new_tokens: int = Field(6, gt=0)
     max_sequence_length: int = Field(rules.MAX_SEQUENCE_LENGTH, gt=0)
