@@ -220,3 +220,39 @@ def test_no_pass_of_a_compiled_policy_passes_the_budget_once_its_width_is_rounde
                 assert len(p.host_rows) * p.width <= 20, (packing, pack, len(p.host_rows), p.width)
             if p.packed is not None and len(p.host_rows) > 1:  # packed to a multiple of 8 too: 24 > 20
                 assert p.packed.input_ids.shape[-1] <= 20, (packing, pack, p.packed.input_ids.shape)
+
+
+def _family(name):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, MistralConfig
+
+    v = load_model(MODEL, "float32").config.vocab_size  # the batch's token ids
+    config = {  # learned absolute positions; a sliding window shorter than the rows; partial rotary, parallel residual
+        "gpt2": GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                           embd_pdrop=0.0),
+        "mistral": MistralConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4),
+        "gpt_neox": GPTNeoXConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
+                                  attention_dropout=0.0),
+    }[name]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().train()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "gpt_neox"])
+def test_other_families_packed_chunked_and_checkpointed_give_the_one_big_batch_update(name):
+    # the invariants on models other than the built-in Llama (random init): packed passes of a
+    # budget smaller than two rows, log-probs 3 positions a chunk, activation checkpointing
+    from mlperf_grpo.train.policy_probe import packing_problem
+    from mlperf_grpo.train.trainer import checkpoint_layers
+
+    batch = _batch()
+    policy = _family(name)
+    assert packing_problem(policy, torch.float32) is None  # the trainer would pack these rows
+    whole = _update(policy, batch, micro=64)
+    chunk = 3 * 4 * policy.lm_head.out_features  # float32 logits of 3 positions
+    _assert_same_update(whole, _update(policy, batch, micro_batch_tokens=20, packing="always", logits_chunk_bytes=chunk))
+    checkpointed = copy.deepcopy(policy)
+    checkpoint_layers(checkpointed)
+    _assert_same_update(whole, _update(checkpointed, batch, micro_batch_tokens=20, packing="always"))
+    _assert_same_update(whole, _update(checkpointed, batch, micro=64))
