@@ -215,6 +215,21 @@ def test_nothing_is_planned_off_cuda_and_on_or_off_is_as_asked():
         assert plan_step(config, QWEN3_1_4B, 40, 1, None).checkpointing is expected
 
 
+def test_a_model_whose_sequences_are_not_planned_says_so_on_cuda_in_one_line():
+    # before: on CUDA a Mistral (or the benchmark's qwen3_5_moe) left auto checkpointing off,
+    # kept the KV cache while training and checked nothing, without a word
+    mistral = dict(QWEN3_1_4B, model_type="mistral")
+    for asked, on in (("auto", False), ("on", True), ("off", False)):
+        config = parse_config({"model": {"activation_checkpointing": asked}}, source="test")
+        fit = plan_step(config, mistral, 40, 1, 80 * GIB)
+        assert fit.checkpointing is on and fit.kv_cache_bytes is None and not fit.release_engine_memory
+        note = fit.note()
+        assert "model_type 'mistral' are not planned" in note and "\n" not in note
+        assert ("auto is off" in note) is (asked == "auto")
+        assert plan_step(config, mistral, 40, 1, None).note() is None  # off CUDA nothing is planned anyway
+    assert plan_step(_config(), QWEN3_1_4B, 40, 1, 400 * GIB).note() is None  # planned and roomy: silent
+
+
 def test_the_old_distributed_key_says_where_it_moved():
     with pytest.raises(ConfigError, match="moved to model.activation_checkpointing"):
         parse_config({"distributed": {"activation_checkpointing": True}}, source="test")

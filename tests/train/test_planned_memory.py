@@ -71,6 +71,17 @@ def test_agent_trajectories_are_planned_at_the_agents_context(monkeypatch):
     assert "grpo.max_new_tokens" not in str(err.value)
 
 
+def test_a_model_type_the_planner_does_not_count_is_said_on_cuda(monkeypatch, tmp_path):
+    # a GPT-2: neither its layout nor its sequences are planned; before, nothing said so
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 15, "n_embd": 32}))
+    monkeypatch.setattr(inputs, "check_model_path", lambda path: tmp_path)
+    monkeypatch.setattr(inputs, "device_memory_bytes", lambda: 80 << 30)
+    fit = inputs.check_planned_memory(cuda_config())
+    assert fit.verdict is None and not fit.checkpointing and "model_type 'gpt2' are not planned" in fit.note()
+
+
 def test_cpu_is_not_checked(monkeypatch):
     monkeypatch.setattr(inputs, "device_memory_bytes", lambda: pytest.fail("CPU memory is not checked"))
     inputs.check_planned_memory(parse_config({}))

@@ -104,7 +104,7 @@ def check_planned_memory(config: RunConfig, longest_prompt: int = 0, agentic: bo
     trajectories of ``agent.max_context_tokens``), which also resolves
     ``model.activation_checkpointing``. Host memory is checked only for the step's rollout
     batch (:func:`~mlperf_grpo.train.memory_fit.check_host_batch`); a model type the
-    planner does not count is not planned.
+    planner does not count is not planned (on CUDA the step fit's note says so).
 
     Raises:
         MemoryPlanError: the divisibility or the bytes (the rollout batch's on the host
@@ -116,8 +116,10 @@ def check_planned_memory(config: RunConfig, longest_prompt: int = 0, agentic: bo
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
     if ranks.launched() or hf:  # the hf engine splits over the world's ranks
         memory_plan.check_tensor_parallel(model, world_size, t, config.inference.engine)
-    if config.model.device != "cuda" or not memory_plan.counts(model):
+    if config.model.device != "cuda":
         return plan_step(config, model, longest_prompt, world_size, None, agentic)
+    if not memory_plan.counts(model):  # nothing planned: plan_step says so
+        return plan_step(config, model, longest_prompt, world_size, device_memory_bytes(), agentic)
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype, config.checkpoint.max_in_flight,
                                    config.inference.engine)
     memory_plan.check_fits(plan, device_memory_bytes(), 1 if hf else t)

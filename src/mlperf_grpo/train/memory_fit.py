@@ -124,9 +124,9 @@ class StepFit:
     def note(self) -> str | None:
         """One line saying what the plan turned on (the KV cache freed while training,
         checkpointing under ``auto``, the KV cache bounded below all rows at full
-        length), else None."""
+        length), or, on CUDA, that the model's sequences are not planned; else None."""
         if self.verdict is None:
-            return None
+            return self._unplanned_note()
         v, said = self.verdict, []
         if v.released:
             said.append("the engine's KV cache and graphs freed while the policy trains (synchronous rollouts)")
@@ -145,6 +145,18 @@ class StepFit:
 
     rows: int = sequences.ENGINE_BATCH_SIZE
     """A rank's rollout rows a step."""
+    unplanned: str | None = None
+    """On CUDA, the ``model_type`` whose sequences the planner does not count (None: planned,
+    or not on CUDA)."""
+
+    def _unplanned_note(self) -> str | None:
+        if self.unplanned is None:
+            return None
+        auto = (", and model.activation_checkpointing: auto is off (set it on for long rows)"
+                if self.auto and not self.checkpointing else "")
+        return (f"the sequences of model_type {self.unplanned!r} are not planned (plan/sequences.py counts dense llama / "
+                "qwen3): the step is not checked against the device's memory before run_start and the engine keeps its "
+                f"KV cache while the policy trains{auto}")
 
 
 def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: int,
@@ -164,7 +176,8 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     asked = config.model.activation_checkpointing
     forced = None if asked == "auto" else asked == "on"
     if device_bytes is None or not sequences.plans_sequences(model):
-        return StepFit(bool(forced), auto=forced is None)
+        unplanned = None if device_bytes is None else str(model.get("model_type"))
+        return StepFit(bool(forced), auto=forced is None, unplanned=unplanned)
     shape = step_shape(config, longest_prompt, world_size, agentic)
     can_release = config.grpo.max_trajectory_age_steps == 0 and config.inference.engine == "hf"
     static = static_bytes(config, model, world_size)
