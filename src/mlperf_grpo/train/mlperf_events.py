@@ -13,11 +13,23 @@ PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
 
 def micro_batch_size(config: RunConfig, data_parallel_size: int = 1) -> int:
     """The logged completions per pass: ``grpo.micro_batch_size``; with
-    ``grpo.micro_batch_tokens`` and no row cap, the rows of a rank's share (``GBS / N``),
-    the most one packed pass can hold, so the logged accumulation steps (1) are the fewest
-    a step takes (the passes follow the completions' lengths: ``train/packing.py``)."""
+    ``grpo.micro_batch_tokens`` the most one pass can hold: the rows of a rank's share
+    (``GBS / N``), or the row cap ``micro_batch_size`` where it is fewer, so the logged
+    accumulation steps (:func:`gradient_accumulation_steps`) are the fewest a step takes
+    (the passes follow the completions' lengths: ``train/packing.py``)."""
     g = config.grpo
-    return g.micro_batch_size if g.micro_batch_size is not None else config.global_batch_size // data_parallel_size
+    share = config.global_batch_size // data_parallel_size
+    if g.micro_batch_tokens is None:
+        return g.micro_batch_size
+    return share if g.micro_batch_size is None else min(g.micro_batch_size, share)
+
+
+def gradient_accumulation_steps(config: RunConfig, data_parallel_size: int = 1) -> int:
+    """Passes a rank makes a step, at least: its ``GBS / N`` rows over
+    :func:`micro_batch_size` rows a pass, rounded up (a row cap of 3 over 32 rows: 11
+    passes, not 10; a cap above the share: 1, not 0)."""
+    share = config.global_batch_size // data_parallel_size
+    return -(-share // micro_batch_size(config, data_parallel_size))
 
 
 def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size: int = 1) -> dict[str, object]:
@@ -25,7 +37,8 @@ def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size:
     ``data_parallelism`` (the torchrun world size; the checker neither requires nor refuses it).
 
     ``gradient_accumulation_steps`` is per rank: ``GBS / (data_parallel_size x micro_batch_size)``
-    (:func:`micro_batch_size`; with a token budget the passes a step vary, see there).
+    rounded up (:func:`gradient_accumulation_steps`; with a token budget the passes a step
+    vary, see :func:`micro_batch_size`).
     Returns:
         key -> value, in the order they are logged. Tensor, pipeline, context and expert
         parallelism are 1 (the policy is sharded data-parallel only: FSDP).
@@ -55,7 +68,7 @@ def hyperparameters(config: RunConfig, config_filename: str, data_parallel_size:
         "generation_training_rollout_top_p": g.rollout_top_p,
         "generation_validation_rollout_temperature": config.validation.temperature,
         "generation_validation_rollout_top_p": config.validation.top_p,
-        C.GRADIENT_ACCUMULATION_STEPS: config.global_batch_size // (data_parallel_size * micro),
+        C.GRADIENT_ACCUMULATION_STEPS: gradient_accumulation_steps(config, data_parallel_size),
         "micro_batch_size": micro,
         "micro_batch_tokens": g.micro_batch_tokens,
         "lowest_numerical_precision_in_linear": PRECISION[config.model.dtype],
