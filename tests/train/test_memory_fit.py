@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from test_trainer import MODEL, _batch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mlperf_grpo.config.load import parse_config
@@ -20,8 +21,6 @@ from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.memory_fit import plan_step, step_shape
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
 from mlperf_grpo.train.trainer import checkpoint_layers
-
-from test_trainer import MODEL, _batch
 
 TINY = {"model_type": "qwen3", "vocab_size": 50, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2}
@@ -354,8 +353,8 @@ def test_local_world_size_is_torchruns_alone_and_a_bad_one_is_refused_in_one_lin
     # int(os.environ["LOCAL_WORLD_SIZE"]) ended a single-process train with exit 1 and
     # "invalid literal for int()", and "-1" made every step fit
     from mlperf_grpo.cli import main
-    from mlperf_grpo.train.memory_fit import check_host_batch
     from mlperf_grpo.plan.memory import MemoryPlanError
+    from mlperf_grpo.train.memory_fit import check_host_batch
     from mlperf_grpo.train.ranks import LayoutError
 
     config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})

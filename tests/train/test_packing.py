@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import yaml
+from test_trainer import MODEL, _batch
 
 from mlperf_grpo.cli import main
 from mlperf_grpo.model.load import load_model
@@ -13,8 +14,6 @@ from mlperf_grpo.train.grpo import PGLossOptions, token_logprobs
 from mlperf_grpo.train.logprobs import policy_token_logprobs
 from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step
 from mlperf_grpo.train.packing import MicroBatch, packed_inputs, split_to_count, token_budget_micro_batches
-
-from test_trainer import MODEL, _batch
 
 
 def test_token_budget_micro_batches_by_hand():
