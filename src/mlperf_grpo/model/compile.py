@@ -8,19 +8,33 @@ import torch
 from mlperf_grpo.model.files import check_model_path, hf_config, linear_attention_layers
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """A Hugging Face causal LM's decoder layers: the one ``ModuleList`` of its base model
-    (``model.layers`` for Llama and Qwen, ``gpt_neox.layers``, GPT-2's ``transformer.h``).
+def _layers_and_parent(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
+    """The one ``ModuleList`` of decoder layers and the module holding it: a child of the
+    base model (Llama's and Qwen's ``model.layers``, GPT-2's ``transformer.h``), else of
+    its one child that holds lists (OPT's ``model.decoder.layers``).
 
     Raises:
-        ValueError: the base model has no such list, or several.
+        ValueError: no such list, or several.
     """
     base = getattr(model, "base_model", None)
-    lists = [m for m in base.children() if isinstance(m, torch.nn.ModuleList)] if isinstance(base, torch.nn.Module) else []
+    parents = [base] if isinstance(base, torch.nn.Module) else []
+    lists = [(m, p) for p in parents for m in p.children() if isinstance(m, torch.nn.ModuleList)]
+    if not lists and parents:
+        lists = [(m, p) for p in base.children() if not isinstance(p, torch.nn.ModuleList)
+                 for m in p.children() if isinstance(m, torch.nn.ModuleList)]
     if len(lists) != 1:
         raise ValueError(f"{type(model).__name__}: {len(lists)} lists of decoder layers in its base model, not one; "
                          "FSDP sharding needs one")
     return lists[0]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """A Hugging Face causal LM's decoder layers (:func:`_layers_and_parent`).
+
+    Raises:
+        ValueError: the base model has no such list, or several.
+    """
+    return _layers_and_parent(model)[0]
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -28,17 +42,17 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     names and ``state_dict`` keys are unchanged), with dynamic shapes (micro-batches differ
     in rows and width). The layers share one code object, so one compilation serves them
     all; it happens at the first forward and backward pass. Regional compilation as
-    torchtitan's ``apply_compile`` (before any ``fully_shard``). The base model's other
-    modules but its embeddings and dropouts are compiled too (the final norm, the rotary
+    torchtitan's ``apply_compile`` (before any ``fully_shard``). The layers' sibling
+    modules but embeddings and dropouts are compiled too (the final norm, the rotary
     embedding: some 35 kernels a pass eager, a few compiled).
 
     Raises:
-        ValueError: the model has no ``model.layers`` list.
+        ValueError: the model has no list of decoder layers (:func:`decoder_layers`).
     """
-    layers = decoder_layers(model)
+    layers, parent = _layers_and_parent(model)
     for layer in layers:
         layer.compile(dynamic=True)
-    for child in model.base_model.children():
+    for child in parent.children():
         if child is not layers and not isinstance(child, (torch.nn.Embedding, torch.nn.Dropout)):
             child.compile(dynamic=True)
 
