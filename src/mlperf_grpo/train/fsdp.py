@@ -31,7 +31,7 @@ from mlperf_grpo.model.weight_names import ExpertParts, UnsupportedConversionErr
 def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
                  compile_layers: bool = False, reshard_every_micro_batch: bool = True) -> torch.nn.Module:
     """Wrap a Hugging Face causal LM with FSDP2, as torchtitan's ``parallelize`` does:
-    ``fully_shard`` on each decoder layer (``policy.model.layers``), then on the root.
+    ``fully_shard`` on each decoder layer (:func:`~mlperf_grpo.model.compile.decoder_layers`), then on the root.
 
     Parameters stay fp32 (the optimizer's master weights, sharded over the ranks along
     dim 0); ``compute_dtype`` (e.g. ``torch.bfloat16``) is what they are all-gathered to
@@ -51,7 +51,7 @@ def shard_policy(policy: torch.nn.Module, compute_dtype: torch.dtype | None, act
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     Raises:
-        ValueError: the model has no ``model.layers`` list of decoder layers.
+        ValueError: the model has no one list of decoder layers.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -127,7 +127,7 @@ def load_sharded_policy(
             file truncated or not safetensors, a tensor missing or of another shape), the
             files need a merge other than of experts, or a rank fails to read them (every
             rank raises it).
-        ValueError: the model has no ``model.layers`` to shard.
+        ValueError: the model has no one list of decoder layers to shard.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
