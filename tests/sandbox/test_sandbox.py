@@ -19,8 +19,7 @@ import pytest
 from sandbox_helpers import descendants, make_repo, new_descendants, processes_with, require_bwrap
 
 from mlperf_grpo.errors import ConfigError
-from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers
-from mlperf_grpo.sandbox import containers, seccomp
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers, containers, seccomp
 from mlperf_grpo.sandbox.limits import limited_shell
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -40,6 +39,22 @@ def test_each_sandbox_has_its_own_copy_and_close_leaves_nothing(tmp_path):
     assert sorted(root.iterdir()) == [] and new_descendants(before) == []
     assert one.run("echo late").kill_reason == "closed"
     one.close()  # idempotent
+
+
+def test_close_removes_a_tree_deeper_than_python_s_recursion_limit_without_following_links(tmp_path):
+    """2100 nested folders (deeper than ``sys.getrecursionlimit()``, longer than PATH_MAX)
+    made shutil.rmtree raise RecursionError out of close(), leaving the folder behind."""
+    require_bwrap()
+    host_file = tmp_path / "host.txt"
+    host_file.write_text("keep\n")
+    root = tmp_path / "sandboxes"
+    with Sandbox(make_repo(tmp_path / "repo"), SandboxLimits(), root) as box:
+        deep = ("import os\nfor i in range(2100):\n    os.mkdir('d'); os.chdir('d')\n"
+                f"os.symlink({str(host_file)!r}, 'link'); os.symlink('/testbed', 'up'); os.mkdir('shut', 0)\n"
+                "open('f', 'w').write('x')\nprint(len(os.getcwd()))")
+        result = box.run(f"python3 -c \"{deep}\"")
+        assert result.exit_code == 0 and int(result.output) > 4096, result.output
+    assert list(root.iterdir()) == [] and host_file.read_text() == "keep\n"
 
 
 def test_write_file_and_copy_in_do_not_follow_a_link_planted_by_the_model(tmp_path):
@@ -255,6 +270,7 @@ NON_ROOT_CHILD = textwrap.dedent("""
         print(box.run("python3 a.py && echo x > b && cat b").output.split())
         print(box.run("python3 spawn.py").output.strip())  # children started before fork failed
         print(box.run("unshare -U true").exit_code != 0, box.run(f"echo x > {root}/pwned").exit_code != 0)
+        box.run("mkdir -p locked/in && echo x > locked/in/f && chmod 000 locked/in locked")  # close() opens them up
     print(sorted(p.name for p in (root / "sandboxes").iterdir()))
 """)
 

@@ -49,28 +49,60 @@ def owner_alive(folder: Path) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove ``path`` without following links; folders the sandboxed code made unreadable
-    (``chmod 000``) are opened up first (a non-root owner cannot otherwise list them)."""
-
-    def opened_up(function, failed, excinfo) -> None:
-        parent = os.path.dirname(failed)
-        for target in (parent, failed):
-            try:
-                if not os.path.islink(target):
-                    os.chmod(target, stat.S_IRWXU)
-            except OSError:
-                pass
-        try:
-            function(failed)
-        except FileNotFoundError:
-            pass
-        except IsADirectoryError:
-            shutil.rmtree(failed, onerror=opened_up)
-
+    """Remove ``path`` without following links, at any depth (the sandboxed code may nest
+    folders deeper than Python's recursion limit and longer than ``PATH_MAX``), opening up
+    folders it made unreadable (``chmod 000``: a non-root owner cannot otherwise list them).
+    Nothing may still write under ``path``. Walks down one folder at a time by descriptor,
+    removes what is there, and climbs back through ``..``: at most two descriptors open."""
     if path.is_symlink() or path.is_file():
         path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, onerror=opened_up)
+        return
+    if not path.is_dir():
+        return
+    _open_up(str(path), None)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    fd, names = os.open(path, flags), []  # names: the folders walked down into, below ``path``
+    try:
+        while True:
+            child = _empty_but_one_folder(fd)
+            if child is not None:
+                _open_up(child, fd)
+                next_fd = os.open(child, flags, dir_fd=fd)
+                os.close(fd)
+                fd = next_fd
+                names.append(child)
+            elif names:
+                parent = os.open("..", flags, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+            else:
+                break
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _open_up(name: str, dir_fd: int | None) -> None:
+    """Give the owner full access to the folder ``name`` (``chmod 000`` by the sandboxed code)."""
+    try:
+        os.chmod(name, stat.S_IRWXU, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _empty_but_one_folder(fd: int) -> str | None:
+    """Unlink every non-folder entry of the folder ``fd`` (links included, not followed) until
+    a sub-folder comes; its name, or None when the folder is now empty."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    return None
 
 
 def kill_processes_naming(text: str) -> int:
