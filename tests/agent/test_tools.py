@@ -80,6 +80,19 @@ def test_the_editor_cannot_reach_host_files_through_links(sandbox, tmp_path):
     assert wrote.error and secret.read_text() == "SECRET = 1\n"
 
 
+def test_repository_modules_named_like_the_standard_library_do_not_break_the_editor(sandbox):
+    """The editor runs with /testbed as its working folder: without ``python3 -I`` a
+    repository's own ``json.py`` (or ``re.py``, ``enum.py``) was imported in its place."""
+    shadows = "json.py re.py enum.py functools.py types.py".split()
+    for name in shadows:
+        run(sandbox, EDIT, command="create", path=f"/testbed/{name}", file_text="raise SystemExit('shadowed')\n")
+    try:
+        seen = run(sandbox, EDIT, command="view", path="/testbed/calc.py")
+        assert not seen.error and "def add(a, b):" in seen.text, seen.text
+    finally:
+        run(sandbox, "execute_bash", command="rm -f " + " ".join(shadows))
+
+
 def test_files_that_are_not_utf8_text_are_shown_but_not_edited(sandbox):
     (sandbox.workdir / "latin1.py").write_bytes(b"name = 'caf\xe9'\n")
     seen = run(sandbox, EDIT, command="view", path="/testbed/latin1.py")

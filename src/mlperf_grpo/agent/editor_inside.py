@@ -1,6 +1,8 @@
-"""The file editor, run INSIDE the sandbox (``python3 -c <this file>``, request as JSON
+"""The file editor, run INSIDE the sandbox (``python3 -I -c <this file>``, request as JSON
 on stdin): paths resolve in the sandbox's own file system, so a link the model planted
-cannot reach a host file. Standard library only, Python 3.6+ syntax (task images carry
+cannot reach a host file; ``-I`` keeps the working folder (/testbed) off ``sys.path``, so
+the repository's own ``json.py`` or ``re.py`` is not imported in place of the standard
+library's. Standard library only, Python 3.6+ syntax (task images carry
 old interpreters). Prints the observation; exit 0 done, 3 the request was refused (the
 model's error), anything else the tool broke.
 

@@ -190,8 +190,8 @@ def _edit(call: ToolCall, sandbox: Sandbox, max_observation_chars: int) -> Obser
     """The editor runs inside the sandbox (``editor_inside.py``): links resolve there."""
     request = json.dumps(call.arguments).encode("utf-8")
     quoted = "'" + EDITOR_SCRIPT.replace("'", "'\"'\"'") + "'"
-    command = (f"if command -v python3 >/dev/null; then exec python3 -c {quoted}; "
-               f"else exec python -c {quoted}; fi")
+    command = (f"if command -v python3 >/dev/null; then exec python3 -I -c {quoted}; "
+               f"else exec python -I -c {quoted}; fi")
     result = sandbox.run(command, input_bytes=request)
     if result.exit_code == 0:
         return Observation(clip(result.output, max_observation_chars))
