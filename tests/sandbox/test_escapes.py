@@ -157,6 +157,15 @@ def test_no_new_user_namespaces_but_threads_and_subprocesses_work(sandbox):
     assert sandbox.run(f"python -c \"{threads}\"").output == "thread\nchild\n"
 
 
+def test_commands_hold_no_capability_not_even_in_their_bounding_set(sandbox):
+    """A root run's setpriv lacked CAP_SETPCAP, so its ``--bounding-set=-all`` was skipped
+    silently and every command kept the host's full bounding set."""
+    status = dict(line.split(":\t", 1) for line in sandbox.run("cat /proc/self/status").output.splitlines()
+                  if line.startswith(("Cap", "NoNewPrivs")))
+    assert status == {"CapInh": "0000000000000000", "CapPrm": "0000000000000000", "CapEff": "0000000000000000",
+                      "CapBnd": "0000000000000000", "CapAmb": "0000000000000000", "NoNewPrivs": "1"}, status
+
+
 def test_output_that_is_not_utf8_is_replaced(sandbox):
     result = sandbox.run("printf 'ok\\377\\376\\n'")
     assert result.exit_code == 0 and result.output == "ok\ufffd\ufffd\n"

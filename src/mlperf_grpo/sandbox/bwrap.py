@@ -17,7 +17,7 @@ Whose processes: ``RLIMIT_NPROC`` (the process limit) is not enforced for host u
 whatever the namespace. So when the run is root, ``bwrap`` runs privileged (no user
 namespace) and the command runs through ``setpriv`` as a host uid of its own
 (``run_as``: unique per sandbox, so the limit counts that sandbox's processes alone),
-with no capabilities and ``no_new_privs`` (set-uid programs do not elevate). When the
+with no capabilities (an empty bounding set too) and ``no_new_privs`` (set-uid programs do not elevate). When the
 run is not root, ``bwrap`` makes a user namespace (uid 1000 inside, no capabilities);
 the limit then counts per namespace, i.e. per sandbox.
 Source of the flags: bubblewrap(1), bubblewrap 0.8.
@@ -97,7 +97,8 @@ def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list
                     "--cap-drop", "ALL"]
         shell = limited_shell(limits)
     else:
-        identity = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        identity = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                    "--cap-add", "CAP_SETPCAP"]  # without it setpriv skips --bounding-set=-all silently
         shell = ["setpriv", f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs",
                  "--inh-caps=-all", "--bounding-set=-all", "--", *limited_shell(limits)]
     args = [
