@@ -9,8 +9,7 @@ import pytest
 
 from mlperf_grpo.agent.chat import ChatTokens
 from mlperf_grpo.agent.loop import AgentSettings, run_trajectories
-from mlperf_grpo.agent.scripted import (LOGPROB, ScriptedEngine, call_text, do_nothing_script, known_fix_script,
-                                        sleeper_script)
+from mlperf_grpo.agent.scripted import LOGPROB, ScriptedEngine, call_text, do_nothing_script, known_fix_script, sleeper_script
 from mlperf_grpo.agent.swe_session import SweSession, SweSessionSettings
 from mlperf_grpo.agent.tools import TOOL_SCHEMAS
 from mlperf_grpo.inference.base import SamplingParams
@@ -105,6 +104,20 @@ def test_a_turn_without_a_call_gets_the_continue_message_and_a_malformed_call_an
     assert "<|im_start|>user\nPlease continue working on the task" in text
     assert traj.turns[1].calls == [{"name": "execute_bash", "arguments": {}}]
     assert "missing required argument 'command'" in traj.turns[1].observations[0]
+    assert traj.end_reason == "finish"
+
+
+def test_malformed_calls_that_echo_a_huge_argument_are_clipped_like_any_observation(setup, tmp_path):
+    """The parser's error for an unknown tool or a mistyped argument repeats what the model
+    wrote; it came back unclipped (5,000 characters past max_observation_chars)."""
+    turns = ["<tool_call>\n<function=" + "x" * 5000 + ">\n</function>\n</tool_call>",
+             call_text("str_replace_editor", command="view", path="/testbed", view_range="[" * 5000),
+             call_text("finish")]
+    settings = AgentSettings(max_context_tokens=30000, tool_threads=2, max_observation_chars=300)
+    (traj,), _ = run(setup, tmp_path, lambda task_id, turn, text: turns[turn], settings, tasks=setup[2][:1])
+    observations = [turn.observations[0] for turn in traj.turns[:2]]
+    assert [len(text) for text in observations] == [300, 300], observations
+    assert observations[0].startswith("unknown tool 'xxx") and "response clipped" in observations[1]
     assert traj.end_reason == "finish"
 
 

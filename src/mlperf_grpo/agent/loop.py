@@ -37,7 +37,7 @@ from typing import Protocol
 
 from mlperf_grpo.agent.chat import ChatTokens
 from mlperf_grpo.agent.parser import CallError, parse_tool_calls
-from mlperf_grpo.agent.tools import Observation, ToolCall
+from mlperf_grpo.agent.tools import Observation, ToolCall, clip
 from mlperf_grpo.agent.trajectory import Trajectory, Turn
 from mlperf_grpo.inference.base import Completion, SamplingParams, derive_seed
 
@@ -265,7 +265,7 @@ def _run_calls(session: Session, calls: list, max_chars: int) -> tuple[list[Obse
     observations = []
     for call in calls:
         if isinstance(call, CallError):
-            observations.append(Observation(call.message, finished=False, error=True))
+            observations.append(Observation(clip(call.message, max_chars), finished=False, error=True))  # it echoes the call
             continue
         observation = session.call(call, max_chars)  # at most max_chars (tools.clip)
         observations.append(observation)
