@@ -57,6 +57,26 @@ def test_close_removes_a_tree_deeper_than_python_s_recursion_limit_without_follo
     assert list(root.iterdir()) == [] and host_file.read_text() == "keep\n"
 
 
+def test_remove_tree_stops_when_a_folder_is_moved_out_from_under_it(tmp_path, monkeypatch):
+    """Climbing back through ``..`` from a folder moved elsewhere would empty that elsewhere."""
+    from mlperf_grpo.sandbox import leftovers
+
+    (tmp_path / "tree" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep").write_text("keep\n")
+    empty = leftovers._empty_but_one_folder
+
+    def moving(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/a/b"):
+            (tmp_path / "tree" / "a" / "b").rename(tmp_path / "elsewhere" / "b")
+        return empty(fd)
+
+    monkeypatch.setattr(leftovers, "_empty_but_one_folder", moving)
+    with pytest.raises(OSError, match="was moved while it was being removed"):
+        leftovers.remove_tree(tmp_path / "tree")
+    assert (tmp_path / "elsewhere" / "keep").read_text() == "keep\n"
+
+
 def test_write_file_and_copy_in_do_not_follow_a_link_planted_by_the_model(tmp_path):
     require_bwrap()
     host_dir = tmp_path / "host"
@@ -270,7 +290,7 @@ NON_ROOT_CHILD = textwrap.dedent("""
         print(box.run("python3 a.py && echo x > b && cat b").output.split())
         print(box.run("python3 spawn.py").output.strip())  # children started before fork failed
         print(box.run("unshare -U true").exit_code != 0, box.run(f"echo x > {root}/pwned").exit_code != 0)
-        box.run("mkdir -p locked/in && echo x > locked/in/f && chmod 000 locked/in locked")  # close() opens them up
+        box.run("mkdir -p locked/in && echo x > locked/in/f && chmod 500 locked/in && chmod 000 locked")  # close() opens them up
     print(sorted(p.name for p in (root / "sandboxes").iterdir()))
 """)
 

@@ -9,6 +9,7 @@ started, if any. A run killed by SIGKILL leaves its folders; the next run's
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -52,30 +53,39 @@ def remove_tree(path: Path) -> None:
     """Remove ``path`` without following links, at any depth (the sandboxed code may nest
     folders deeper than Python's recursion limit and longer than ``PATH_MAX``), opening up
     folders it made unreadable (``chmod 000``: a non-root owner cannot otherwise list them).
-    Nothing may still write under ``path``. Walks down one folder at a time by descriptor,
-    removes what is there, and climbs back through ``..``: at most two descriptors open."""
+    Walks down one folder at a time by descriptor, removes what is there, and climbs back
+    through ``..``: at most two descriptors open. A ``..`` that is not the folder it came
+    from (a folder moved away while it was being removed) stops it: it never removes
+    anything outside ``path``.
+
+    Raises:
+        OSError: what could not be removed, or a folder moved during the removal.
+    """
     if path.is_symlink() or path.is_file():
         path.unlink()
         return
     if not path.is_dir():
         return
-    _open_up(str(path), None)
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    fd, names = os.open(path, flags), []  # names: the folders walked down into, below ``path``
+    fd = _open_folder(str(path), None)
+    walked: list[tuple[str, int, int]] = []  # each folder walked down into, with its parent's (device, inode)
     try:
         while True:
             child = _empty_but_one_folder(fd)
             if child is not None:
-                _open_up(child, fd)
-                next_fd = os.open(child, flags, dir_fd=fd)
+                next_fd = _open_folder(child, fd)
+                here = os.fstat(fd)
+                walked.append((child, here.st_dev, here.st_ino))
                 os.close(fd)
                 fd = next_fd
-                names.append(child)
-            elif names:
-                parent = os.open("..", flags, dir_fd=fd)
+            elif walked:
+                name, device, inode = walked.pop()
+                parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 os.close(fd)
                 fd = parent
-                os.rmdir(names.pop(), dir_fd=fd)
+                seen = os.fstat(fd)
+                if (seen.st_dev, seen.st_ino) != (device, inode):
+                    raise OSError(errno.ESTALE, f"a folder under {path} was moved while it was being removed")
+                os.rmdir(name, dir_fd=fd)
             else:
                 break
     finally:
@@ -83,12 +93,25 @@ def remove_tree(path: Path) -> None:
     os.rmdir(path)
 
 
-def _open_up(name: str, dir_fd: int | None) -> None:
-    """Give the owner full access to the folder ``name`` (``chmod 000`` by the sandboxed code)."""
+def _open_folder(name: str, dir_fd: int | None) -> int:
+    """A descriptor of the folder ``name`` (never a link), its owner given full access
+    first where the sandboxed code took it away (``chmod 000``, ``chmod 500``)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        os.chmod(name, stat.S_IRWXU, dir_fd=dir_fd)
-    except OSError:
-        pass
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:  # not listable: open it up through a handle that cannot be a link
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", stat.S_IRWXU)
+        finally:
+            os.close(handle)
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    if os.fstat(fd).st_mode & stat.S_IRWXU != stat.S_IRWXU:
+        try:
+            os.fchmod(fd, stat.S_IRWXU)
+        except OSError:
+            pass
+    return fd
 
 
 def _empty_but_one_folder(fd: int) -> str | None:
