@@ -160,6 +160,27 @@ def test_cleanup_leftovers_keeps_live_sandboxes(tmp_path):
     assert cleanup_leftovers(tmp_path / "missing") == 0
 
 
+def test_a_sandbox_root_other_users_can_write_or_own_is_refused_and_not_cleaned(tmp_path):
+    """Whoever may rename entries in the root could swap a sandbox's folder for a link while
+    it is made, bound into the sandbox or removed; another user's root is not writable."""
+    require_bwrap()
+    repo, shared = make_repo(tmp_path / "repo"), tmp_path / "shared"
+    planted = shared / "sbx-1-planted"
+    planted.mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"cannot make sandboxes in .*shared: other users may write there \(mode 777"):
+        Sandbox(repo, SandboxLimits(), shared)
+    assert cleanup_leftovers(shared) == 0 and planted.is_dir()
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot rename this user's entries
+    with Sandbox(repo, SandboxLimits(), shared) as box:
+        assert box.run("true").exit_code == 0
+    if os.geteuid() == 0:
+        shared.chmod(0o755)
+        os.chown(shared, 65534, 65534)
+        with pytest.raises(ConfigError, match="belongs to uid 65534, not to this user"):
+            Sandbox(repo, SandboxLimits(), shared)
+
+
 def test_bad_limits_and_a_missing_repository_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="must be positive: processes=0"):
         SandboxLimits(processes=0)

@@ -5,6 +5,7 @@ together (``agent/loop.py``). The tasks are the suite's
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from functools import partial
@@ -17,7 +18,7 @@ from mlperf_grpo.agent.tools import TOOL_SCHEMAS
 from mlperf_grpo.agent.trajectory import Trajectory
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.inference.base import SamplingParams
-from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, SandboxLimits, backend_name, cleanup_leftovers, root_problem
 from mlperf_grpo.tasks.lengths import PromptTooLongError
 from mlperf_grpo.tasks.swe import SweTask
 from mlperf_grpo.tasks.swe.prompt import agent_messages, load_templates
@@ -35,8 +36,11 @@ class AgentRun:
 
 
 def sandbox_root(agent) -> Path:
-    """``agent.sandbox_root``, or ``$TMPDIR/mlperf-grpo-sandboxes``."""
-    return Path(agent.sandbox_root) if agent.sandbox_root else Path(tempfile.gettempdir()) / "mlperf-grpo-sandboxes"
+    """``agent.sandbox_root``, or ``$TMPDIR/mlperf-grpo-sandboxes-<uid>`` (one per user:
+    another user's is not writable, and must not be used)."""
+    if agent.sandbox_root:
+        return Path(agent.sandbox_root)
+    return Path(tempfile.gettempdir()) / f"mlperf-grpo-sandboxes-{os.geteuid()}"
 
 
 class AgentRunner:
@@ -53,10 +57,14 @@ class AgentRunner:
     def __init__(self, agent) -> None:
         root = sandbox_root(agent)
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"agent.sandbox_root {str(root)!r} cannot be made a folder ({error.strerror}); "
                               "give a writable folder") from None
+        problem = root_problem(root)
+        if problem:
+            raise ConfigError(f"agent.sandbox_root {str(root)!r} cannot hold sandboxes: {problem}; "
+                              "give a folder of your own")
         backend_name()  # refuses a machine without a sandbox runtime, before anything runs
         self.settings = AgentSettings(
             max_turns=agent.max_turns, max_context_tokens=agent.max_context_tokens,

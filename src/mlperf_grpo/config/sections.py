@@ -173,7 +173,7 @@ class AgentConfig(Strict):
     tool_threads: int = Field(8, gt=0)
     """Tool calls, sandbox start-ups and gradings run at once (a thread pool beside decoding)."""
     sandbox_root: str | None = Field(None, min_length=1)
-    """Folder the sandboxes are made in; null: ``$TMPDIR/mlperf-grpo-sandboxes``. Leftovers of
+    """Folder the sandboxes are made in; null: ``$TMPDIR/mlperf-grpo-sandboxes-<uid>``. Leftovers of
     killed runs there are removed at start-up."""
 
 

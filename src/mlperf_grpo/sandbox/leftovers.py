@@ -144,13 +144,28 @@ def kill_processes_naming(text: str) -> int:
     return killed
 
 
+def root_problem(root: Path) -> str:
+    """"" when the existing folder ``root`` is safe to make sandboxes in, else why not: it
+    must belong to this user (or root) and not be writable by other users unless sticky (as
+    ``/tmp``), since whoever can rename entries there could swap a sandbox's folder for a
+    link while it is made, bound or removed; and this user must be able to write there."""
+    info = os.stat(root)
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        return f"other users may write there (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return "this user cannot write there"
+    return ""
+
+
 def cleanup_leftovers(root: Path) -> int:
     """Remove the sandboxes under ``root`` whose owning process is dead: kill what still
     runs there (a ``bwrap`` whose parent died before it could arm ``--die-with-parent``),
     remove their containers and folders; returns how many sandboxes were removed. A
-    missing ``root`` has none."""
-    if not Path(root).is_dir():
-        return 0
+    missing ``root``, or one :func:`root_problem` refuses, has none."""
+    if not Path(root).is_dir() or root_problem(Path(root)):
+        return 0  # a folder not safe to work in is not cleaned either (Sandbox refuses it)
     removed = 0
     for folder in sorted(Path(root).glob(f"{PREFIX}*")):
         if not folder.is_dir() or folder.is_symlink() or owner_alive(folder):

@@ -159,7 +159,11 @@ class Sandbox:
         self.owner_pid = os.getpid()
         root = Path(root).resolve()
         self._ro_paths = _checked_ro_paths(python_roots() if ro_paths is None else ro_paths, root)
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = leftovers.root_problem(root)
+        if problem:
+            raise ConfigError(f"sandbox: cannot make sandboxes in {root}: {problem}; give a folder of your own "
+                              "(agent.sandbox_root)")
         self.folder = Path(tempfile.mkdtemp(prefix=f"{leftovers.PREFIX}{os.getpid()}-", dir=root))
         leftovers.write_marker(self.folder)
         _LIVE.add(self)
