@@ -24,7 +24,7 @@ class SandboxLimits:
         counted per sandbox: each has its own user namespace).
     cpu_s: CPU seconds of each process (``RLIMIT_CPU``; SIGKILL at the limit).
     file_bytes: size of any one file written (``RLIMIT_FSIZE``; the write fails).
-    tmp_bytes: size of the sandbox's private ``/tmp`` (a tmpfs).
+    tmp_bytes: size of the command's private ``/tmp``, and of its ``/dev/shm`` (each a tmpfs: memory).
     output_bytes: stdout+stderr kept of one command: its first and last halves, with a
         line saying how many bytes between them were left out.
     output_drain_bytes: output read in all from one command before it is killed
