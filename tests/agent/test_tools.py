@@ -123,6 +123,7 @@ def test_bad_calls_are_error_observations(sandbox):
         (ToolCall("execute_bash", {"command": "ls", "timeout": 5}), "unknown argument 'timeout'"),
         (ToolCall("execute_bash", {"command": "  "}), "empty command"),
         (ToolCall("execute_bash", {"command": "echo a\x00b"}), "holds a NUL character"),
+        (ToolCall("execute_bash", {"command": "true " + "#" * 140_000}), "140005 bytes, over the 131071"),  # E2BIG
         (ToolCall(EDIT, {"command": "create", "path": "/testbed/s.py", "file_text": "x = '\ud800'"}),
          "not valid Unicode"),
     ]

@@ -166,6 +166,13 @@ def test_commands_hold_no_capability_not_even_in_their_bounding_set(sandbox):
                       "CapBnd": "0000000000000000", "CapAmb": "0000000000000000", "NoNewPrivs": "1"}, status
 
 
+def test_a_command_longer_than_a_command_line_is_refused_before_it_starts(sandbox):
+    """execve refuses an argument over 128 KiB (E2BIG): the OSError escaped run()."""
+    with pytest.raises(ValueError, match="a command of 140005 bytes is over the 131071"):
+        sandbox.run("true " + "#" * 140_000)
+    still_works(sandbox)
+
+
 def test_output_that_is_not_utf8_is_replaced(sandbox):
     result = sandbox.run("printf 'ok\\377\\376\\n'")
     assert result.exit_code == 0 and result.output == "ok\ufffd\ufffd\n"

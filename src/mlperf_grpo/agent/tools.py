@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlperf_grpo.sandbox import CommandResult, Sandbox
+from mlperf_grpo.sandbox import MAX_COMMAND_BYTES, CommandResult, Sandbox
 
 EXECUTE_BASH, STR_REPLACE_EDITOR, FINISH = "execute_bash", "str_replace_editor", "finish"
 EDITOR_COMMANDS = ("view", "create", "str_replace", "insert")
@@ -165,6 +165,11 @@ def execute(call: ToolCall, sandbox: Sandbox, max_observation_chars: int) -> Obs
         command = str(call.arguments["command"])
         if not command.strip():
             return Observation("ERROR: empty command.", error=True)
+        size = len(command.encode("utf-8"))
+        if size > MAX_COMMAND_BYTES:
+            return Observation(f"ERROR: the command is {size} bytes, over the {MAX_COMMAND_BYTES} a command line "
+                               "holds; write a long script to a file with str_replace_editor create, then run it.",
+                               error=True)
         return Observation(clip(format_command_result(sandbox.run(command), sandbox), max_observation_chars))
     return _edit(call, sandbox, max_observation_chars)
 

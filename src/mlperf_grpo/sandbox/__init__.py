@@ -2,8 +2,8 @@
 the task's repository, no network, resource limits, and nothing left behind. Torch-free."""
 
 from mlperf_grpo.sandbox.leftovers import cleanup_leftovers, root_problem
-from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
+from mlperf_grpo.sandbox.limits import MAX_COMMAND_BYTES, CommandResult, SandboxLimits
 from mlperf_grpo.sandbox.sandbox import INSIDE_WORKDIR, Sandbox, backend_name, close_all
 
-__all__ = ["CommandResult", "INSIDE_WORKDIR", "Sandbox", "SandboxLimits", "backend_name", "cleanup_leftovers",
-           "close_all", "root_problem"]
+__all__ = ["CommandResult", "INSIDE_WORKDIR", "MAX_COMMAND_BYTES", "Sandbox", "SandboxLimits", "backend_name",
+           "cleanup_leftovers", "close_all", "root_problem"]

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 GIB = 1 << 30
 MIB = 1 << 20
+MAX_COMMAND_BYTES = 32 * 4096 - 1
+"""The longest command (UTF-8 bytes) one ``bash -c`` argument carries: Linux's
+``MAX_ARG_STRLEN`` (32 pages, the terminating NUL included); execve refuses a longer one
+(E2BIG)."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import bwrap, containers, leftovers, seccomp
-from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
+from mlperf_grpo.sandbox.limits import MAX_COMMAND_BYTES, CommandResult, SandboxLimits
 from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
 
 INSIDE_WORKDIR = "/testbed"
@@ -238,7 +238,16 @@ class Sandbox:
     def run(self, command: str, timeout_s: float | None = None, input_bytes: bytes = b"") -> CommandResult:
         """Run ``command`` with ``bash -c`` in :attr:`inside_workdir` (``input_bytes`` on its
         stdin). timeout_s: None for ``limits.command_timeout_s``. After :meth:`close`, or
-        when closed meanwhile: exit_code None, kill_reason "closed"."""
+        when closed meanwhile: exit_code None, kill_reason "closed".
+
+        Raises:
+            ValueError: ``command`` is longer than :data:`MAX_COMMAND_BYTES` (no command line
+                carries it; pass long input as ``input_bytes``).
+        """
+        size = len(command.encode("utf-8", "surrogateescape"))
+        if size > MAX_COMMAND_BYTES:
+            raise ValueError(f"sandbox: a command of {size} bytes is over the {MAX_COMMAND_BYTES} a command line "
+                             "carries; pass long input on stdin (input_bytes)")
         timeout = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
         info_read, info_write = os.pipe() if self.backend == "bwrap" else (-1, -1)
         filter_fd = seccomp.filter_fd() if self.backend == "bwrap" else -1
