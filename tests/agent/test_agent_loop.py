@@ -65,6 +65,15 @@ def test_a_trajectory_past_its_timeout_is_an_invalid_sample_not_graded(setup, tm
     assert all(2 <= len(t.turns) <= 3 for t in trajectories)
 
 
+def test_a_turn_of_many_slow_calls_stops_at_the_trajectory_s_timeout(setup, tmp_path):
+    """The timeout was checked only between turns: one turn of 40 ``sleep 0.25`` calls ran them all."""
+    many = "\n".join([call_text("execute_bash", command="sleep 0.25")] * 40)
+    settings = AgentSettings(max_context_tokens=8192, trajectory_timeout_s=1.0, tool_threads=2)
+    (traj,), stats = run(setup, tmp_path, lambda task_id, turn, text: many, settings, tasks=setup[2][:1])
+    assert (traj.end_reason, traj.invalid, len(traj.turns)) == ("timeout", True, 1)
+    assert 1 <= len(traj.turns[0].observations) < 10 and stats.wall_s < 6.0, (traj.turns[0].observations, stats.wall_s)
+
+
 def test_the_token_ids_are_the_sampled_turns_and_the_templates_environment_text(setup, tmp_path):
     tok, chat, suite = setup
     (traj,), _ = run(setup, tmp_path, known_fix_script, tasks=suite[:1])

@@ -257,13 +257,18 @@ def _take_turn(run: _Running, out: Completion, budget: int, chat: ChatTokens, se
     parsed = parse_tool_calls(text, chat.tools)
     turn.calls = [{"error": c.message} if isinstance(c, CallError) else {"name": c.name, "arguments": c.arguments}
                   for c in parsed.calls]
-    pending[pool.submit(_run_calls, run.session, parsed.calls, settings.max_observation_chars)] = (run, "tools")
+    deadline = run.started + settings.trajectory_timeout_s
+    pending[pool.submit(_run_calls, run.session, parsed.calls, settings.max_observation_chars, deadline)] = (run, "tools")
 
 
-def _run_calls(session: Session, calls: list, max_chars: int) -> tuple[list[Observation], bool]:
-    """Every call of a turn in order; a ``finish`` (an observation with ``finished``) ends the turn's calls."""
+def _run_calls(session: Session, calls: list, max_chars: int, deadline: float) -> tuple[list[Observation], bool]:
+    """Every call of a turn in order; a ``finish`` (an observation with ``finished``) ends the turn's calls,
+    and so does the trajectory's ``deadline`` (``time.perf_counter()``): a turn of a thousand calls
+    would otherwise run them all before its timeout is seen."""
     observations = []
     for call in calls:
+        if time.perf_counter() > deadline:
+            break
         if isinstance(call, CallError):
             observations.append(Observation(clip(call.message, max_chars), finished=False, error=True))  # it echoes the call
             continue
