@@ -21,6 +21,7 @@ from pathlib import Path
 
 MARKER = "owner.json"
 PREFIX = "sbx-"
+FOLDER_BATCH = 1024  # remove_tree: sub-folder names read per scan of a folder (memory: names x depth at most)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -67,18 +68,19 @@ def remove_tree(path: Path) -> None:
     if not path.is_dir():
         return
     fd = _open_folder(str(path), None)
-    walked: list[tuple[str, int, int]] = []  # each folder walked down into, with its parent's (device, inode)
+    walked: list[tuple[str, int, int, list[str]]] = []  # folders walked into: name, parent's (device, inode), siblings left
     try:
+        pending = _empty_but_folders(fd)
         while True:
-            child = _empty_but_one_folder(fd)
-            if child is not None:
+            if pending:
+                child = pending.pop()
                 next_fd = _open_folder(child, fd)
                 here = os.fstat(fd)
-                walked.append((child, here.st_dev, here.st_ino))
+                walked.append((child, here.st_dev, here.st_ino, pending))
                 os.close(fd)
-                fd = next_fd
+                fd, pending = next_fd, _empty_but_folders(next_fd)
             elif walked:
-                name, device, inode = walked.pop()
+                name, device, inode, pending = walked.pop()
                 parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 os.close(fd)
                 fd = parent
@@ -86,6 +88,7 @@ def remove_tree(path: Path) -> None:
                 if (seen.st_dev, seen.st_ino) != (device, inode):
                     raise OSError(errno.ESTALE, f"a folder under {path} was moved while it was being removed")
                 os.rmdir(name, dir_fd=fd)
+                pending = pending or _empty_but_folders(fd)  # a folder wider than one batch
             else:
                 break
     finally:
@@ -114,18 +117,24 @@ def _open_folder(name: str, dir_fd: int | None) -> int:
     return fd
 
 
-def _empty_but_one_folder(fd: int) -> str | None:
-    """Unlink every non-folder entry of the folder ``fd`` (links included, not followed) until
-    a sub-folder comes; its name, or None when the folder is now empty."""
+def _empty_but_folders(fd: int) -> list[str]:
+    """Unlink every non-folder entry of the folder ``fd`` (links included, not followed); the
+    names of up to :data:`FOLDER_BATCH` of its sub-folders, empty when the folder is now empty.
+    A batch, not one: rescanning a folder from its start after each sub-folder made closing
+    50,000 sibling folders take 22 s (ext4 reads past the removed entries each time)."""
+    names: list[str] = []
     with os.scandir(fd) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                return entry.name
+                names.append(entry.name)
+                if len(names) == FOLDER_BATCH:
+                    break
+                continue
             try:
                 os.unlink(entry.name, dir_fd=fd)
             except FileNotFoundError:
                 pass
-    return None
+    return names
 
 
 def kill_processes_naming(text: str) -> int:
