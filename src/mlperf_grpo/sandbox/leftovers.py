@@ -78,7 +78,8 @@ def remove_tree(path: Path) -> None:
                 here = os.fstat(fd)
                 walked.append((child, here.st_dev, here.st_ino, pending))
                 os.close(fd)
-                fd, pending = next_fd, _empty_but_folders(next_fd)
+                fd = next_fd  # before the scan: a scan that raises must not leave the closed one to close again
+                pending = _empty_but_folders(fd)
             elif walked:
                 name, device, inode, pending = walked.pop()
                 parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
@@ -94,6 +95,18 @@ def remove_tree(path: Path) -> None:
     finally:
         os.close(fd)
     os.rmdir(path)
+
+
+def remove_sandbox(folder: Path) -> None:
+    """Remove the sandbox folder ``folder`` with :func:`remove_tree`, its marker last: a removal
+    cut short (SIGKILL, SIGTERM) leaves a folder naming its dead owner, which the next
+    :func:`cleanup_leftovers` removes at once (one without a marker waits a minute: taken
+    for a sandbox being set up). Raises OSError as :func:`remove_tree`."""
+    if folder.is_dir() and not folder.is_symlink():
+        for name in sorted(os.listdir(folder)):  # made by Sandbox: testbed, etc, the marker
+            if name != MARKER:
+                remove_tree(folder / name)
+    remove_tree(folder)
 
 
 def _open_folder(name: str, dir_fd: int | None) -> int:
@@ -187,6 +200,6 @@ def cleanup_leftovers(root: Path) -> int:
             subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=60, check=False)
         kill_processes_naming(f"{folder}/")
-        remove_tree(folder)
+        remove_sandbox(folder)
         removed += 1
     return removed
