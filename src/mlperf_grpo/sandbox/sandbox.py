@@ -318,7 +318,7 @@ class Sandbox:
         if self._container is not None:
             run_command(containers.oci_remove_argv(shutil.which(self.backend), self._container), self.limits,
                         timeout_s=120, env=dict(os.environ))
-        leftovers.remove_tree(self.folder)
+        leftovers.remove_sandbox(self.folder)
         _LIVE.discard(self)
 
     @property
