@@ -3,7 +3,10 @@ and when ``model.compile: auto`` leaves a model eager."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.fx.experimental._config as shape_config
 
 from mlperf_grpo.model.files import check_model_path, hf_config, linear_attention_layers
 
@@ -37,10 +40,26 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return _layers_and_parent(model)[0]
 
 
+def no_duck_sizing() -> None:
+    """Turn off Dynamo's duck sizing in this process (``use_duck_shape``): with it, sizes
+    equal at a function's first compile share one symbol, so a first pass of 64 rows 64
+    columns wide compiles for square passes only and the next pass of other rows recompiles
+    every decoder layer, the loss and the rotary embedding (``TORCH_LOGS=recompiles`` of
+    ``benchmarks/grpo_step.py --model-shape qwen3-tiny --compile on`` on the CPU: 6
+    recompiles and 46 s with it, 3 and 27 s without)."""
+    shape_config.use_duck_shape = False
+
+
+def compile_dynamic(fn: Callable) -> Callable:
+    """``torch.compile(fn, dynamic=True)`` without duck sizing (:func:`no_duck_sizing`)."""
+    no_duck_sizing()
+    return torch.compile(fn, dynamic=True)
+
+
 def compile_decoder_layers(model: torch.nn.Module) -> None:
     """``torch.compile`` each decoder layer in place (``nn.Module.compile``: parameter
     names and ``state_dict`` keys are unchanged), with dynamic shapes (micro-batches differ
-    in rows and width). The layers share one code object, so one compilation serves them
+    in rows and width) and no duck sizing (:func:`no_duck_sizing`). The layers share one code object, so one compilation serves them
     all; it happens at the first forward and backward pass. Regional compilation as
     torchtitan's ``apply_compile`` (before any ``fully_shard``). The layers' sibling
     modules but embeddings and dropouts are compiled too (the final norm, the rotary
@@ -50,6 +69,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         ValueError: the model has no list of decoder layers (:func:`decoder_layers`).
     """
     layers, parent = _layers_and_parent(model)
+    no_duck_sizing()
     for layer in layers:
         layer.compile(dynamic=True)
     for child in parent.children():

@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from mlperf_grpo.model.attention import planless_attention
+from mlperf_grpo.model.compile import compile_dynamic
 
 LOGITS_CHUNK_BYTES = 1 << 30
 """Float32 logits of one chunk: ``chunk_tokens = LOGITS_CHUNK_BYTES // (4 V)`` (1 GiB:
@@ -65,7 +66,7 @@ def _stats_function(compiled: bool):
     if not compiled:
         return _token_stats
     if not _COMPILED:
-        _COMPILED.append(torch.compile(_token_stats, dynamic=True))
+        _COMPILED.append(compile_dynamic(_token_stats))
     return _COMPILED[0]
 
 

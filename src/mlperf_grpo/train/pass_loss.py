@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlperf_grpo.model.compile import compile_dynamic
 from mlperf_grpo.train.grpo import PGLossOptions, clipped_pg_loss_sum, seq_logprob_error_keep
 
 STATS = ("loss", "importance_weight_sum", "masked_by_is", "masked_by_error", "tokens", "sequences", "entropy_sum")
@@ -74,5 +75,5 @@ def loss_function(compiled: bool) -> Callable:
     if not compiled:
         return pass_loss
     if not _COMPILED:
-        _COMPILED.append(torch.compile(pass_loss, dynamic=True))
+        _COMPILED.append(compile_dynamic(pass_loss))
     return _COMPILED[0]
