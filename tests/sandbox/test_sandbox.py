@@ -222,6 +222,18 @@ def test_a_sandbox_root_other_users_can_write_or_own_is_refused_and_not_cleaned(
             Sandbox(repo, SandboxLimits(), shared)
 
 
+def test_a_sandbox_root_that_is_a_file_is_a_one_line_error(tmp_path):
+    """A file as the root (or above it) raised FileExistsError out of Sandbox()."""
+    require_bwrap()
+    repo, a_file = make_repo(tmp_path / "repo"), tmp_path / "a_file"
+    a_file.write_text("x\n")
+    for root, why in ((a_file, "File exists"), (a_file / "sandboxes", "Not a directory")):
+        with pytest.raises(ConfigError, match=rf"cannot make sandboxes in .*{root.name}: it cannot be made a folder "
+                                              rf"\({why}\); give a folder of your own"):
+            Sandbox(repo, SandboxLimits(), root)
+    assert a_file.read_text() == "x\n"
+
+
 def test_bad_limits_and_a_missing_repository_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="must be positive: processes=0"):
         SandboxLimits(processes=0)

@@ -143,6 +143,9 @@ class Sandbox:
     limits: per-command limits. root: folder under which the sandbox's folder is made.
     image: SIF path or OCI image name; None runs under bubblewrap.
     ro_paths: host folders visible read-only under bubblewrap (default: :func:`python_roots`).
+
+    Raises ConfigError (one line) for a ``root`` that cannot be a folder (a file) or is not
+    safe (:func:`~mlperf_grpo.sandbox.leftovers.root_problem`), a missing ``repo``, no runtime.
     """
 
     def __init__(self, repo: Path | None, limits: SandboxLimits, root: Path, image: str | None = None,
@@ -159,8 +162,11 @@ class Sandbox:
         self.owner_pid = os.getpid()
         root = Path(root).resolve()
         self._ro_paths = _checked_ro_paths(python_roots() if ro_paths is None else ro_paths, root)
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        problem = leftovers.root_problem(root)
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            problem = leftovers.root_problem(root)
+        except OSError as error:  # a file there or above it, a folder this user cannot write
+            problem = f"it cannot be made a folder ({error.strerror})"
         if problem:
             raise ConfigError(f"sandbox: cannot make sandboxes in {root}: {problem}; give a folder of your own "
                               "(agent.sandbox_root)")
