@@ -75,6 +75,40 @@ def test_a_sandbox_root_that_cannot_be_a_folder_is_a_one_line_error(tmp_path):
         AgentRunner(AgentConfig(sandbox_root=str(tmp_path / "a_file")))
 
 
+def test_a_leftover_sandbox_that_cannot_be_removed_is_skipped_with_one_warning_line(tmp_path, capsys, monkeypatch):
+    """A killed run's leftover sandbox whose removal failed (OSError) raised out of
+    AgentRunner and ended the run: it is left, named in one warning line, and the next
+    leftover is still removed. The removal primitive (``os.rmdir``) fails for one folder."""
+    import errno
+    import json
+    import os
+
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.sandbox import leftovers
+
+    require_bwrap()
+    root = tmp_path / "sandboxes"
+    for name, held in (("sbx-1-stuck", "held"), ("sbx-2-dead", "free")):
+        (root / name / "testbed" / held).mkdir(parents=True)
+        # this process's pid with another start time: the run that made it is dead
+        (root / name / leftovers.MARKER).write_text(json.dumps({"pid": os.getpid(), "start_time": -1}))
+    rmdir = os.rmdir
+
+    def refusing_rmdir(path, *, dir_fd=None):
+        if path == "held":
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), path)
+        rmdir(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "rmdir", refusing_rmdir)
+    AgentRunner(AgentConfig(sandbox_root=str(root)))
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: leftover sandbox {root / 'sbx-1-stuck'} of a killed run not removed (Operation not permitted); "
+        "remove it by hand"]
+    assert [p.name for p in root.iterdir()] == ["sbx-1-stuck"]
+
+
 def test_a_model_without_a_chat_tokenizer_is_refused_before_the_run_directory(tmp_path, capsys):
     from sandbox_helpers import require_bwrap
 

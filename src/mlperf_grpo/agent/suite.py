@@ -46,7 +46,8 @@ def sandbox_root(agent) -> Path:
 class AgentRunner:
     """Runs trajectories with the settings of a config's ``agent`` section
     (:class:`~mlperf_grpo.config.sections.AgentConfig`). Construction removes leftover
-    sandboxes of killed runs under the sandbox root.
+    sandboxes of killed runs under the sandbox root (one it cannot remove is left, with a
+    warning line: ``sandbox.cleanup_leftovers``).
 
     Raises:
         ConfigError: no sandbox runtime on this machine (``sandbox.backend_name``), or a

@@ -16,6 +16,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -185,21 +186,34 @@ def cleanup_leftovers(root: Path) -> int:
     """Remove the sandboxes under ``root`` whose owning process is dead: kill what still
     runs there (a ``bwrap`` whose parent died before it could arm ``--die-with-parent``),
     remove their containers and folders; returns how many sandboxes were removed. A
-    missing ``root``, or one :func:`root_problem` refuses, has none."""
+    missing ``root``, or one :func:`root_problem` refuses, has none. A folder that cannot
+    be removed (OSError: permissions, a folder moved meanwhile) is left with one warning
+    line on stderr: a killed run's leftover does not stop this run."""
     if not Path(root).is_dir() or root_problem(Path(root)):
         return 0  # a folder not safe to work in is not cleaned either (Sandbox refuses it)
     removed = 0
     for folder in sorted(Path(root).glob(f"{PREFIX}*")):
-        if not folder.is_dir() or folder.is_symlink() or owner_alive(folder):
-            continue
         try:
-            record = json.loads((folder / MARKER).read_text())
-        except (OSError, ValueError):
-            record = {}
-        if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
-            subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=60, check=False)
-        kill_processes_naming(f"{folder}/")
-        remove_sandbox(folder)
+            if not folder.is_dir() or folder.is_symlink() or owner_alive(folder):
+                continue
+            _remove_leftover(folder)
+        except OSError as error:
+            print(f"warning: leftover sandbox {folder} of a killed run not removed ({error.strerror or error}); "
+                  "remove it by hand", file=sys.stderr)
+            continue
         removed += 1
     return removed
+
+
+def _remove_leftover(folder: Path) -> None:
+    """Remove the dead run's sandbox ``folder``: its container, its processes, the folder.
+    Raises OSError as :func:`remove_sandbox`."""
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
+        subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60, check=False)
+    kill_processes_naming(f"{folder}/")
+    remove_sandbox(folder)
