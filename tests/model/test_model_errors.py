@@ -287,6 +287,30 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, capsys, model_type
     assert not (tmp_path / "run").exists()
 
 
+def test_a_policy_the_trainer_refuses_says_its_printed_run_directory_was_removed(tmp_path, capsys, monkeypatch):
+    """Gemma2 (logits soft-capped after lm_head) is refused at the trainer's set-up, after
+    ``run directory: DIR`` was printed; DIR is removed again (nothing was written), and
+    the refusal used not to say so: the user was told of a directory that did not exist."""
+    import yaml
+
+    from mlperf_grpo.cli import main
+
+    directory = _saved_model(tmp_path, "gemma2", hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                             head_dim=8)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(directory)}}))
+    monkeypatch.chdir(tmp_path)  # the default output is runs/YYYYMMDD-HHMMSS under it
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["train", "--config", str(cfg)]) == 2
+    captured = capsys.readouterr()
+    (run_dir,) = [line.removeprefix("run directory: ") for line in captured.out.splitlines()
+                  if line.startswith("run directory: ")]
+    assert not (tmp_path / run_dir).exists()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"mlperf-grpo: error: model {directory}: its logits are not its lm_head's output")
+    assert line.endswith(f" (run directory {run_dir} removed: the run wrote nothing in it)")
+
+
 def test_an_encoder_family_as_a_decoder_is_a_causal_lm(tmp_path):
     """BERT with ``is_decoder: true`` (BertLMHeadModel with causal attention) is accepted."""
     from mlperf_grpo.model.check import check_model

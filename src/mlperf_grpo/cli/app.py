@@ -203,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (Terminated)
         terminated = isinstance(err, Terminated)
         what = str(err) or ("stopped by SIGTERM" if terminated else "interrupted (Ctrl-C)")
-        say(f"mlperf-grpo: {_rank_tag()}{_stop_message(progress, what)}")
+        say(f"mlperf-grpo: {_rank_tag()}{_stop_message(progress, what)}{_removed_run_dir(progress)}")
         _note_unfinished_run(progress)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001  (every error becomes one line)
         code = EXIT_BAD_INPUT if isinstance(err, BAD_INPUT_ERRORS) else EXIT_FAILURE
-        say(f"mlperf-grpo: {_rank_tag()}error: {err}")
+        say(f"mlperf-grpo: {_rank_tag()}error: {err}{_removed_run_dir(progress)}")
         _note_unfinished_run(progress)
         return code
 
@@ -245,6 +245,15 @@ def _stop_message(progress: Progress, what: str) -> str:
                 "teardown and reports it")
     return (f"evaluation {what}; the log holds only whole evaluations (no partial one, no run_stop): "
             f"'{again}' resumes it")
+
+
+def _removed_run_dir(progress: Progress) -> str:
+    """What the stop or error line adds when training printed ``run directory: DIR`` and
+    its set-up then failed and removed DIR again (nothing of the run was written in it);
+    else ""."""
+    if progress.phase != "train" or progress.run_dir is None or os.path.lexists(progress.run_dir):
+        return ""
+    return f" (run directory {progress.run_dir} removed: the run wrote nothing in it)"
 
 
 def _run_stop_logged(progress: Progress) -> bool:
