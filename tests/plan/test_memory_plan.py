@@ -202,3 +202,17 @@ def test_the_fit_check_takes_the_split_engine_at_t_above_1():
     check_fits(plan, planned)
     with pytest.raises(MemoryPlanError, match=f"planned {planned:,} bytes"):
         check_fits(plan, planned - 1)
+
+
+def test_a_small_size_in_a_refusal_never_reads_0_0():
+    """Sizes under 0.05 GiB read "0.0 GiB" in the refusal lines (a tiny model's planned
+    bytes): below it they are in MiB, below 0.05 MiB in bytes."""
+    from mlperf_grpo.plan.memory import check_fits, size_text
+
+    assert [size_text(n) for n in (0, 52_428, 52_429, 53_687_091, 53_687_092, 3 << 30)] == [
+        "0 bytes", "52,428 bytes", "0.1 MiB", "51.2 MiB", "0.1 GiB", "3.0 GiB"]
+    plan = plan_memory(planner_config(CONFIGS["llama-gqa-bias"]), 1, 1, "float32")
+    planned = memory_plan.static_device_bytes(plan)
+    with pytest.raises(MemoryPlanError) as err:
+        check_fits(plan, planned - 1)
+    assert f"({planned / 2**20:.1f} MiB: fp32 weights" in str(err.value) and "0.0" not in str(err.value)

@@ -360,7 +360,7 @@ def test_local_world_size_is_torchruns_alone_and_a_bad_one_is_refused_in_one_lin
     config = parse_config({"grpo": {"num_prompts_per_step": 4, "max_new_tokens": 10, "first_eval_step": 1}})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     check_host_batch(config, 5, 1, host_bytes=285_184)  # one process: the variable is not read
-    with pytest.raises(MemoryPlanError, match=r"needs 0.0 GiB of host memory \(24 bytes"):
+    with pytest.raises(MemoryPlanError, match=r"needs 0.3 MiB of host memory \(24 bytes"):
         check_host_batch(config, 5, 1, host_bytes=285_183)
     (tmp_path / "c.yaml").write_text("grpo: {num_prompts_per_step: 100000000000, first_eval_step: 1}\n")
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")]) == 2

@@ -375,16 +375,27 @@ def check_fits(plan: MemoryPlan, device_memory_bytes: int, engine_shards: int = 
     engine = planned - (r.device_bytes - r.engine_bytes)
     if planned > device_memory_bytes:
         raise MemoryPlanError(
-            f"the planned {planned:,} bytes per rank ({_gib(planned)} GiB: fp32 weights, gradients and AdamW moments "
-            f"sharded over {plan.world_size} rank(s), plus a {_gib(engine)} GiB rollout engine share) exceed the "
-            f"device's {device_memory_bytes:,} bytes ({_gib(device_memory_bytes)} GiB), before activations: launch more "
+            f"the planned {planned:,} bytes per rank ({size_text(planned)}: fp32 weights, gradients and AdamW moments "
+            f"sharded over {plan.world_size} rank(s), plus a {size_text(engine)} rollout engine share) exceed the "
+            f"device's {device_memory_bytes:,} bytes ({size_text(device_memory_bytes)}), before activations: launch more "
             f"ranks (torchrun --nproc-per-node / --nnodes: they shard the fp32 state), a larger "
             f"inference.tensor_parallel_size (it splits the engine), "
             f"or a smaller model; 'mlperf-grpo plan --memory' gives the figures")
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """``n`` bytes in GiB, one decimal (a table's column of GiB)."""
     return f"{n / 2**30:,.1f}"
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes with their unit, for a line of text: GiB with one decimal, MiB below
+    0.05 GiB, bytes below 0.05 MiB (so no nonzero size reads 0.0)."""
+    if n >= 2**30 / 20:
+        return f"{gib(n)} GiB"
+    if n >= 2**20 / 20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n:,} bytes"
 
 
 def format_memory_plan(plan: MemoryPlan) -> str:
@@ -397,10 +408,10 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             ("= device total", r.device_bytes, s.device_bytes),
             ("host: checkpoint staging (K)", r.staging_bytes, s.staging_bytes),
             ("host: evaluator read buffers (2)", r.eval_read_bytes, s.eval_read_bytes)]
-    head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.1f}e9), {_gib(plan.weight_bytes)} GiB of rollout-dtype "
+    head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.1f}e9), {size_text(plan.weight_bytes)} of rollout-dtype "
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
     lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
-    lines += [f"  {name:36} {_gib(a):>16} {_gib(b):>20}" for name, a, b in rows]
+    lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
     lines.append("  evaluator buffers per evaluate worker (of T ranks); "
                  "not counted: activations, KV cache, CUDA context")
     return "\n".join(lines)

@@ -65,6 +65,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from mlperf_grpo.plan.memory import gib, size_text
+
 DENSE_TYPES = ("llama", "qwen3")
 DEVICE_RESERVE_BYTES = 3 << 30
 """Left free of a device's memory when judging a layout: the CUDA context (~0.5 GiB),
@@ -311,11 +313,6 @@ def fit(config: dict, shape: SequenceShape, static_bytes: int, device_bytes: int
     return replace(bounded, memory=replace(m, kv_cache_bytes=m.kv_cache_min_bytes), kv_budget_bytes=None)
 
 
-def gib(n: int) -> str:
-    """``n`` bytes in GiB, one decimal."""
-    return f"{n / 2**30:,.1f}"
-
-
 def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_key: str = "grpo.max_new_tokens") -> str:
     """One line: the planned bytes against the device's, and what to change first (for
     the largest of the engine's KV cache, a pass's activations, the weights and state);
@@ -333,14 +330,14 @@ def refusal(verdict: Fit, tokens_key: str = "grpo.micro_batch_tokens", length_ke
                      f"{verdict.shape.pass_tokens:,} tokens, which no lower {tokens_key} splits)",
         "static": "more ranks (torchrun shards the fp32 state) or a smaller model",
     }[largest]
-    kv = (f"{gib(m.kv_cache_bytes)} GiB engine KV cache"
+    kv = (f"{size_text(m.kv_cache_bytes)} engine KV cache"
           f"{' (one row at full length: the least it decodes with)' if verdict.bounded else ''} + "
-          f"{gib(m.prefill_bytes)} GiB its largest prefill")
-    pass_ = (f"{gib(m.activation_bytes)} GiB activations{' with activation checkpointing' if m.checkpointing else ''} + "
-             f"{gib(m.logits_bytes + m.attention_mask_bytes)} GiB log-prob chunks and attention mask")
+          f"{size_text(m.prefill_bytes)} its largest prefill")
+    pass_ = (f"{size_text(m.activation_bytes)} activations{' with activation checkpointing' if m.checkpointing else ''} + "
+             f"{size_text(m.logits_bytes + m.attention_mask_bytes)} log-prob chunks and attention mask")
     # released: the cache is freed while the policy trains, so the peak holds the larger of the two
     turns = f" + the larger of ({kv}) and ({pass_}), freed in turn" if verdict.released else f" + {kv} + {pass_}"
-    return (f"the step needs about {gib(verdict.peak_bytes)} GiB per rank ({gib(verdict.static_bytes)} GiB weights, "
+    return (f"the step needs about {size_text(verdict.peak_bytes)} per rank ({size_text(verdict.static_bytes)} weights, "
             f"gradients, AdamW moments and engine{turns}), over the device's "
-            f"{gib(verdict.device_bytes)} GiB less {gib(DEVICE_RESERVE_BYTES)} GiB reserve: {remedy}; "
+            f"{size_text(verdict.device_bytes)} less {size_text(DEVICE_RESERVE_BYTES)} reserve: {remedy}; "
             f"'mlperf-grpo plan --memory --trajectory-tokens' gives the figures")

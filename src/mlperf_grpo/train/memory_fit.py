@@ -79,9 +79,9 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
             f"a step's rollout batch of {rows:,} rows a rank (grpo.num_prompts_per_step {g.num_prompts_per_step:,} x "
             f"num_generations_per_prompt {g.num_generations_per_prompt:,}"
             f"{f' / {world_size} ranks' if world_size > 1 else ''}) of up to {width:,} tokens needs "
-            f"{sequences.gib(need)} GiB of host memory{f' for the {local} ranks on this host' if local > 1 else ''} "
+            f"{memory_plan.size_text(need)} of host memory{f' for the {local} ranks on this host' if local > 1 else ''} "
             f"({BATCH_BYTES_PER_TOKEN} bytes a token, {HOST_BYTES_PER_ROW:,} a row) and this machine has "
-            f"{sequences.gib(have)} GiB; lower grpo.num_prompts_per_step")
+            f"{memory_plan.size_text(have)}; lower grpo.num_prompts_per_step")
 
 
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
@@ -134,14 +134,14 @@ class StepFit:
             said.append("activation checkpointing on (model.activation_checkpointing: auto: without it a training pass "
                         "does not fit)")
         if v.bounded:
-            said.append(f"the engine's KV cache bounded to {sequences.gib(v.kv_budget_bytes)} GiB, not all "
+            said.append(f"the engine's KV cache bounded to {memory_plan.size_text(v.kv_budget_bytes)}, not all "
                         f"{v.shape.engine_rows} rows at full length (it grows with the rows' lengths; rows past it wait "
                         "and are recomputed)")
         if not said:
             return None
-        return (f"{'; '.join(said)}: planned peak {sequences.gib(v.peak_bytes)} GiB of the device's "
-                f"{sequences.gib(v.device_bytes)} GiB ({sequences.gib(v.memory.activation_bytes)} GiB activations, "
-                f"{sequences.gib(v.memory.kv_cache_bytes)} GiB KV cache)")
+        return (f"{'; '.join(said)}: planned peak {memory_plan.size_text(v.peak_bytes)} of the device's "
+                f"{memory_plan.size_text(v.device_bytes)} ({memory_plan.size_text(v.memory.activation_bytes)} activations, "
+                f"{memory_plan.size_text(v.memory.kv_cache_bytes)} KV cache)")
 
     rows: int = sequences.ENGINE_BATCH_SIZE
     """A rank's rollout rows a step."""
