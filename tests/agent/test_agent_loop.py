@@ -171,6 +171,29 @@ def test_tests_that_pass_after_the_turn_limit_are_an_invalid_sample(setup, tmp_p
     assert "stopped at its max_turns limit" in traj.grade_reason
 
 
+def test_sandboxes_are_removed_on_the_tool_threads_not_the_loop_s(setup, tmp_path):
+    """close() ran on the loop's thread after grading: removing a large repository held up
+    every other trajectory's next engine call."""
+    import threading
+
+    tok, chat, suite = setup
+    closed_on = []
+
+    class Recording(SweSession):
+        def close(self):
+            closed_on.append(threading.current_thread().name)
+            super().close()
+    session = SweSessionSettings(SandboxLimits(command_timeout_s=20), 60.0, tmp_path / "sandboxes")
+    for script, settings in ((known_fix_script, AgentSettings(max_context_tokens=8192, tool_threads=2)),
+                             (sleeper_script(0.6), AgentSettings(max_context_tokens=8192, trajectory_timeout_s=1.0,
+                                                                 tool_threads=2))):
+        jobs = [(t.task_id, i, (lambda t=t: Recording(t, session, messages))) for i, t in enumerate(suite[:2])]
+        trajectories, _ = run_trajectories(ScriptedEngine(tok, suite, script), chat, jobs, PARAMS, settings)
+        assert {t.end_reason for t in trajectories} == {"finish" if script is known_fix_script else "timeout"}
+        assert not any((tmp_path / "sandboxes").iterdir())
+    assert len(closed_on) >= 4 and all(name.startswith("agent-tools") for name in closed_on), closed_on
+
+
 def test_a_failing_sandbox_start_stops_the_rollout_and_leaves_no_sandbox(setup, tmp_path):
     tok, chat, suite = setup
     session = SweSessionSettings(SandboxLimits(command_timeout_s=20), 60.0, tmp_path / "sandboxes")

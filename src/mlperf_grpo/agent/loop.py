@@ -9,8 +9,8 @@ ends at ``finish``, ``max_turns``, the context limit, or the wall-clock timeout 
 invalid sample); then the session grades it (the task's tests in its final state).
 
 Scheduling: every trajectory whose turn is due is decoded in one engine call; a
-trajectory waiting for its tools (or its sandbox's start, or its grading) is not, and
-waiting never blocks the others: the loop blocks only when no trajectory is due
+trajectory waiting for its tools (or its sandbox's start, its grading or its sandbox's
+removal) is not, and waiting never blocks the others: the loop blocks only when no trajectory is due
 (that time is the engine's *idle* time, :attr:`RolloutStats.engine_idle_s`).
 KV cache across turns: vLLM's prefix cache reuses a conversation's earlier turns; the
 ``hf`` engine re-prefills the whole conversation each turn (keeping a row's KV in the
@@ -188,7 +188,8 @@ def _collect(run: _Running, what: str, result: object, chat: ChatTokens, setting
         if traj.reward > 0 and traj.end_reason in ("max_turns", "context"):  # NeMo Gym: "the reward is accidental"
             traj.reward, traj.invalid = 0.0, True
             traj.grade_reason = f"tests passed but the agent stopped at its {traj.end_reason} limit: masked"
-        _close(run)
+    if what in ("grade", "close"):  # the session closed itself on the pool
+        run.session = None
         return False
     observations, finished = result  # what == "tools"
     turn = traj.turns[-1]
@@ -286,13 +287,16 @@ def _end(run: _Running, reason: str, pool: ThreadPoolExecutor, pending: dict) ->
     traj.wall_s = time.perf_counter() - run.started
     if reason == "timeout":
         traj.invalid, traj.grade_reason = True, f"trajectory timeout ({traj.wall_s:.0f} s)"
-        _close(run)
+        pending[pool.submit(run.session.close)] = (run, "close")
     else:
-        pending[pool.submit(run.session.grade)] = (run, "grade")
+        pending[pool.submit(_grade_and_close, run.session)] = (run, "grade")
     return False
 
 
-def _close(run: _Running) -> None:
-    if run.session is not None:
-        run.session.close()
-        run.session = None
+def _grade_and_close(session: Session) -> object:
+    """``session.grade()``, then its sandbox removed, on the pool: removing a large tree
+    never holds up the loop's next engine call."""
+    try:
+        return session.grade()
+    finally:
+        session.close()
