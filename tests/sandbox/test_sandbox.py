@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -293,6 +294,16 @@ def test_the_seccomp_program_is_well_formed():
         code, jt, jf = record[0] | record[1] << 8, record[2], record[3]
         if code & 0x07 == 0x05:  # a jump: both targets inside the program
             assert index + 1 + max(jt, jf) < len(records), index
+
+
+def test_the_refused_system_call_numbers_are_the_kernel_s():
+    header = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+    if seccomp.filter_program() is None or not header.exists():
+        pytest.skip("no x86-64 kernel header to check the numbers against")
+    table = dict(re.findall(r"#define __NR_(\w+) (\d+)", header.read_text()))
+    assert {name: str(number) for name, number in seccomp.DENIED.items()} == {name: table[name] for name in seccomp.DENIED}
+    assert [table[name] for name in ("socket", "clone", "unshare", "clone3")] == [
+        str(seccomp.NR_SOCKET), str(seccomp.NR_CLONE), str(seccomp.NR_UNSHARE), str(seccomp.NR_CLONE3)]
 
 
 def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
