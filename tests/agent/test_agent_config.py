@@ -75,6 +75,24 @@ def test_a_sandbox_root_that_cannot_be_a_folder_is_a_one_line_error(tmp_path):
         AgentRunner(AgentConfig(sandbox_root=str(tmp_path / "a_file")))
 
 
+def test_a_sandbox_root_below_a_world_writable_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.cli import app as cli
+
+    require_bwrap()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    path = tmp_path / "run.yaml"
+    path.write_text("task: {name: swe, suite: tiny, num_train_tasks: 24}\n"
+                    f"validation: {{num_tasks: 12}}\nagent: {{sandbox_root: {shared / 'sandboxes'}}}\n")
+    assert cli.main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"other users may write the folder {shared} above it" in error[0], error
+    assert f"chmod go-w {shared}" in error[0] and not (tmp_path / "out").exists()
+
+
 def test_a_leftover_sandbox_that_cannot_be_removed_is_skipped_with_one_warning_line(tmp_path, capsys, monkeypatch):
     """A killed run's leftover sandbox whose removal failed (OSError) raised out of
     AgentRunner and ended the run: it is left, named in one warning line, and the next

@@ -157,6 +157,39 @@ def test_no_new_user_namespaces_but_threads_and_subprocesses_work(sandbox):
     assert sandbox.run(f"python -c \"{threads}\"").output == "thread\nchild\n"
 
 
+REFUSAL_PROBE = """
+import ctypes, errno, socket, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for number in map(int, sys.argv[1:]):
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(number), *[ctypes.c_long(0)] * 6)
+    print(number, result, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
+try:
+    socket.socket(40, socket.SOCK_STREAM)  # AF_VSOCK: not network-namespaced
+    print("vsock opened")
+except OSError as error:
+    print("vsock", errno.errorcode.get(error.errno))
+socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+"""
+
+
+def test_kernel_surface_no_command_needs_is_refused_with_eperm(sandbox):
+    """io_uring, keyrings, eBPF, perf, userfaultfd, modules, kexec, mounts, handles, ...
+    (seccomp.DENIED, as Docker's default profile) and vsock: each call fails with EPERM,
+    and ordinary commands (git, Python, a Unix socket) still work."""
+    if seccomp.filter_program() is None:
+        pytest.skip("the seccomp filter is x86-64 only")
+    numbers = sorted(seccomp.DENIED.values())
+    result = sandbox.run("python - " + " ".join(map(str, numbers)), input_bytes=REFUSAL_PROBE.encode())
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[:-1] == [f"{number} -1 EPERM" for number in numbers] and lines[-1] == "vsock EPERM", result.output
+    git = sandbox.run("git init -q . && git add -A && git -c user.name=a -c user.email=a@b commit -qm x && "
+                      "git log --oneline | wc -l")
+    assert (git.exit_code, git.output) == (0, "1\n"), git.output
+    still_works(sandbox)
+
+
 def test_commands_hold_no_capability_not_even_in_their_bounding_set(sandbox):
     """A root run's setpriv lacked CAP_SETPCAP, so its ``--bounding-set=-all`` was skipped
     silently and every command kept the host's full bounding set."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from sandbox_helpers import descendants, make_repo, new_descendants, processes_with, require_bwrap
 
 from mlperf_grpo.errors import ConfigError
-from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers, containers, seccomp
+from mlperf_grpo.sandbox import INSIDE_WORKDIR, Sandbox, SandboxLimits, cleanup_leftovers, containers, root_problem, seccomp
 from mlperf_grpo.sandbox.limits import limited_shell
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -222,6 +223,30 @@ def test_a_sandbox_root_other_users_can_write_or_own_is_refused_and_not_cleaned(
             Sandbox(repo, SandboxLimits(), shared)
 
 
+def test_a_sandbox_root_below_a_folder_other_users_can_write_or_own_is_refused_and_not_cleaned(tmp_path):
+    """Whoever may rename entries of a folder above the root can swap the root itself (as
+    OpenSSH's StrictModes); the default root's parents (/tmp: root's, sticky) pass."""
+    require_bwrap()
+    repo, shared = make_repo(tmp_path / "repo"), tmp_path / "shared"
+    planted = shared / "deep" / "sandboxes" / "sbx-1-planted"
+    planted.mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=rf"cannot make sandboxes in .*sandboxes: other users may write the folder "
+                                          rf"{shared} above it \(mode 777, not sticky\) and swap what is below it: "
+                                          rf"chmod go-w {shared} \(or \+t\); give a folder of your own"):
+        Sandbox(repo, SandboxLimits(), shared / "deep" / "sandboxes")
+    assert cleanup_leftovers(shared / "deep" / "sandboxes") == 0 and planted.is_dir()
+    shared.chmod(0o1777)
+    with Sandbox(repo, SandboxLimits(), shared / "deep" / "sandboxes") as box:
+        assert box.run("true").exit_code == 0
+    if os.geteuid() == 0:
+        shared.chmod(0o755)
+        os.chown(shared, 65534, 65534)
+        with pytest.raises(ConfigError, match=rf"the folder {shared} above it belongs to uid 65534, not to this user"):
+            Sandbox(repo, SandboxLimits(), shared / "deep" / "sandboxes")
+    assert root_problem(Path(tempfile.gettempdir())) == ""
+
+
 def test_a_sandbox_root_that_is_a_file_is_a_one_line_error(tmp_path):
     """A file as the root (or above it) raised FileExistsError out of Sandbox()."""
     require_bwrap()
@@ -293,6 +318,16 @@ def test_the_seccomp_program_is_well_formed():
         code, jt, jf = record[0] | record[1] << 8, record[2], record[3]
         if code & 0x07 == 0x05:  # a jump: both targets inside the program
             assert index + 1 + max(jt, jf) < len(records), index
+
+
+def test_the_refused_system_call_numbers_are_the_kernel_s():
+    header = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+    if seccomp.filter_program() is None or not header.exists():
+        pytest.skip("no x86-64 kernel header to check the numbers against")
+    table = dict(re.findall(r"#define __NR_(\w+) (\d+)", header.read_text()))
+    assert {name: str(number) for name, number in seccomp.DENIED.items()} == {name: table[name] for name in seccomp.DENIED}
+    assert [table[name] for name in ("socket", "clone", "unshare", "clone3")] == [
+        str(seccomp.NR_SOCKET), str(seccomp.NR_CLONE), str(seccomp.NR_UNSHARE), str(seccomp.NR_CLONE3)]
 
 
 def test_sandboxes_run_commands_from_many_threads_at_once(tmp_path):
@@ -380,7 +415,7 @@ def test_a_non_root_run_gets_the_same_bounds_through_a_user_namespace(tmp_path):
         pytest.skip(f"{SRC} is not readable by other users")
     shared = Path(tempfile.mkdtemp(prefix="sandbox-nonroot-"))
     try:
-        shared.chmod(0o777)
+        os.chown(shared, 65534, 65534)  # the child's own folder: one others may write is refused
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(system_python), "-c",
                 NON_ROOT_CHILD, str(shared)]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120,

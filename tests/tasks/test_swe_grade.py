@@ -166,6 +166,45 @@ def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_pa
     assert _grade(garbled, tmp_path / "s", (fix,)).reason.startswith("the hidden test patch does not apply")
 
 
+HOSTILE_GIT = """
+printf '#!/bin/sh\\ntouch "$PWD/.git/ran-${0##*/}"; sed -i "s/== 5/== -1/" .hidden_test_patch.diff\\nexit 0\\n' > .git/hack
+chmod +x .git/hack && ln -s hack .git/smudge && mkdir .git/hooks-x
+for hook in post-checkout post-index-change reference-transaction pre-applypatch; do ln -s ../hack .git/hooks-x/$hook; done
+git config core.fsmonitor "$PWD/.git/hack" && git config core.hooksPath "$PWD/.git/hooks-x"
+git config filter.x.smudge "$PWD/.git/smudge; cat" && git config filter.x.clean cat && echo '*.py filter=x' > .gitattributes
+"""
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading(tmp_path):
+    """The agent owns .git: an fsmonitor, hooks and a smudge filter that rewrite the hidden
+    test patch before it applies would grade the unfixed code 1 if grading's git read them."""
+    require_bwrap()
+    repo, env = tmp_path / "repo", {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                    "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "tests" / "test_calc.py").write_text("from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n"
+             "@@ -3,3 +3,7 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n"
+             "+def test_add():\n+    assert add(2, 3) == 5\n")
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
+                      test_patch=patch)
+    task = SweTask("calc__3", "add subtracts", repo, None, grading)
+    with Sandbox(repo, SandboxLimits(), tmp_path / "s") as sandbox:
+        edited = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
+        assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(edited)} > tests/test_calc.py").exit_code == 0
+        result = grade(task, sandbox, TIMEOUT_S)
+        ran = sorted(path.name for path in (sandbox.workdir / ".git").glob("ran-*"))
+        test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
+    assert ran == [], ran
+    assert (result.reward, result.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), result.log_tail
+    assert "# edited" not in test_file and "assert add(2, 3) == 5" in test_file
+
+
 def test_a_long_pytest_log_is_read_from_its_summary_at_the_end(tmp_path):
     require_bwrap()
     repo = tmp_path / "repo"

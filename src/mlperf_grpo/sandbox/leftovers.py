@@ -171,7 +171,10 @@ def root_problem(root: Path) -> str:
     """"" when the existing folder ``root`` is safe to make sandboxes in, else why not: it
     must belong to this user (or root) and not be writable by other users unless sticky (as
     ``/tmp``), since whoever can rename entries there could swap a sandbox's folder for a
-    link while it is made, bound or removed; and this user must be able to write there."""
+    link while it is made, bound or removed; and this user must be able to write there.
+    Every folder above it (resolved) is held to the same owner and mode rule, as OpenSSH's
+    ``StrictModes`` does for ``~/.ssh`` (``safe_path``): whoever may rename an entry of
+    ``/a`` can swap ``/a/b/root`` whole."""
     info = os.stat(root)
     if info.st_uid not in (os.geteuid(), 0):
         return f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
@@ -179,6 +182,14 @@ def root_problem(root: Path) -> str:
         return f"other users may write there (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
     if not os.access(root, os.W_OK | os.X_OK):
         return "this user cannot write there"
+    for parent in Path(root).resolve().parents:
+        info = os.stat(parent)
+        if info.st_uid not in (os.geteuid(), 0):
+            return (f"the folder {parent} above it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}) "
+                    "or root, and its owner could swap what is below it")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            return (f"other users may write the folder {parent} above it (mode {stat.S_IMODE(info.st_mode):o}, "
+                    f"not sticky) and swap what is below it: chmod go-w {parent} (or +t)")
     return ""
 
 

@@ -29,16 +29,32 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from mlperf_grpo.tasks.swe.task import Grading, SweTask
 from mlperf_grpo.tasks.swe.log_parsers import PARSERS
+from mlperf_grpo.tasks.swe.task import Grading, SweTask
 
 LOG_TAIL_CHARS = 2000
 """Characters of the test log kept in :class:`Grade` (the end, where the summary is)."""
 PASSING = ("PASSED", "XFAIL")
 """Statuses SWE-bench counts as a pass (``swebench.harness.grading.test_passed``)."""
 TEST_PATCH_FILE = ".hidden_test_patch.diff"
-GIT = "GIT_CONFIG_NOSYSTEM=1 git"
-"""git as the grader runs it: the machine's ``/etc/gitconfig`` has no say in grading."""
+GRADING_GIT_DIR = "/tmp/grading.git"
+"""The git directory grading's git uses: made fresh in the command's private ``/tmp``."""
+GIT_ISOLATED = f"GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_DIR={GRADING_GIT_DIR} GIT_NO_REPLACE_OBJECTS=1"
+GIT = f'{GIT_ISOLATED} GIT_WORK_TREE="$PWD" GIT_OBJECT_DIRECTORY="$PWD/.git/objects" git'
+"""git as the grader runs it. The agent controls the repository, ``.git`` included, and
+git runs code or changes what it writes on the word of ``.git/config`` (``core.fsmonitor``,
+``core.hooksPath``, a ``filter.*.smudge`` named by ``.gitattributes``, ``core.autocrlf``,
+``core.worktree``, ``apply.*``, ``include.path``), ``.git/hooks`` and the index
+(``skip-worktree`` bits). So grading's git reads none of them: its git directory is
+:data:`GRADING_GIT_DIR` (no config but ``git init``'s, no hooks, a fresh index), with only
+the repository's objects and a copy of its refs (``HEAD``); no system or global config, no
+replace refs. Still the agent's: the objects (where it deleted the base commit, the reset
+does nothing and the patch applies to its files, as in SWE-bench) and the work tree's
+``.gitattributes`` (without a configured filter driver they only convert text: line
+ends, ``$Id$``, encodings; run nothing)."""
+GIT_SETUP = (f"{GIT_ISOLATED} git init -q --template= && "
+             f"{{ cp -R .git/HEAD .git/packed-refs .git/refs {GRADING_GIT_DIR}/ 2>/dev/null; true; }}")
+"""Makes :data:`GRADING_GIT_DIR`; the copied refs resolve a ``HEAD`` base."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,7 @@ def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | N
         files += ((TEST_PATCH_FILE, grading.test_patch),)
         base = shlex.quote(str(task.metadata.get("base_commit") or "HEAD"))
         touched = " ".join(shlex.quote(path) for path in patched_files(grading.test_patch))
+        steps.append(GIT_SETUP)
         if touched:  # SWE-bench's order: reset the files the patch touches to the base commit, then apply
             steps.append(f"{{ {GIT} checkout -q {base} -- {touched} 2>/dev/null; true; }}")
         steps.append(f"{GIT} apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
