@@ -127,6 +127,35 @@ def test_a_leftover_sandbox_that_cannot_be_removed_is_skipped_with_one_warning_l
     assert [p.name for p in root.iterdir()] == ["sbx-1-stuck"]
 
 
+def test_a_leftover_whose_container_runtime_hangs_is_skipped_with_one_warning_line(tmp_path, capsys, monkeypatch):
+    """A container runtime that did not answer ``rm -f`` in time raised TimeoutExpired out of
+    AgentRunner: the folder is kept (its container may still use it) and named in one line."""
+    import json
+    import os
+
+    from sandbox_helpers import require_bwrap
+
+    from mlperf_grpo.agent.suite import AgentRunner
+    from mlperf_grpo.sandbox import leftovers
+
+    require_bwrap()
+    runtime = tmp_path / "bin" / "hung-runtime"
+    runtime.parent.mkdir()
+    runtime.write_text("#!/bin/sh\nexec sleep 30\n")
+    runtime.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{runtime.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(leftovers, "CONTAINER_RM_TIMEOUT_S", 0.5)
+    root = tmp_path / "sandboxes"
+    (root / "sbx-1-hung" / "testbed").mkdir(parents=True)
+    (root / "sbx-1-hung" / leftovers.MARKER).write_text(json.dumps(
+        {"pid": os.getpid(), "start_time": -1, "container": "c1", "runtime": "hung-runtime"}))
+    AgentRunner(AgentConfig(sandbox_root=str(root)))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: leftover sandbox {root / 'sbx-1-hung'} of a killed run not removed (")
+    assert "timed out" in line and line.endswith("remove it by hand")
+    assert [p.name for p in root.iterdir()] == ["sbx-1-hung"]
+
+
 def test_a_model_without_a_chat_tokenizer_is_refused_before_the_run_directory(tmp_path, capsys):
     from sandbox_helpers import require_bwrap
 

@@ -193,13 +193,18 @@ def root_problem(root: Path) -> str:
     return ""
 
 
+CONTAINER_RM_TIMEOUT_S = 60.0
+"""How long a leftover's container runtime may take to remove its container."""
+
+
 def cleanup_leftovers(root: Path) -> int:
     """Remove the sandboxes under ``root`` whose owning process is dead: kill what still
     runs there (a ``bwrap`` whose parent died before it could arm ``--die-with-parent``),
     remove their containers and folders; returns how many sandboxes were removed. A
     missing ``root``, or one :func:`root_problem` refuses, has none. A folder that cannot
-    be removed (OSError: permissions, a folder moved meanwhile) is left with one warning
-    line on stderr: a killed run's leftover does not stop this run."""
+    be removed (OSError: permissions, a folder moved meanwhile; a container runtime that
+    does not remove its container in :data:`CONTAINER_RM_TIMEOUT_S`) is left with one
+    warning line on stderr: a killed run's leftover does not stop this run."""
     if not Path(root).is_dir() or root_problem(Path(root)):
         return 0  # a folder not safe to work in is not cleaned either (Sandbox refuses it)
     removed = 0
@@ -208,8 +213,9 @@ def cleanup_leftovers(root: Path) -> int:
             if not folder.is_dir() or folder.is_symlink() or owner_alive(folder):
                 continue
             _remove_leftover(folder)
-        except OSError as error:
-            print(f"warning: leftover sandbox {folder} of a killed run not removed ({error.strerror or error}); "
+        except (OSError, subprocess.SubprocessError) as error:
+            print(f"warning: leftover sandbox {folder} of a killed run not removed "
+                  f"({getattr(error, 'strerror', None) or error}); "
                   "remove it by hand", file=sys.stderr)
             continue
         removed += 1
@@ -218,13 +224,14 @@ def cleanup_leftovers(root: Path) -> int:
 
 def _remove_leftover(folder: Path) -> None:
     """Remove the dead run's sandbox ``folder``: its container, its processes, the folder.
-    Raises OSError as :func:`remove_sandbox`."""
+    Raises OSError as :func:`remove_sandbox`; TimeoutExpired: the runtime took longer
+    than :data:`CONTAINER_RM_TIMEOUT_S` (the folder is kept: the container may still use it)."""
     try:
         record = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         record = {}
     if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
         subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60, check=False)
+                       stderr=subprocess.DEVNULL, timeout=CONTAINER_RM_TIMEOUT_S, check=False)
     kill_processes_naming(f"{folder}/")
     remove_sandbox(folder)
