@@ -139,24 +139,37 @@ def test_a_planted_link_where_the_hidden_tests_go_changes_nothing_outside(suite,
     assert (outside / "keep.txt").read_text() == "mine\n"
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
-    require_bwrap()
+def _committed_calc_repo(tmp_path, files: dict[str, str]):
+    """A git repository of one commit: ``calc.py`` (whose ``add`` subtracts) and ``files``."""
     repo = tmp_path / "repo"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "tests" / "__init__.py").write_text("")
+    for relative, text in {"calc.py": "def add(a, b):\n    return a - b\n", **files}.items():
+        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        (repo / relative).write_text(text)
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run(["git", *args], cwd=repo, env=env, check=True)
-    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
-             "+++ b/tests/test_calc.py\n@@ -0,0 +1,7 @@\n+from calc import add\n+\n+\n+def test_add():\n"
-             "+    assert add(2, 3) == 5\n+\n+def test_zero(): assert add(0, 0) == 0\n")
+    return repo
+
+
+def _calc_task(task_id: str, repo, patch: str) -> SweTask:
+    """A task on :func:`_committed_calc_repo`'s repository: ``patch`` adds ``test_add``
+    (fail to pass) beside ``test_zero`` (pass to pass), SWE-bench's rule."""
     grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
                       fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
                       test_patch=patch)
-    task = SweTask("calc__1", "add subtracts", repo, None, grading)
+    return SweTask(task_id, "add subtracts", repo, None, grading)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
+    require_bwrap()
+    repo = _committed_calc_repo(tmp_path, {"tests/__init__.py": ""})
+    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
+             "+++ b/tests/test_calc.py\n@@ -0,0 +1,7 @@\n+from calc import add\n+\n+\n+def test_add():\n"
+             "+    assert add(2, 3) == 5\n+\n+def test_zero(): assert add(0, 0) == 0\n")
+    task = _calc_task("calc__1", repo, patch)
+    grading = task.grading
     fix = Edit("calc.py", "a - b", "a + b")
     broken, fixed = _grade(task, tmp_path / "s"), _grade(task, tmp_path / "s", (fix,))
     assert (broken.reward, broken.invalid) == (0.0, False)
@@ -180,20 +193,12 @@ def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading
     """The agent owns .git: an fsmonitor, hooks and a smudge filter that rewrite the hidden
     test patch before it applies would grade the unfixed code 1 if grading's git read them."""
     require_bwrap()
-    repo, env = tmp_path / "repo", {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                                    "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "tests" / "test_calc.py").write_text("from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n")
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    repo = _committed_calc_repo(tmp_path, {
+        "tests/test_calc.py": "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"})
     patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n"
              "@@ -3,3 +3,7 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n"
              "+def test_add():\n+    assert add(2, 3) == 5\n")
-    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
-                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
-                      test_patch=patch)
-    task = SweTask("calc__3", "add subtracts", repo, None, grading)
+    task = _calc_task("calc__3", repo, patch)
     with Sandbox(repo, SandboxLimits(), tmp_path / "s") as sandbox:
         edited = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
         assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(edited)} > tests/test_calc.py").exit_code == 0
