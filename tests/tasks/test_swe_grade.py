@@ -175,11 +175,8 @@ git config filter.x.smudge "$PWD/.git/smudge; cat" && git config filter.x.clean 
 """
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading(tmp_path):
-    """The agent owns .git: an fsmonitor, hooks and a smudge filter that rewrite the hidden
-    test patch before it applies would grade the unfixed code 1 if grading's git read them."""
-    require_bwrap()
+def _calc_task(tmp_path: Path) -> SweTask:
+    """A git repository whose ``add`` subtracts, graded by a SWE-bench test patch adding ``test_add``."""
     repo, env = tmp_path / "repo", {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
                                     "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     (repo / "tests").mkdir(parents=True)
@@ -193,11 +190,51 @@ def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading
     grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
                       fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
                       test_patch=patch)
-    task = SweTask("calc__3", "add subtracts", repo, None, grading)
-    with Sandbox(repo, SandboxLimits(), tmp_path / "s") as sandbox:
-        edited = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
-        assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(edited)} > tests/test_calc.py").exit_code == 0
+    return SweTask("calc__3", "add subtracts", repo, None, grading)
+
+
+EDITED = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading(tmp_path):
+    """The agent owns .git: an fsmonitor, hooks and a smudge filter that rewrite the hidden
+    test patch before it applies would grade the unfixed code 1 if grading's git read them."""
+    require_bwrap()
+    task = _calc_task(tmp_path)
+    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+        assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(EDITED)} > tests/test_calc.py").exit_code == 0
         result = grade(task, sandbox, TIMEOUT_S)
+        ran = sorted(path.name for path in (sandbox.workdir / ".git").glob("ran-*"))
+        test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
+    assert ran == [], ran
+    assert (result.reward, result.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), result.log_tail
+    assert "# edited" not in test_file and "assert add(2, 3) == 5" in test_file
+
+
+class _TmpKept:
+    """The real sandbox, as the docker/podman backend runs it: one container's ``/tmp`` lives
+    across all its commands, so what an agent's command left there is still there at grading
+    (here: every command runs after ``planted``, which the agent's earlier command would have left)."""
+
+    def __init__(self, sandbox: Sandbox, planted: str):
+        self.sandbox, self.planted, self.limits = sandbox, planted, sandbox.limits
+
+    def run(self, command: str, **kwargs):
+        return self.sandbox.run(f"{{ {self.planted}\n}} >/dev/null 2>&1; {command}", **kwargs)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_grading_git_directory_left_in_a_kept_tmp_is_not_used(tmp_path):
+    """A container's /tmp outlives a command: a /tmp/grading.git the agent made beforehand,
+    with its fsmonitor, hooks and smudge filter, is not the git directory grading uses."""
+    require_bwrap()
+    task = _calc_task(tmp_path)
+    planted = (HOSTILE_GIT.replace("git config ", "git --git-dir=/tmp/grading.git config ")
+               .replace("\nchmod", "\ngit init -q --bare /tmp/grading.git\nchmod"))
+    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+        assert sandbox.run(f"printf %s {shlex.quote(EDITED)} > tests/test_calc.py").exit_code == 0
+        result = grade(task, _TmpKept(sandbox, planted), TIMEOUT_S)
         ran = sorted(path.name for path in (sandbox.workdir / ".git").glob("ran-*"))
         test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
     assert ran == [], ran
