@@ -174,7 +174,8 @@ def root_problem(root: Path) -> str:
     link while it is made, bound or removed; and this user must be able to write there.
     Every folder above it (resolved) is held to the same owner and mode rule, as OpenSSH's
     ``StrictModes`` does for ``~/.ssh`` (``safe_path``): whoever may rename an entry of
-    ``/a`` can swap ``/a/b/root`` whole."""
+    ``/a`` can swap ``/a/b/root`` whole; so is every folder of the path as given (a link
+    ``/a/link`` to a safe folder is as safe as ``/a``: its owner may point it elsewhere)."""
     info = os.stat(root)
     if info.st_uid not in (os.geteuid(), 0):
         return f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
@@ -182,7 +183,7 @@ def root_problem(root: Path) -> str:
         return f"other users may write there (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
     if not os.access(root, os.W_OK | os.X_OK):
         return "this user cannot write there"
-    for parent in Path(root).resolve().parents:
+    for parent in dict.fromkeys([*Path(root).absolute().parents, *Path(root).resolve().parents]):
         info = os.stat(parent)
         if info.st_uid not in (os.geteuid(), 0):
             return (f"the folder {parent} above it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}) "
