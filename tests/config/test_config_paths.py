@@ -22,6 +22,8 @@ def test_relative_paths_are_read_from_the_configs_folder(tmp_path):
     assert config.model.path == str(tmp_path / "cfg" / "models" / "m")
     assert config.task.train_path == str(tmp_path / "cfg" / "data" / "t.jsonl")
     assert config.task.validation_path == "/abs/v.jsonl"
+    (tmp_path / "cfg" / "s.yaml").write_text(yaml.safe_dump({**SMALL, "agent": {"sandbox_root": "sandboxes"}}))
+    assert load_config(tmp_path / "cfg" / "s.yaml").agent.sandbox_root == str(tmp_path / "cfg" / "sandboxes")  # was the cwd's
     assert load_config(None).model.path.startswith("builtin:")  # a built-in name is not a path
 
 

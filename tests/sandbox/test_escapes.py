@@ -12,7 +12,7 @@ import pytest
 from sandbox_helpers import descendants, make_repo, new_descendants, processes_with, require_bwrap
 
 import mlperf_grpo
-from mlperf_grpo.sandbox import Sandbox, SandboxLimits, seccomp
+from mlperf_grpo.sandbox import Sandbox, SandboxLimits, cleanup_leftovers, root_problem, seccomp
 
 MIB = 1 << 20
 LIMITS = SandboxLimits(command_timeout_s=10, memory_bytes=512 * MIB, processes=64, cpu_s=20,
@@ -232,3 +232,31 @@ def test_a_command_running_while_the_disk_fills_is_killed(tmp_path):
         start = time.monotonic()
         result = box.run("sleep 30")
         assert result.kill_reason == "disk" and result.exit_code is None and time.monotonic() - start < 5
+
+
+def test_a_sandbox_root_reached_through_a_link_in_a_folder_others_may_write_is_refused(tmp_path):
+    """The link's folder is checked, not only the folders above where the link points: whoever
+    may write it can point the link (a root given as a path through it) at another folder."""
+    shared, mine = tmp_path / "shared", tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    shared.mkdir()
+    (shared / "link").symlink_to(mine)
+    shared.chmod(0o777)
+    for root in (shared / "link", shared / "link" / ".." / "mine"):
+        assert root_problem(root) == (f"other users may write the folder {shared} above it (mode 777, not sticky) "
+                                      f"and swap what is below it: chmod go-w {shared} (or +t)")
+    assert root_problem(mine) == ""
+
+
+def test_a_leftover_whose_marker_is_not_a_record_is_removed_not_an_error(tmp_path):
+    """A marker of valid JSON but not an object with an integer pid (``{}``, ``[1]``) raised
+    KeyError or AttributeError out of cleanup_leftovers, ending the run that cleaned."""
+    root = tmp_path / "sandboxes"
+    root.mkdir(mode=0o700)
+    for index, text in enumerate(("{}", "[1]", '{"pid": "1"}', '{"pid": 1, "container": 5, "runtime": ["sh"]}')):
+        folder = root / f"sbx-1-bad{index}"
+        (folder / "testbed").mkdir(parents=True)
+        (folder / "owner.json").write_text(text)
+        os.utime(folder, (time.time() - 120, time.time() - 120))  # older than a setting-up sandbox's minute
+    assert cleanup_leftovers(root) == 4
+    assert list(root.iterdir()) == []

@@ -139,37 +139,24 @@ def test_a_planted_link_where_the_hidden_tests_go_changes_nothing_outside(suite,
     assert (outside / "keep.txt").read_text() == "mine\n"
 
 
-def _committed_calc_repo(tmp_path, files: dict[str, str]):
-    """A git repository of one commit: ``calc.py`` (whose ``add`` subtracts) and ``files``."""
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
+    require_bwrap()
     repo = tmp_path / "repo"
-    for relative, text in {"calc.py": "def add(a, b):\n    return a - b\n", **files}.items():
-        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
-        (repo / relative).write_text(text)
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "tests" / "__init__.py").write_text("")
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run(["git", *args], cwd=repo, env=env, check=True)
-    return repo
-
-
-def _calc_task(task_id: str, repo, patch: str) -> SweTask:
-    """A task on :func:`_committed_calc_repo`'s repository: ``patch`` adds ``test_add``
-    (fail to pass) beside ``test_zero`` (pass to pass), SWE-bench's rule."""
-    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
-                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
-                      test_patch=patch)
-    return SweTask(task_id, "add subtracts", repo, None, grading)
-
-
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
-    require_bwrap()
-    repo = _committed_calc_repo(tmp_path, {"tests/__init__.py": ""})
     patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
              "+++ b/tests/test_calc.py\n@@ -0,0 +1,7 @@\n+from calc import add\n+\n+\n+def test_add():\n"
              "+    assert add(2, 3) == 5\n+\n+def test_zero(): assert add(0, 0) == 0\n")
-    task = _calc_task("calc__1", repo, patch)
-    grading = task.grading
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
+                      test_patch=patch)
+    task = SweTask("calc__1", "add subtracts", repo, None, grading)
     fix = Edit("calc.py", "a - b", "a + b")
     broken, fixed = _grade(task, tmp_path / "s"), _grade(task, tmp_path / "s", (fix,))
     assert (broken.reward, broken.invalid) == (0.0, False)
@@ -188,21 +175,66 @@ git config filter.x.smudge "$PWD/.git/smudge; cat" && git config filter.x.clean 
 """
 
 
+def _calc_task(tmp_path: Path) -> SweTask:
+    """A git repository whose ``add`` subtracts, graded by a SWE-bench test patch adding ``test_add``."""
+    repo, env = tmp_path / "repo", {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                    "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "tests" / "test_calc.py").write_text("from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n"
+             "@@ -3,3 +3,7 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n"
+             "+def test_add():\n+    assert add(2, 3) == 5\n")
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
+                      test_patch=patch)
+    return SweTask("calc__3", "add subtracts", repo, None, grading)
+
+
+EDITED = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_the_repository_s_git_config_runs_nothing_and_changes_nothing_in_grading(tmp_path):
     """The agent owns .git: an fsmonitor, hooks and a smudge filter that rewrite the hidden
     test patch before it applies would grade the unfixed code 1 if grading's git read them."""
     require_bwrap()
-    repo = _committed_calc_repo(tmp_path, {
-        "tests/test_calc.py": "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"})
-    patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n"
-             "@@ -3,3 +3,7 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n"
-             "+def test_add():\n+    assert add(2, 3) == 5\n")
-    task = _calc_task("calc__3", repo, patch)
-    with Sandbox(repo, SandboxLimits(), tmp_path / "s") as sandbox:
-        edited = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
-        assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(edited)} > tests/test_calc.py").exit_code == 0
+    task = _calc_task(tmp_path)
+    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+        assert sandbox.run(HOSTILE_GIT + f"printf %s {shlex.quote(EDITED)} > tests/test_calc.py").exit_code == 0
         result = grade(task, sandbox, TIMEOUT_S)
+        ran = sorted(path.name for path in (sandbox.workdir / ".git").glob("ran-*"))
+        test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
+    assert ran == [], ran
+    assert (result.reward, result.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), result.log_tail
+    assert "# edited" not in test_file and "assert add(2, 3) == 5" in test_file
+
+
+class _TmpKept:
+    """The real sandbox, as the docker/podman backend runs it: one container's ``/tmp`` lives
+    across all its commands, so what an agent's command left there is still there at grading
+    (here: every command runs after ``planted``, which the agent's earlier command would have left)."""
+
+    def __init__(self, sandbox: Sandbox, planted: str):
+        self.sandbox, self.planted, self.limits = sandbox, planted, sandbox.limits
+
+    def run(self, command: str, **kwargs):
+        return self.sandbox.run(f"{{ {self.planted}\n}} >/dev/null 2>&1; {command}", **kwargs)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_grading_git_directory_left_in_a_kept_tmp_is_not_used(tmp_path):
+    """A container's /tmp outlives a command: a /tmp/grading.git the agent made beforehand,
+    with its fsmonitor, hooks and smudge filter, is not the git directory grading uses."""
+    require_bwrap()
+    task = _calc_task(tmp_path)
+    planted = (HOSTILE_GIT.replace("git config ", "git --git-dir=/tmp/grading.git config ")
+               .replace("\nchmod", "\ngit init -q --bare /tmp/grading.git\nchmod"))
+    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+        assert sandbox.run(f"printf %s {shlex.quote(EDITED)} > tests/test_calc.py").exit_code == 0
+        result = grade(task, _TmpKept(sandbox, planted), TIMEOUT_S)
         ran = sorted(path.name for path in (sandbox.workdir / ".git").glob("ran-*"))
         test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
     assert ran == [], ran

@@ -128,7 +128,7 @@ def load_config(path: str | Path | None) -> RunConfig:
     return _paths_from(config, path.parent)
 
 
-PATH_KEYS = {"model": ("path",), "task": ("train_path", "validation_path"), "agent": ("prompt_files",)}
+PATH_KEYS = {"model": ("path",), "task": ("train_path", "validation_path"), "agent": ("prompt_files", "sandbox_root")}
 """Every key of a config that names a file or folder (``model.path`` unless ``builtin:``)."""
 
 

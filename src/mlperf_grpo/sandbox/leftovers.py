@@ -41,14 +41,25 @@ def write_marker(folder: Path, container: str | None = None, runtime: str | None
     (folder / MARKER).write_text(json.dumps(record))
 
 
-def owner_alive(folder: Path) -> bool:
-    """The process that made ``folder`` still runs (a folder without a readable marker is
-    taken as alive for a minute after it was made: it is being set up)."""
+def read_marker(folder: Path) -> dict | None:
+    """``folder``'s marker as :func:`write_marker` wrote it, or None: missing, cut short, or
+    not of that shape (a JSON value other than an object with an integer ``pid``)."""
     try:
         record = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or type(record.get("pid")) is not int:
+        return None
+    return record
+
+
+def owner_alive(folder: Path) -> bool:
+    """The process that made ``folder`` still runs (a folder without a readable marker is
+    taken as alive for a minute after it was made: it is being set up)."""
+    record = read_marker(folder)
+    if record is None:
         return time.time() - folder.stat().st_mtime < 60
-    return process_start_time(int(record["pid"])) == record.get("start_time")
+    return process_start_time(record["pid"]) == record.get("start_time")
 
 
 def remove_tree(path: Path) -> None:
@@ -174,7 +185,8 @@ def root_problem(root: Path) -> str:
     link while it is made, bound or removed; and this user must be able to write there.
     Every folder above it (resolved) is held to the same owner and mode rule, as OpenSSH's
     ``StrictModes`` does for ``~/.ssh`` (``safe_path``): whoever may rename an entry of
-    ``/a`` can swap ``/a/b/root`` whole."""
+    ``/a`` can swap ``/a/b/root`` whole; so is every folder of the path as given (a link
+    ``/a/link`` to a safe folder is as safe as ``/a``: its owner may point it elsewhere)."""
     info = os.stat(root)
     if info.st_uid not in (os.geteuid(), 0):
         return f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
@@ -182,7 +194,7 @@ def root_problem(root: Path) -> str:
         return f"other users may write there (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
     if not os.access(root, os.W_OK | os.X_OK):
         return "this user cannot write there"
-    for parent in Path(root).resolve().parents:
+    for parent in dict.fromkeys([*Path(root).absolute().parents, *Path(root).resolve().parents]):
         info = os.stat(parent)
         if info.st_uid not in (os.geteuid(), 0):
             return (f"the folder {parent} above it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}) "
@@ -226,12 +238,10 @@ def _remove_leftover(folder: Path) -> None:
     """Remove the dead run's sandbox ``folder``: its container, its processes, the folder.
     Raises OSError as :func:`remove_sandbox`; TimeoutExpired: the runtime took longer
     than :data:`CONTAINER_RM_TIMEOUT_S` (the folder is kept: the container may still use it)."""
-    try:
-        record = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        record = {}
-    if record.get("container") and record.get("runtime") and shutil.which(record["runtime"]):
-        subprocess.run([record["runtime"], "rm", "-f", record["container"]], stdout=subprocess.DEVNULL,
+    record = read_marker(folder) or {}
+    container, runtime = record.get("container"), record.get("runtime")
+    if isinstance(container, str) and isinstance(runtime, str) and container and shutil.which(runtime):
+        subprocess.run([runtime, "rm", "-f", container], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=CONTAINER_RM_TIMEOUT_S, check=False)
     kill_processes_naming(f"{folder}/")
     remove_sandbox(folder)

@@ -52,9 +52,10 @@ replace refs. Still the agent's: the objects (where it deleted the base commit, 
 does nothing and the patch applies to its files, as in SWE-bench) and the work tree's
 ``.gitattributes`` (without a configured filter driver they only convert text: line
 ends, ``$Id$``, encodings; run nothing)."""
-GIT_SETUP = (f"{GIT_ISOLATED} git init -q --template= && "
+GIT_SETUP = (f"rm -rf {GRADING_GIT_DIR} && mkdir -m 700 {GRADING_GIT_DIR} && {GIT_ISOLATED} git init -q --template= && "
              f"{{ cp -R .git/HEAD .git/packed-refs .git/refs {GRADING_GIT_DIR}/ 2>/dev/null; true; }}")
-"""Makes :data:`GRADING_GIT_DIR`; the copied refs resolve a ``HEAD`` base."""
+"""Makes :data:`GRADING_GIT_DIR` anew (a container's ``/tmp`` outlives a command: ``git init``
+keeps the config of one the agent left there); the copied refs resolve a ``HEAD`` base."""
 
 
 @dataclass(frozen=True)
