@@ -139,23 +139,34 @@ def test_a_planted_link_where_the_hidden_tests_go_changes_nothing_outside(suite,
     assert (outside / "keep.txt").read_text() == "mine\n"
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
-    require_bwrap()
+def _committed_calc_repo(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A git repository of one commit: ``calc.py`` (whose ``add`` subtracts) and ``files``."""
     repo = tmp_path / "repo"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "tests" / "__init__.py").write_text("")
+    for relative, text in {"calc.py": "def add(a, b):\n    return a - b\n", **files}.items():
+        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        (repo / relative).write_text(text)
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    return repo
+
+
+def _swe_bench_grading(patch: str) -> Grading:
+    """SWE-bench's rule: ``patch`` adds ``test_add`` (fail to pass) beside ``test_zero`` (pass to pass)."""
+    return Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                   fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
+                   test_patch=patch)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_swe_bench_rule_applies_the_test_patch_and_needs_every_named_test(tmp_path):
+    require_bwrap()
+    repo = _committed_calc_repo(tmp_path, {"tests/__init__.py": ""})
     patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
              "+++ b/tests/test_calc.py\n@@ -0,0 +1,7 @@\n+from calc import add\n+\n+\n+def test_add():\n"
              "+    assert add(2, 3) == 5\n+\n+def test_zero(): assert add(0, 0) == 0\n")
-    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
-                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
-                      test_patch=patch)
+    grading = _swe_bench_grading(patch)
     task = SweTask("calc__1", "add subtracts", repo, None, grading)
     fix = Edit("calc.py", "a - b", "a + b")
     broken, fixed = _grade(task, tmp_path / "s"), _grade(task, tmp_path / "s", (fix,))
@@ -177,20 +188,12 @@ git config filter.x.smudge "$PWD/.git/smudge; cat" && git config filter.x.clean 
 
 def _calc_task(tmp_path: Path) -> SweTask:
     """A git repository whose ``add`` subtracts, graded by a SWE-bench test patch adding ``test_add``."""
-    repo, env = tmp_path / "repo", {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                                    "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "tests" / "test_calc.py").write_text("from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n")
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    repo = _committed_calc_repo(tmp_path, {
+        "tests/test_calc.py": "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"})
     patch = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n"
              "@@ -3,3 +3,7 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n"
              "+def test_add():\n+    assert add(2, 3) == 5\n")
-    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
-                      fail_to_pass=("tests/test_calc.py::test_add",), pass_to_pass=("tests/test_calc.py::test_zero",),
-                      test_patch=patch)
-    return SweTask("calc__3", "add subtracts", repo, None, grading)
+    return SweTask("calc__3", "add subtracts", repo, None, _swe_bench_grading(patch))
 
 
 EDITED = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0  # edited\n"
