@@ -234,6 +234,18 @@ def test_a_command_running_while_the_disk_fills_is_killed(tmp_path):
         assert result.kill_reason == "disk" and result.exit_code is None and time.monotonic() - start < 5
 
 
+def test_a_command_running_while_the_inodes_run_out_is_killed(tmp_path, monkeypatch):
+    """Empty files take no bytes: the byte floor alone lets them use up the host's inodes."""
+    require_bwrap()
+    from mlperf_grpo.sandbox import process
+
+    monkeypatch.setattr(process, "MIN_FREE_INODE_SHARE", 1.0)  # as if nearly every inode were used
+    with Sandbox(make_repo(tmp_path / "repo"), LIMITS, tmp_path / "sandboxes") as box:
+        start = time.monotonic()
+        result = box.run("sleep 30")
+        assert result.kill_reason == "disk" and result.exit_code is None and time.monotonic() - start < 5
+
+
 def test_a_sandbox_root_reached_through_a_link_in_a_folder_others_may_write_is_refused(tmp_path):
     """The link's folder is checked, not only the folders above where the link points: whoever
     may write it can point the link (a root given as a path through it) at another folder."""

@@ -35,7 +35,8 @@ class SandboxLimits:
         (``yes`` would otherwise keep the reader busy until the timeout).
     min_free_disk_bytes: a command still running when the file system holding the
         repository copies has less free space than this is killed (many files, each under
-        ``file_bytes``, would otherwise fill the disk the run's checkpoints need).
+        ``file_bytes``, would otherwise fill the disk the run's checkpoints need); so is
+        one when fewer than 1% of its inodes are free (``process.MIN_FREE_INODE_SHARE``).
     """
 
     command_timeout_s: float = 60.0

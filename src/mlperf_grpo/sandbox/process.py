@@ -23,6 +23,10 @@ from mlperf_grpo.sandbox.limits import CommandResult, SandboxLimits
 READ_CHUNK_BYTES = 1 << 16
 KILL_GRACE_S = 5.0  # after SIGKILL, how long the pipe may stay open before we stop reading
 DISK_CHECK_S = 0.25  # how often a running command's file system is checked for free space
+MIN_FREE_INODE_SHARE = 0.01
+"""A running command is killed ("disk") when fewer than this share of its file system's
+inodes are free: empty files take no bytes, and ~40,000 a second for a 60 s command would
+use up the host's inodes (the checkpoints, the log) where the byte floor never trips."""
 
 
 def free_bytes(path: str) -> int | None:
@@ -33,6 +37,16 @@ def free_bytes(path: str) -> int | None:
     except OSError:
         return None
     return stats.f_bavail * stats.f_frsize
+
+
+def out_of_inodes(path: str) -> bool:
+    """Fewer than :data:`MIN_FREE_INODE_SHARE` of the inodes of the file system holding
+    ``path`` are free to an unprivileged writer (False when it is gone or counts none)."""
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return False
+    return stats.f_files > 0 and stats.f_favail < MIN_FREE_INODE_SHARE * stats.f_files
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -118,7 +132,8 @@ class RunningCommand:
 
     def finish(self, timeout_s: float) -> CommandResult:
         """Read the output until EOF, ``timeout_s``, ``output_drain_bytes`` or, with
-        ``disk_path``, its file system's free space under ``min_free_disk_bytes`` (checked
+        ``disk_path``, its file system's free space under ``min_free_disk_bytes`` or free inodes
+        under :data:`MIN_FREE_INODE_SHARE` (checked
         every :data:`DISK_CHECK_S` from the command's start on); wait for exit."""
         try:
             kept, total = self._read(time.monotonic() + timeout_s)
@@ -157,7 +172,7 @@ class RunningCommand:
             if self.disk_path is not None and grace_end is None and now >= next_disk_check:
                 next_disk_check = now + DISK_CHECK_S
                 free = free_bytes(self.disk_path)
-                if free is not None and free < limits.min_free_disk_bytes:
+                if (free is not None and free < limits.min_free_disk_bytes) or out_of_inodes(self.disk_path):
                     self.kill("disk")
             if self.kill_reason and grace_end is None:
                 grace_end = now + KILL_GRACE_S
