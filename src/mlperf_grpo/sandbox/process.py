@@ -29,24 +29,16 @@ inodes are free: empty files take no bytes, and ~40,000 a second for a 60 s comm
 use up the host's inodes (the checkpoints, the log) where the byte floor never trips."""
 
 
-def free_bytes(path: str) -> int | None:
-    """Bytes an unprivileged writer may still use on the file system holding ``path``;
-    None when ``path`` is gone."""
-    try:
-        stats = os.statvfs(path)
-    except OSError:
-        return None
-    return stats.f_bavail * stats.f_frsize
-
-
-def out_of_inodes(path: str) -> bool:
-    """Fewer than :data:`MIN_FREE_INODE_SHARE` of the inodes of the file system holding
-    ``path`` are free to an unprivileged writer (False when it is gone or counts none)."""
+def disk_short(path: str, min_free_bytes: int) -> bool:
+    """The file system holding ``path`` has less than ``min_free_bytes`` free to an
+    unprivileged writer, or fewer than :data:`MIN_FREE_INODE_SHARE` of its inodes free
+    (one that counts no inodes, as btrfs, is judged by bytes only); False when ``path`` is gone."""
     try:
         stats = os.statvfs(path)
     except OSError:
         return False
-    return stats.f_files > 0 and stats.f_favail < MIN_FREE_INODE_SHARE * stats.f_files
+    return (stats.f_bavail * stats.f_frsize < min_free_bytes
+            or 0 < stats.f_files and stats.f_favail < MIN_FREE_INODE_SHARE * stats.f_files)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -171,8 +163,7 @@ class RunningCommand:
                 self.kill("timeout")
             if self.disk_path is not None and grace_end is None and now >= next_disk_check:
                 next_disk_check = now + DISK_CHECK_S
-                free = free_bytes(self.disk_path)
-                if (free is not None and free < limits.min_free_disk_bytes) or out_of_inodes(self.disk_path):
+                if disk_short(self.disk_path, limits.min_free_disk_bytes):
                     self.kill("disk")
             if self.kill_reason and grace_end is None:
                 grace_end = now + KILL_GRACE_S
