@@ -216,3 +216,15 @@ def test_a_small_size_in_a_refusal_never_reads_0_0():
     with pytest.raises(MemoryPlanError) as err:
         check_fits(plan, planned - 1)
     assert f"({planned / 2**20:.1f} MiB: fp32 weights" in str(err.value) and "0.0" not in str(err.value)
+
+
+def test_a_small_size_in_a_plan_table_never_reads_0_0():
+    """A tiny model's ``plan --memory`` table: a nonzero cell under 0.05 GiB has its unit
+    (MiB or bytes); a zero cell and a large one stay bare GiB."""
+    from mlperf_grpo.plan.memory import format_memory_plan, gib_cell
+
+    assert [gib_cell(n) for n in (0, 52_428, 53_687_091, 53_687_092)] == ["0.0", "52,428 bytes", "51.2 MiB", "0.1"]
+    table = format_memory_plan(plan_memory(planner_config(CONFIGS["llama-gqa-bias"]), 1, 1, "float32"))
+    cells = [c for line in table.splitlines()[2:-1] for c in line[38:].split("  ") if c.strip()]
+    assert cells and all(c.strip() == "0.0" or not c.strip().startswith("0.0") for c in cells), table
+    assert "MiB" in table, table

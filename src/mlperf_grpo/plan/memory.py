@@ -388,6 +388,12 @@ def gib(n: int) -> str:
     return f"{n / 2**30:,.1f}"
 
 
+def gib_cell(n: int) -> str:
+    """A GiB table's cell: :func:`gib`, or :func:`size_text` with its unit for a nonzero
+    size under 0.05 GiB (no nonzero cell reads 0.0)."""
+    return gib(n) if n == 0 or n >= 2**30 / 20 else size_text(n)
+
+
 def size_text(n: int) -> str:
     """``n`` bytes with their unit, for a line of text: GiB with one decimal, MiB below
     0.05 GiB, bytes below 0.05 MiB (so no nonzero size reads 0.0)."""
@@ -411,7 +417,7 @@ def format_memory_plan(plan: MemoryPlan) -> str:
     head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.1f}e9), {size_text(plan.weight_bytes)} of rollout-dtype "
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
     lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
-    lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
+    lines += [f"  {name:36} {gib_cell(a):>16} {gib_cell(b):>20}" for name, a, b in rows]
     lines.append("  evaluator buffers per evaluate worker (of T ranks); "
                  "not counted: activations, KV cache, CUDA context")
     return "\n".join(lines)

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from mlperf_grpo.plan.memory import gib, size_text
+from mlperf_grpo.plan.memory import gib_cell, size_text
 
 DENSE_TYPES = ("llama", "qwen3")
 DEVICE_RESERVE_BYTES = 3 << 30
@@ -179,7 +179,7 @@ def format_sequences(config: dict, shape: SequenceShape, static_bytes: int) -> l
             f"decoding {shape.engine_rows} rows of {shape.engine_length:,} (prompts of up to "
             f"{shape.engine_prompt or shape.engine_length:,}); GiB per rank")
     lines = [head, f"  {'':36} {'no checkpointing':>16} {'checkpointing':>20}"]
-    lines += [f"  {name:36} {gib(a):>16} {gib(b):>20}" for name, a, b in rows]
+    lines += [f"  {name:36} {gib_cell(a):>16} {gib_cell(b):>20}" for name, a, b in rows]
     return lines
 
 
