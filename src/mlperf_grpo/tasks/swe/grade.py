@@ -27,8 +27,10 @@ import io
 import shlex
 import tarfile
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
+from mlperf_grpo.tasks.base import TaskError
+from mlperf_grpo.tasks.swe.base_files import BaseFile, diff_paths, fast_import_stream, read_base_files, touched_files
 from mlperf_grpo.tasks.swe.log_parsers import PARSERS
 from mlperf_grpo.tasks.swe.task import Grading, SweTask
 
@@ -37,25 +39,27 @@ LOG_TAIL_CHARS = 2000
 PASSING = ("PASSED", "XFAIL")
 """Statuses SWE-bench counts as a pass (``swebench.harness.grading.test_passed``)."""
 TEST_PATCH_FILE = ".hidden_test_patch.diff"
+BASE_FILES_FILE = ".hidden_base_files.fi"
+"""The touched files' base versions as a ``git fast-import`` stream (:mod:`.base_files`)."""
+BASE_REF = "refs/heads/grading-base"
 GRADING_GIT_DIR = "/tmp/grading.git"
 """The git directory grading's git uses: made fresh in the command's private ``/tmp``."""
 GIT_ISOLATED = f"GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_DIR={GRADING_GIT_DIR} GIT_NO_REPLACE_OBJECTS=1"
-GIT = f'{GIT_ISOLATED} GIT_WORK_TREE="$PWD" GIT_OBJECT_DIRECTORY="$PWD/.git/objects" git'
+GIT = f'{GIT_ISOLATED} GIT_WORK_TREE="$PWD" git'
 """git as the grader runs it. The agent controls the repository, ``.git`` included, and
 git runs code or changes what it writes on the word of ``.git/config`` (``core.fsmonitor``,
 ``core.hooksPath``, a ``filter.*.smudge`` named by ``.gitattributes``, ``core.autocrlf``,
-``core.worktree``, ``apply.*``, ``include.path``), ``.git/hooks`` and the index
-(``skip-worktree`` bits). So grading's git reads none of them: its git directory is
-:data:`GRADING_GIT_DIR` (no config but ``git init``'s, no hooks, a fresh index), with only
-the repository's objects and a copy of its refs (``HEAD``); no system or global config, no
-replace refs. Still the agent's: the objects (where it deleted the base commit, the reset
-does nothing and the patch applies to its files, as in SWE-bench) and the work tree's
+``core.worktree``, ``apply.*``, ``include.path``), ``.git/hooks``, the index
+(``skip-worktree`` bits) and its objects (a base commit deleted or replaced). So grading's
+git reads none of them: its git directory is :data:`GRADING_GIT_DIR` (no config but ``git
+init``'s, no hooks, a fresh index), whose only objects are the touched files' base
+versions, read on the host from the task's pristine repository (:mod:`.base_files`); no
+system or global config, no replace refs. Still the agent's: the work tree's
 ``.gitattributes`` (without a configured filter driver they only convert text: line
 ends, ``$Id$``, encodings; run nothing)."""
-GIT_SETUP = (f"rm -rf {GRADING_GIT_DIR} && mkdir -m 700 {GRADING_GIT_DIR} && {GIT_ISOLATED} git init -q --template= && "
-             f"{{ cp -R .git/HEAD .git/packed-refs .git/refs {GRADING_GIT_DIR}/ 2>/dev/null; true; }}")
+GIT_SETUP = f"rm -rf {GRADING_GIT_DIR} && mkdir -m 700 {GRADING_GIT_DIR} && {GIT_ISOLATED} git init -q --template="
 """Makes :data:`GRADING_GIT_DIR` anew (a container's ``/tmp`` outlives a command: ``git init``
-keeps the config of one the agent left there); the copied refs resolve a ``HEAD`` base."""
+keeps the config of one the agent left there)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class Grade:
     """The last :data:`LOG_TAIL_CHARS` characters of the test output."""
 
 
-def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
+def grade(task: SweTask, sandbox, timeout_s: float, base_files: tuple[BaseFile, ...] | None = None) -> Grade:
     """Run ``task``'s hidden tests in ``sandbox`` (a :class:`mlperf_grpo.sandbox.Sandbox`
     after the trajectory's last turn) and score them (module docstring).
 
@@ -85,9 +89,15 @@ def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
         task: the task; ``task.grading`` says what to write, run and compare.
         sandbox: has ``run(command, timeout_s, input_bytes) -> CommandResult``.
         timeout_s: limit of the test run (the benchmark's 60 s), and of the writing.
+        base_files: :func:`pristine_base_files` of the task, read before the agent ran;
+            None reads them now from ``task.repo_dir``.
+
+    Raises:
+        TaskError: a test patch whose base files cannot be read (:func:`pristine_base_files`).
     """
     grading = task.grading
-    failed = _install_hidden_files(task, sandbox, timeout_s)
+    base = pristine_base_files(task) if base_files is None else base_files
+    failed = _install_hidden_files(task, sandbox, timeout_s, base)
     if failed is not None:
         return failed
     result = sandbox.run(test_run_command(grading, sandbox), timeout_s=timeout_s)
@@ -100,6 +110,25 @@ def grade(task: SweTask, sandbox, timeout_s: float) -> Grade:
     statuses = PARSERS[grading.log_format](result.output)
     passed, reason = compare(grading, statuses)
     return Grade(1.0 if passed else 0.0, False, reason, tail)
+
+
+def pristine_base_files(task: SweTask, repo: Path | None = None) -> tuple[BaseFile, ...]:
+    """The base commit's versions (``metadata["base_commit"]``, else ``HEAD``) of the files
+    ``task``'s test patch touches, read on the host from ``repo`` (default ``task.repo_dir``):
+    the copy the sandbox was made from, or the sandbox's own copy before the agent's first
+    command (an image's ``/testbed``). () without a test patch.
+
+    Raises:
+        TaskError: no repository to read, or git cannot read the base commit's files there.
+    """
+    patch = task.grading.test_patch
+    if patch is None:
+        return ()
+    repo = repo if repo is not None else task.repo_dir
+    if repo is None:
+        raise TaskError(f"grading {task.task_id}: no repository to read the test patch's base files from; read "
+                        "them from the sandbox's copy before the agent runs (pristine_base_files(task, workdir))")
+    return read_base_files(Path(repo), str(task.metadata.get("base_commit") or "HEAD"), touched_files(patch))
 
 
 def test_run_command(grading: Grading, sandbox) -> str:
@@ -134,8 +163,8 @@ def compare(grading: Grading, statuses: dict[str, str]) -> tuple[bool, str]:
     return True, "passed"
 
 
-def hidden_files_tar(files: tuple[tuple[str, str], ...]) -> bytes:
-    """An uncompressed tar of ``(relative path, text)`` files (mode 0644, fixed mtime).
+def hidden_files_tar(files: tuple[tuple[str, str | bytes], ...]) -> bytes:
+    """An uncompressed tar of ``(relative path, text or bytes)`` files (mode 0644, fixed mtime).
 
     Raises:
         ValueError: a path that is absolute or climbs out with ``..``.
@@ -146,29 +175,30 @@ def hidden_files_tar(files: tuple[tuple[str, str], ...]) -> bytes:
             parts = PurePosixPath(relative).parts
             if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
                 raise ValueError(f"hidden file path {relative!r} is not inside the repository")
-            data = text.encode("utf-8")
+            data = text.encode("utf-8") if isinstance(text, str) else text
             info = tarfile.TarInfo(relative)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
 
-def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | None:
+def _install_hidden_files(task: SweTask, sandbox, timeout_s: float, base_files: tuple[BaseFile, ...]) -> Grade | None:
     """Write the hidden test files (and apply a SWE-bench test patch) inside the sandbox.
     None when done; else the grade that ends grading (0, or invalid when killed)."""
     grading = task.grading
-    files = grading.test_files
-    steps = ["tar --no-same-owner -xf -"]
-    if grading.test_patch is not None:
+    files: tuple[tuple[str, str | bytes], ...] = grading.test_files
+    steps, reset = ["tar --no-same-owner -xf -"], ""
+    if grading.test_patch is not None:  # SWE-bench's order: reset the touched files to the base, then apply
         files += ((TEST_PATCH_FILE, grading.test_patch),)
-        base = shlex.quote(str(task.metadata.get("base_commit") or "HEAD"))
-        touched = " ".join(shlex.quote(path) for path in patched_files(grading.test_patch))
+        reset = "".join(" " + shlex.quote(file.path) for file in base_files)  # removed; those the base has come back
         steps.append(GIT_SETUP)
-        if touched:  # SWE-bench's order: reset the files the patch touches to the base commit, then apply
-            steps.append(f"{{ {GIT} checkout -q {base} -- {touched} 2>/dev/null; true; }}")
+        if any(file.mode for file in base_files):
+            files += ((BASE_FILES_FILE, fast_import_stream(base_files, BASE_REF)),)
+            steps.append(f"{GIT} fast-import --quiet < {BASE_FILES_FILE} && rm -f {BASE_FILES_FILE} && "
+                         f"{GIT} checkout -q {BASE_REF} -- .")
         steps.append(f"{GIT} apply {TEST_PATCH_FILE} && rm -f {TEST_PATCH_FILE}")
     stale = " r2e_tests" if any(path.startswith("r2e_tests/") for path, _ in files) else ""
-    command = f"chmod u+w . 2>/dev/null; rm -rf -- {TEST_PATCH_FILE}{stale}; " + " && ".join(steps)
+    command = f"chmod u+w . 2>/dev/null; rm -rf -- {TEST_PATCH_FILE} {BASE_FILES_FILE}{stale}{reset}; " + " && ".join(steps)
     result = sandbox.run(command, timeout_s=timeout_s, input_bytes=hidden_files_tar(files))
     if result.exit_code == 0:
         return None
@@ -182,4 +212,4 @@ def _install_hidden_files(task: SweTask, sandbox, timeout_s: float) -> Grade | N
 
 def patched_files(patch: str) -> list[str]:
     """The files a unified diff writes (its ``+++ b/<path>`` lines), sorted."""
-    return sorted({line[6:] for line in patch.splitlines() if line.startswith("+++ b/")})
+    return sorted(diff_paths(patch)[1])
