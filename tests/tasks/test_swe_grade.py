@@ -256,3 +256,81 @@ def test_a_long_pytest_log_is_read_from_its_summary_at_the_end(tmp_path):
     task = SweTask("calc__2", "add", repo, None, grading)
     result = _grade(task, tmp_path / "s", limits=SandboxLimits(output_bytes=4096))  # the -rA output is ~20 kB
     assert (result.reward, result.reason) == (1.0, "passed"), result.log_tail
+
+
+SHADOWED = "import calc\ncalc.add = lambda a, b: a + b\n"
+"""Lines an agent puts above the hidden patch's hunk: ``test_add`` passes with unfixed code."""
+DESTROY_BASE = {
+    "deleted": "rm -rf .git/objects/*",
+    "replaced": (  # the base blob's loose object rewritten to hold the agent's text (git does not check its hash)
+        "blob=$(git rev-parse HEAD~1:tests/test_calc.py) && chmod -R u+w .git/objects && python3 -c '"
+        "import sys, zlib; data = open(\"tests/test_calc.py\", \"rb\").read(); "
+        "open(sys.argv[1], \"wb\").write(zlib.compress(b\"blob %d\\0\" % len(data) + data))' "
+        ".git/objects/${blob:0:2}/${blob:2}"),
+}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.parametrize("how", sorted(DESTROY_BASE))
+def test_an_edited_test_file_is_reset_although_the_agent_destroyed_the_base_objects(tmp_path, how):
+    """The reset reads the base files from the task's pristine repository: an agent that
+    commits its edit to a touched test file and deletes or replaces the base commit's
+    objects keeps nothing of it (a checkout from the agent's objects would fail silently
+    or write the agent's text, and the patch would apply around the edit)."""
+    require_bwrap()
+    task = _calc_task(tmp_path)
+    commit = "git -c user.name=a -c user.email=a@a commit -qam mine"
+    setup = f"printf %s {shlex.quote(SHADOWED)} | cat - tests/test_calc.py > t && mv t tests/test_calc.py && {commit}"
+    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+        assert sandbox.run(f"{setup} && {DESTROY_BASE[how]}").exit_code == 0
+        if how == "replaced":  # the agent's own git now reads its text as the base version
+            assert sandbox.run("git show HEAD~1:tests/test_calc.py").output.startswith("import calc")
+        result = grade(task, sandbox, TIMEOUT_S)
+        test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
+    assert (result.reward, result.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), result.log_tail
+    assert not test_file.startswith("import calc") and "assert add(2, 3) == 5" in test_file
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_honest_trajectories_keep_their_reward_when_the_touched_test_file_is_reset(tmp_path):
+    """Fixed code gets 1 and unfixed code 0, with or without an edit of the touched test
+    file (SWE-bench resets it: the agent's own test there does not count), also when the
+    agent commits it and packs its objects (the base, ``HEAD`` of a row without
+    ``base_commit``, is the pristine repository's, not the agent's moved ``HEAD``)."""
+    require_bwrap()
+    task = _calc_task(tmp_path)
+    fix = (Edit("calc.py", "a - b", "a + b"),)
+    own_test = "printf '\\ndef test_mine():\\n    assert add(1, 1) == 2\\n' >> tests/test_calc.py"
+    gc = "git -c user.name=a -c user.email=a@a commit -qam mine && git gc -q --prune=now"
+    for edits, setup, reward in (((), "", 0.0), (fix, "", 1.0), (fix, own_test, 1.0), ((), own_test, 0.0),
+                                 (fix, f"{own_test} && {gc}", 1.0)):
+        result = _grade(task, tmp_path / "s", edits, setup=setup)
+        assert (result.reward, result.invalid) == (reward, False), (setup, result.reason, result.log_tail)
+
+
+SPACED_PATCH = (
+    "diff --git a/tests/test_a b.py b/tests/test_a b.py\n--- a/tests/test_a b.py\t\n+++ b/tests/test_a b.py\t\n"
+    "@@ -3,3 +3,4 @@ from calc import add\n \n def test_zero():\n     assert add(0, 0) == 0\n+    assert add(1, 0) == 1\n"
+    "diff --git a/tests/test_new.py b/tests/test_new.py\nnew file mode 100644\n--- /dev/null\n+++ b/tests/test_new.py\n"
+    "@@ -0,0 +1,4 @@\n+from calc import add\n+\n+\n+def test_add(): assert add(2, 3) == 5\n")
+"""A test patch as git writes it for a name with a space (a tab after the name), which also adds a file
+(SWE-bench's log reading splits names at spaces: the named test is in the other file)."""
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_name_with_a_space_is_reset_and_a_file_the_base_lacks_is_removed(tmp_path):
+    """One patch edits ``tests/test_a b.py`` and adds ``tests/test_new.py``: the agent's
+    edit of the first is reset and its own ``tests/test_new.py`` removed, so the patch
+    applies (a ``git checkout`` of both paths would fail as a whole: the base lacks one)."""
+    require_bwrap()
+    repo = _committed_calc_repo(tmp_path, {
+        "tests/test_a b.py": "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"})
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests", "pytest-swebench",
+                      fail_to_pass=("tests/test_new.py::test_add",), test_patch=SPACED_PATCH)
+    task = SweTask("calc__4", "add subtracts", repo, None, grading)
+    shadow = f"printf %s {shlex.quote(SHADOWED)} | cat - 'tests/test_a b.py' > t && mv t 'tests/test_a b.py'"
+    own_test = "printf '%s\\n' 'from calc import add' 'def test_add(): pass' > tests/test_new.py"
+    cheat = _grade(task, tmp_path / "s", setup=shadow)  # collected first, the edited file would patch calc.add
+    assert (cheat.reward, cheat.reason) == (0.0, "FAIL_TO_PASS tests/test_new.py::test_add: FAILED"), cheat.log_tail
+    fixed = _grade(task, tmp_path / "s", (Edit("calc.py", "a - b", "a + b"),), setup=f"{own_test} && {shadow}")
+    assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
