@@ -1,6 +1,7 @@
 """tasks/swe/grade.py in real bubblewrap sandboxes: the known fix of every tiny task gets
 reward 1, no change gets 0, a hanging test run is an invalid sample, and what the agent
-leaves where the hidden tests go does not count."""
+leaves where the hidden tests go does not count, nor its edits of the files a test
+patch touches (reset from the pristine repository, whatever it did to its `.git`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import require_bwrap
 
+from mlperf_grpo.agent.swe_session import SweSession, SweSessionSettings
 from mlperf_grpo.sandbox import Sandbox, SandboxLimits
 from mlperf_grpo.tasks.swe import Edit, Grading, SweTask, grade, known_fix, tiny_suite
 
@@ -281,12 +283,16 @@ def test_an_edited_test_file_is_reset_although_the_agent_destroyed_the_base_obje
     task = _calc_task(tmp_path)
     commit = "git -c user.name=a -c user.email=a@a commit -qam mine"
     setup = f"printf %s {shlex.quote(SHADOWED)} | cat - tests/test_calc.py > t && mv t tests/test_calc.py && {commit}"
-    with Sandbox(task.repo_dir, SandboxLimits(), tmp_path / "s") as sandbox:
+    session = SweSession(task, SweSessionSettings(SandboxLimits(), TIMEOUT_S, tmp_path / "s"), lambda _: [])
+    try:  # as the agent loop runs a trajectory: the base files are read when the session opens
+        sandbox = session.sandbox
         assert sandbox.run(f"{setup} && {DESTROY_BASE[how]}").exit_code == 0
         if how == "replaced":  # the agent's own git now reads its text as the base version
             assert sandbox.run("git show HEAD~1:tests/test_calc.py").output.startswith("import calc")
-        result = grade(task, sandbox, TIMEOUT_S)
+        result = session.grade()
         test_file = (sandbox.workdir / "tests" / "test_calc.py").read_text()
+    finally:
+        session.close()
     assert (result.reward, result.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), result.log_tail
     assert not test_file.startswith("import calc") and "assert add(2, 3) == 5" in test_file
 

@@ -1,8 +1,10 @@
 """The reward of a software-repair trajectory: the task's hidden tests in its final state.
 
 After the last turn, :func:`grade` writes the task's hidden test files into the
-trajectory's own sandbox (replacing whatever the agent left at those paths), runs the
-test command there under ``timeout_s`` (the benchmark: 60 s), reads the log per test
+trajectory's own sandbox (replacing whatever the agent left at those paths; a SWE-bench
+test patch applied after the files it touches are reset to their base versions, read on
+the host from the task's pristine repository: :mod:`.base_files`), runs the test command
+there under ``timeout_s`` (the benchmark: 60 s), reads the log per test
 (:mod:`.log_parsers`) and compares:
 
 - R2E-Gym rows (``expected_output_json``): reward 1 when the parsed ``{test: status}``
