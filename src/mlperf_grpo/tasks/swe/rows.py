@@ -43,8 +43,8 @@ from pathlib import Path
 from mlperf_grpo.tasks.base import TaskError
 from mlperf_grpo.tasks.jsonl import raw_rows
 from mlperf_grpo.tasks.swe.grade import patched_files
-from mlperf_grpo.tasks.swe.task import Grading, SweTask
 from mlperf_grpo.tasks.swe.log_parsers import PARSERS
+from mlperf_grpo.tasks.swe.task import Grading, SweTask
 
 R2E_TEST_COMMAND = ("PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' "
                     ".venv/bin/python -W ignore -m pytest -rA r2e_tests")
