@@ -225,6 +225,9 @@ class _TmpKept:
     def __init__(self, sandbox: Sandbox, planted: str):
         self.sandbox, self.planted, self.limits = sandbox, planted, sandbox.limits
 
+    def quiesce(self) -> str:
+        return self.sandbox.quiesce()
+
     def run(self, command: str, **kwargs):
         return self.sandbox.run(f"{{ {self.planted}\n}} >/dev/null 2>&1; {command}", **kwargs)
 

@@ -12,7 +12,9 @@ commands, the rest of the image's writable overlay does not.
 podman/docker keep one container per trajectory (``run -d ... sleep infinity``, as
 R2E-Gym's docker runtime does), run each command with ``exec`` under ``timeout -s KILL``
 inside, and ``rm -f`` it on close; no network, all capabilities dropped,
-``no-new-privileges``, ``--pids-limit`` and ``--memory`` for the container.
+``no-new-privileges``, ``--pids-limit`` and ``--memory`` for the container. A process a
+command leaves in the background (``nohup``, ``setsid``, a double fork) outlives it there:
+grading first kills every process but the container's PID 1 (:func:`oci_quiesce_argv`).
 
 Not exercised where these runtimes are absent (our CI has none): the tests build the
 command lines and check them; bubblewrap is the tested backend.
@@ -84,6 +86,39 @@ def oci_exec_argv(binary: str, name: str, inside_workdir: str, limits: SandboxLi
     """One command in the running container, killed inside at ``timeout_s``."""
     return [binary, "exec", "-i", "-w", inside_workdir, name,
             "timeout", "-s", "KILL", f"{timeout_s:g}", *limited_shell(limits), command]
+
+
+QUIESCE_ROUNDS = 50
+"""Rounds of :data:`QUIESCE_SCRIPT` (a kill, a scan of ``/proc``, 0.1 s) before it gives up."""
+QUIESCE_SCRIPT = f"""
+kill -KILL -1 2>/dev/null
+round=0
+while :; do
+  left=""
+  for entry in /proc/[0-9]*; do
+    pid=${{entry#/proc/}}
+    [ "$pid" = 1 ] || [ "$pid" = $$ ] && continue
+    read -r stat 2>/dev/null < "$entry/stat" || continue
+    case "${{stat##*) }}" in Z*|X*) ;; *) left="$left $pid";; esac
+  done
+  [ -z "$left" ] && echo quiet && exit 0
+  round=$((round + 1))
+  [ "$round" -ge {QUIESCE_ROUNDS} ] && echo "processes still running:$left" && exit 1
+  kill -KILL -1 2>/dev/null
+  sleep 0.1 2>/dev/null || sleep 1
+done
+"""
+"""POSIX sh, builtins only while it scans: ``kill -KILL -1`` signals every process the caller
+may signal but PID 1 (``sleep infinity``) and the caller itself (kill(2)); it repeats until
+no process but those two is left (zombies, which PID 1 never reaps, run nothing and count
+as gone). Prints ``quiet`` and exits 0, or names the pids left and exits 1."""
+
+
+def oci_quiesce_argv(binary: str, name: str) -> list[str]:
+    """Kill every process of the running container but its PID 1 and wait until none is left
+    (:data:`QUIESCE_SCRIPT`), as the container's user: the user the agent's commands ran as
+    (``exec`` without ``--user``, like :func:`oci_exec_argv`)."""
+    return [binary, "exec", name, "sh", "-c", QUIESCE_SCRIPT]
 
 
 def oci_remove_argv(binary: str, name: str) -> list[str]:

@@ -5,7 +5,10 @@ Backends (:func:`backend_name`): a SIF image runs under Apptainer, an OCI image 
 podman or docker, and without an image under bubblewrap (``bwrap``; the tested one, see
 :mod:`mlperf_grpo.sandbox.bwrap` for what a command can see). Every command is its own
 process tree (no shell state carries over between commands but the files); it ends with
-the command: a ``sleep 1000 &`` dies when its command returns.
+the command under bubblewrap (its own pid namespace) and Apptainer (``--containall --pid``):
+a ``sleep 1000 &`` dies when its command returns. A podman/docker container outlives its
+commands, and so does what they leave running: :meth:`Sandbox.quiesce` kills it (grading
+calls it first).
 
 Host code must not open paths under :attr:`Sandbox.workdir` directly once the model has
 run commands: the model may have planted symbolic links there that point at host files.
@@ -36,6 +39,7 @@ from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
 INSIDE_WORKDIR = "/testbed"
 """Where the repository copy appears inside the sandbox (R2E-Gym's and SWE-bench's images' place)."""
 BWRAP_INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
+QUIESCE_TIMEOUT_S = 60.0  # quiesce(): the runtime's exec plus the script's at most ~5 s of polling
 CLOSE_WAIT_S = 30.0  # close(): how long killed commands may take to be gone before the folder goes
 SANDBOX_UID_BASE, SANDBOX_UID_SPAN = 2_000_000_000, 100_000_000
 """Host uids of root runs' sandboxes: one drawn at random from this range per sandbox (no
@@ -308,6 +312,26 @@ class Sandbox:
     def read_file(self, path: str) -> CommandResult:
         """``path``'s contents (inside; at most ``limits.output_bytes``), read inside the sandbox."""
         return self.run(f"cat -- {_shell_quote(path)}")
+
+    def quiesce(self) -> str:
+        """Kill every process the agent's commands left running and wait until none is left,
+        so that what runs next (grading) starts from a quiet sandbox. "" when quiet, else one
+        line saying why it cannot be confirmed. Nothing survives a command under bubblewrap
+        or Apptainer (own pid namespace per command; run() returns once bwrap's is gone):
+        "" at once. A podman/docker container runs :func:`~mlperf_grpo.sandbox.containers.oci_quiesce_argv`."""
+        with self._lock:
+            if self._closed:
+                return "the sandbox is closed"
+            if self._running:
+                return f"{len(self._running)} command(s) still running"
+        if self._container is None:
+            return ""
+        argv = containers.oci_quiesce_argv(shutil.which(self.backend), self._container)
+        result = run_command(argv, self.limits, timeout_s=QUIESCE_TIMEOUT_S, env=dict(os.environ))
+        if result.exit_code == 0 and result.output.strip() == "quiet":
+            return ""
+        said = " ".join(result.output.split())[:200] or f"exit {result.exit_code}"
+        return f"{self.backend} exec could not kill every process of container {self._container} ({said})"
 
     def close(self) -> None:
         """Kill every command still running, remove the container (if any) and the

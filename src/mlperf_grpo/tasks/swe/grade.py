@@ -1,6 +1,9 @@
 """The reward of a software-repair trajectory: the task's hidden tests in its final state.
 
-After the last turn, :func:`grade` writes the task's hidden test files into the
+After the last turn, :func:`grade` first makes the sandbox quiet (``sandbox.quiesce()``:
+nothing the agent left running in the background may rewrite the hidden tests or the code
+under test once they are written; a sandbox that cannot be confirmed quiet is graded 0),
+then writes the task's hidden test files into the
 trajectory's own sandbox (replacing whatever the agent left at those paths; a SWE-bench
 test patch applied after the files it touches are reset to their base versions, read on
 the host from the task's pristine repository: :mod:`.base_files`), runs the test command
@@ -89,7 +92,8 @@ def grade(task: SweTask, sandbox, timeout_s: float, base_files: tuple[BaseFile, 
 
     Args:
         task: the task; ``task.grading`` says what to write, run and compare.
-        sandbox: has ``run(command, timeout_s, input_bytes) -> CommandResult``.
+        sandbox: has ``quiesce() -> str`` ("" when nothing the agent started still runs)
+            and ``run(command, timeout_s, input_bytes) -> CommandResult``.
         timeout_s: limit of the test run (the benchmark's 60 s), and of the writing.
         base_files: :func:`pristine_base_files` of the task, read before the agent ran;
             None reads them now from ``task.repo_dir``.
@@ -99,6 +103,9 @@ def grade(task: SweTask, sandbox, timeout_s: float, base_files: tuple[BaseFile, 
     """
     grading = task.grading
     base = pristine_base_files(task) if base_files is None else base_files
+    noisy = sandbox.quiesce()
+    if noisy:
+        return Grade(0.0, False, f"the sandbox is not quiet before grading: {noisy}", "")
     failed = _install_hidden_files(task, sandbox, timeout_s, base)
     if failed is not None:
         return failed
