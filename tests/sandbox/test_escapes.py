@@ -190,6 +190,35 @@ def test_kernel_surface_no_command_needs_is_refused_with_eperm(sandbox):
     still_works(sandbox)
 
 
+PERSONALITY_PROBE = """
+import ctypes, errno, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for persona in map(int, sys.argv[1:]):
+    ctypes.set_errno(0)
+    result = libc.personality(ctypes.c_ulong(persona))
+    print(hex(persona), "refused" if result == -1 else "set", errno.errorcode.get(ctypes.get_errno(), 0))
+    libc.personality(ctypes.c_ulong(0))
+"""
+
+
+def test_personality_sets_only_docker_s_personas(sandbox):
+    """ADDR_NO_RANDOMIZE (0x40000) and READ_IMPLIES_EXEC (0x400000) are refused, so a command
+    cannot turn address randomization off for what it runs; Docker's five personas work."""
+    if seccomp.filter_program() is None:
+        pytest.skip("the seccomp filter is x86-64 only")
+    assert len(seccomp.filter_program()) // 8 <= 80  # each system call walks at most this many records
+    header = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+    assert not header.exists() or f"#define __NR_personality {seccomp.NR_PERSONALITY}\n" in header.read_text()
+    personas = [*seccomp.PERSONALITY_ALLOWED, 0x40000, 0x400000, 0x40008, 0x1_0000_0000 | 0x40000]
+    result = sandbox.run("python - " + " ".join(map(str, personas)), input_bytes=PERSONALITY_PROBE.encode())
+    assert result.output.splitlines() == [f"{hex(p)} set 0" for p in seccomp.PERSONALITY_ALLOWED] + [
+        f"{hex(p)} refused EPERM" for p in personas[5:]], result.output
+    refused = sandbox.run("setarch -R true")
+    assert refused.exit_code != 0 and "Operation not permitted" in refused.output, refused.output
+    assert sandbox.run("setarch x86_64 true && python -c 'import os'").exit_code == 0
+    still_works(sandbox)
+
+
 def test_commands_hold_no_capability_not_even_in_their_bounding_set(sandbox):
     """A root run's setpriv lacked CAP_SETPCAP, so its ``--bounding-set=-all`` was skipped
     silently and every command kept the host's full bounding set."""

@@ -9,7 +9,10 @@ does not, so this filter refuses ``unshare``/``clone`` with ``CLONE_NEWUSER`` (E
 ``clone3``, whose flags a filter cannot read (ENOSYS: the C library falls back to
 ``clone``), and refuses the 32-bit and x32 system-call entries outright (EPERM), which
 would bypass the checks. It also refuses (EPERM) the calls of :data:`DENIED` and
-``socket(AF_VSOCK, ...)`` (vsock is not network-namespaced: it reaches the host). x86-64
+``socket(AF_VSOCK, ...)`` (vsock is not network-namespaced: it reaches the host), and
+``personality`` with any persona but :data:`PERSONALITY_ALLOWED` (Docker's rule: no
+``ADDR_NO_RANDOMIZE``, so a command cannot turn address randomization off for what it
+runs, nor the other flags that weaken a process: ``READ_IMPLIES_EXEC``, ...). x86-64
 hosts only (:func:`filter_program` returns None elsewhere: the sandbox then runs without it).
 
 bwrap installs the filter as the last step before it executes the command (bubblewrap.c,
@@ -28,10 +31,15 @@ import struct
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 X32_SYSCALL_BIT = 0x40000000
-NR_SOCKET, NR_CLONE, NR_UNSHARE, NR_CLONE3 = 41, 56, 272, 435  # x86-64 system call numbers
+NR_SOCKET, NR_CLONE, NR_UNSHARE, NR_CLONE3, NR_PERSONALITY = 41, 56, 272, 435, 135  # x86-64 system call numbers
 CLONE_NEWUSER = 0x10000000
 AF_VSOCK = 40
 EPERM, ENOSYS = 1, 38
+PERSONALITY_ALLOWED = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+"""The personas ``personality`` may set, as in Docker's default profile: ``PER_LINUX``,
+``PER_LINUX32``, ``UNAME26``, both, and ``0xffffffff`` (a query: changes nothing). The
+kernel reads the argument as ``unsigned int`` (kernel/exec_domain.c), so its low 32 bits
+are what is compared."""
 LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
 
@@ -57,7 +65,7 @@ moby 25), and none a coding agent's shell, git, Python or a repository's tests n
 Numbers: the kernel's ``arch/x86/entry/syscalls/syscall_64.tbl`` (``asm/unistd_64.h``).
 Left allowed although Docker refuses them without a capability: ``ptrace`` and
 ``process_vm_*`` (Docker allows them on kernels from 4.8; debuggers), the NUMA calls
-(``mbind``, ``*_mempolicy``: numerical libraries probe them), ``personality``, ``chroot``,
+(``mbind``, ``*_mempolicy``: numerical libraries probe them), ``chroot``,
 ``sethostname`` (the sandbox has its own UTS namespace)."""
 
 
@@ -97,7 +105,7 @@ def filter_program() -> bytes | None:
         (LD_W_ABS, 4), (JEQ_K, AUDIT_ARCH_X86_64, 0, "refuse"),         # arch: an i386 entry is refused
         (LD_W_ABS, 0), (JGE_K, X32_SYSCALL_BIT, "refuse", 0),            # nr: an x32 entry is refused
         (JEQ_K, NR_UNSHARE, "flags", 0), (JEQ_K, NR_CLONE, "flags", 0),
-        (JEQ_K, NR_CLONE3, "enosys", 0), (JEQ_K, NR_SOCKET, "family", 0),
+        (JEQ_K, NR_CLONE3, "enosys", 0), (JEQ_K, NR_SOCKET, "family", 0), (JEQ_K, NR_PERSONALITY, "persona", 0),
         *[(JEQ_K, number, "refuse", 0) for number in sorted(DENIED.values())],
         (RET_K, RET_ALLOW),
         "enosys", (RET_K, RET_ERRNO | ENOSYS),                          # clone3: the C library uses clone
@@ -105,7 +113,10 @@ def filter_program() -> bytes | None:
         (RET_K, RET_ALLOW),
         "family", (LD_W_ABS, 16), (JEQ_K, AF_VSOCK, "refuse", 0),      # socket's domain
         (RET_K, RET_ALLOW),
+        "persona", (LD_W_ABS, 16),                                      # personality's persona, low 32 bits
+        *[(JEQ_K, persona, "allow", 0) for persona in PERSONALITY_ALLOWED],
         "refuse", (RET_K, RET_ERRNO | EPERM),
+        "allow", (RET_K, RET_ALLOW),
     ])
 
 
