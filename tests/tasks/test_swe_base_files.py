@@ -110,3 +110,15 @@ def test_a_session_whose_base_files_cannot_be_read_fails_and_leaves_no_sandbox(t
     with pytest.raises(TaskError, match="a SWE-bench row needs the git repository at its base_commit"):
         SweSession(_task(plain, "HEAD"), settings, lambda task: [])
     assert list((tmp_path / "s").iterdir()) == []
+
+
+def test_git_header_lines_count_and_hunk_lines_never_do():
+    """``diff --git`` names (plain, with spaces, C-quoted), ``rename``/``copy`` lines; a
+    hunk's lines are content however they look (counted by the ``@@`` header)."""
+    patch = ('diff --git "a/t\\303\\251 x.py" "b/t\\303\\251 x.py"\nold mode 100644\nnew mode 100755\n'
+             "diff --git a/s p.py b/s p.py\nnew file mode 100644\nindex 0000000..e69de29\n"
+             "diff --git a/old.py b/new.py\nrename from old.py\nrename to new.py\n"
+             "diff --git a/d.txt b/d.txt\n--- a/d.txt\n+++ b/d.txt\n@@ -1,2 +1,3 @@\n x\n-- a/gone.py\n++++ b/calc.py\n+\n"
+             "\\ No newline at end of file\n")
+    assert touched_files(patch) == ["d.txt", "new.py", "old.py", "s p.py", "té x.py"]
+    assert diff_paths(patch) == ({"d.txt", "old.py"}, {"d.txt", "new.py"})

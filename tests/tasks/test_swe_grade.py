@@ -343,3 +343,53 @@ def test_a_name_with_a_space_is_reset_and_a_file_the_base_lacks_is_removed(tmp_p
     assert (cheat.reward, cheat.reason) == (0.0, "FAIL_TO_PASS tests/test_new.py::test_add: FAILED"), cheat.log_tail
     fixed = _grade(task, tmp_path / "s", (Edit("calc.py", "a - b", "a + b"),), setup=f"{own_test} && {shadow}")
     assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
+
+
+CALC_TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+HEADER_ONLY = {  # entries of a git patch without ---/+++ lines: (base files, patch, the file the agent edits)
+    "rename": ({"tests/calc_checks.py": CALC_TEST}, "diff --git a/tests/calc_checks.py b/tests/test_calc.py\n"
+               "similarity index 100%\nrename from tests/calc_checks.py\nrename to tests/test_calc.py\n",
+               "tests/calc_checks.py"),
+    "copy": ({"tests/calc_checks.py": CALC_TEST}, "diff --git a/tests/calc_checks.py b/tests/test_calc.py\n"
+             "similarity index 100%\ncopy from tests/calc_checks.py\ncopy to tests/test_calc.py\n", "tests/calc_checks.py"),
+    "mode": ({"tests/test_calc.py": CALC_TEST}, "diff --git a/tests/test_calc.py b/tests/test_calc.py\n"
+             "old mode 100644\nnew mode 100755\n", "tests/test_calc.py"),
+}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.parametrize("kind", sorted(HEADER_ONLY))
+def test_a_header_only_entry_of_the_test_patch_is_reset_too(tmp_path, kind):
+    """A pure rename, copy or mode change (no ``---``/``+++`` lines) touches its files: the
+    agent's edit of them is reset, so unfixed code that patches ``add`` there gets 0."""
+    require_bwrap()
+    files, patch, edited = HEADER_ONLY[kind]
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), test_patch=patch)
+    task = SweTask("calc__9", "add subtracts", _committed_calc_repo(tmp_path, files), None, grading)
+    cheat = _grade(task, tmp_path / "s", setup=f"printf %s {shlex.quote(SHADOWED)} | cat - {edited} > t && mv t {edited}")
+    assert (cheat.reward, cheat.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), cheat.log_tail
+    fixed = _grade(task, tmp_path / "s", (Edit("calc.py", "a - b", "a + b"),))
+    assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_hunk_line_that_looks_like_a_file_header_resets_nothing(tmp_path):
+    """A test patch whose added test data holds ``++ b/calc.py`` (written ``+++ b/calc.py``)
+    and an empty new file: ``calc.py`` is not reset (an honest fix keeps its 1), and the
+    agent's own copy of the new file does not stop the patch from applying."""
+    require_bwrap()
+    patch = (CALC_PATCH_HEAD + "diff --git a/tests/data.txt b/tests/data.txt\nnew file mode 100644\n--- /dev/null\n"
+             "+++ b/tests/data.txt\n@@ -0,0 +1,2 @@\n+++ b/calc.py\n+-- a/calc.py\n"
+             "diff --git a/tests/__init__.py b/tests/__init__.py\nnew file mode 100644\nindex 0000000..e69de29\n")
+    grading = Grading((), f"{sys.executable} -m pytest -rA -p no:cacheprovider tests/test_calc.py", "pytest-swebench",
+                      fail_to_pass=("tests/test_calc.py::test_add",), test_patch=patch)
+    task = SweTask("calc__10", "add subtracts", _committed_calc_repo(tmp_path, {}), None, grading)
+    fixed = _grade(task, tmp_path / "s", (Edit("calc.py", "a - b", "a + b"),), setup="mkdir -p tests && touch tests/__init__.py")
+    assert (fixed.reward, fixed.reason) == (1.0, "passed"), fixed.log_tail
+    unfixed = _grade(task, tmp_path / "s")
+    assert (unfixed.reward, unfixed.reason) == (0.0, "FAIL_TO_PASS tests/test_calc.py::test_add: FAILED"), unfixed.log_tail
+
+
+CALC_PATCH_HEAD = ("diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n--- /dev/null\n"
+                   "+++ b/tests/test_calc.py\n@@ -0,0 +1,5 @@\n" + "".join(f"+{line}\n" for line in CALC_TEST.splitlines()))

@@ -13,6 +13,7 @@ fast-import`` stream (:func:`fast_import_stream`): grading's own git checks them
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,25 +36,81 @@ class BaseFile:
     data: bytes = b""
 
 
+_HUNK = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_RENAMES = {"rename from ": 0, "copy from ": 0, "rename to ": 1, "copy to ": 1}
+
+
 def diff_paths(patch: str) -> tuple[set[str], set[str]]:
-    """``(read, written)``: the paths of a unified diff's ``--- a/`` and ``+++ b/`` lines
-    (``/dev/null`` left out; git's C-quoted names unquoted; a tab and what follows it, which
-    git adds after a name with a space and GNU diff before its time stamp, cut)."""
-    found: dict[str, set[str]] = {"--- ": set(), "+++ ": set()}
-    for line in patch.splitlines():
-        marker = line[:4]
-        if marker in found:
-            name = line[4:]
-            name = _unquote(name) if name.startswith('"') else name.split("\t")[0]
-            if name[:2] in ("a/", "b/"):
-                found[marker].add(name[2:])
-    return found["--- "], found["+++ "]
+    """``(read, written)``: the paths of a unified diff's ``--- a/`` and ``+++ b/`` file
+    headers and git's ``rename``/``copy`` ``from``/``to`` lines (``/dev/null`` left out;
+    git's C-quoted names unquoted; a tab and what follows it, which git adds after a name
+    with a space and GNU diff before its time stamp, cut). Lines inside a hunk (counted by
+    its ``@@ -l,s +l,s @@`` header, as ``git apply`` does) are content, never names."""
+    return _diff_paths(patch)[:2]
 
 
 def touched_files(patch: str) -> list[str]:
-    """The paths a test patch reads or writes, sorted: what grading resets to the base."""
-    read, written = diff_paths(patch)
-    return sorted(read | written)
+    """The paths a test patch reads or writes, sorted: what grading resets to the base;
+    with the paths of git's ``diff --git`` lines, so an entry without ``---``/``+++`` lines
+    (a pure rename or copy, a mode change, an empty new file) counts too."""
+    read, written, headers = _diff_paths(patch)
+    return sorted(read | written | headers)
+
+
+def _diff_paths(patch: str) -> tuple[set[str], set[str], set[str]]:
+    """``(read, written, git header paths)`` of :func:`diff_paths` and :func:`touched_files`."""
+    read, written, headers = set(), set(), set()
+    old = new = 0  # lines left in the current hunk
+    for line in patch.splitlines():
+        if old > 0 or new > 0:  # a hunk's line: " " (or "", a context line stripped of its space) both, "-", "+"
+            tag = line[:1]
+            old -= tag in (" ", "", "-")
+            new -= tag in (" ", "", "+")
+            continue
+        if hunk := _HUNK.match(line):
+            old, new = (1 if count is None else int(count) for count in hunk.groups())
+        elif line.startswith("diff --git "):
+            headers.update(_git_header_paths(line[len("diff --git "):]))
+        elif line.startswith(("--- ", "+++ ")):
+            name = _name(line[4:])
+            if name[:2] in ("a/", "b/"):
+                (read if line[0] == "-" else written).add(name[2:])
+        else:
+            for marker, side in _RENAMES.items():
+                if line.startswith(marker):
+                    (read, written)[side].add(_name(line[len(marker):]))
+    return read, written, headers
+
+
+def _name(text: str) -> str:
+    """A name as a diff writes it: C-quoted, or cut at a tab."""
+    return _unquote(text) if text.startswith('"') else text.split("\t")[0]
+
+
+def _git_header_paths(text: str) -> set[str]:
+    """The paths of ``diff --git``'s ``a/X b/Y`` (each maybe C-quoted): both where they
+    can be told apart, else none (an unquoted name with spaces that was renamed: its
+    ``rename`` lines or ``---``/``+++`` headers name it)."""
+    if text.startswith('"'):
+        end = _closing_quote(text)
+        first, rest = _unquote(text[:end + 1]), text[end + 2:]
+        second = _unquote(rest) if rest.startswith('"') else rest
+    elif text.endswith('"'):
+        first, second = text[:text.index(' "')], _unquote(text[text.index(' "') + 1:])
+    else:
+        half = (len(text) - 5) // 2  # "a/" P " b/" P: the same P on both sides
+        first, second = text[:half + 2], text[half + 3:]
+        if first[2:] != second[2:]:
+            return set()
+    return {name[2:] for name in (first, second) if name[:2] in ("a/", "b/")}
+
+
+def _closing_quote(text: str) -> int:
+    """The index of the quote that closes the C-quoted name ``text`` starts with."""
+    i = 1
+    while i < len(text) and text[i] != '"':
+        i += 2 if text[i] == "\\" else 1
+    return i
 
 
 def read_base_files(repo: Path, base: str, paths: list[str]) -> tuple[BaseFile, ...]:
