@@ -148,7 +148,7 @@ def test_plan_memory_bad_t_is_one_line_naming_the_flag(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "--memory", "--global-batch-size", "256", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "8"],
      "drop --global-batch-size"),
-    (["plan", "--global-batch-size", "256", "--world-size", "8"], "--world-size belong to plan --memory: add --memory"),
+    (["plan", "--global-batch-size", "256", "--world-size", "8"], "--world-size belongs to plan --memory: add --memory"),
     (["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b"], "give --world-size N"),
 ])
 def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
@@ -160,8 +160,9 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("key, value, least", [("num_attention_heads", 0, 1), ("vocab_size", 0, 1),
-                                               ("num_hidden_layers", 2.5, 0), ("hidden_size", "64", 0),
-                                               ("hidden_size", -64, 0), ("intermediate_size", True, 0)])
+                                               ("num_hidden_layers", 2.5, 0), ("hidden_size", "64", 1),
+                                               ("hidden_size", -64, 1), ("hidden_size", 0, 1),
+                                               ("intermediate_size", True, 0), ("intermediate_size", -1, 0)])
 def test_a_config_count_that_is_not_a_whole_number_is_one_line(tmp_path, capsys, key, value, least):
     """Before: ZeroDivisionError / TypeError text and exit 1, or negative bytes and exit 0 (a new-user trial)."""
     import json
@@ -228,3 +229,26 @@ def test_a_small_size_in_a_plan_table_never_reads_0_0():
     cells = [c for line in table.splitlines()[2:-1] for c in line[38:].split("  ") if c.strip()]
     assert cells and all(c.strip() == "0.0" or not c.strip().startswith("0.0") for c in cells), table
     assert "MiB" in table, table
+
+
+@pytest.mark.parametrize("content, named", [
+    ("[" * 100_000, "nested too deeply"), ("x" * (16 * 2**20 + 1), "over 16 MiB, not a model config"),
+    ('{"model_type": "llama", "hidden_size": 66, "num_attention_heads": 4, "vocab_size": 15, "num_hidden_layers": 2, '
+     '"intermediate_size": 8}', "hidden_size 66 is not a multiple of num_attention_heads 4"),
+])
+def test_a_config_that_is_no_model_config_is_one_line(tmp_path, capsys, content, named):
+    """A deep JSON nest (RecursionError), a huge file (a weights file given by mistake:
+    read at most 16 MiB), heads that do not divide the width: one line, exit 2."""
+    from mlperf_grpo.cli import main
+
+    (tmp_path / "config.json").write_text(content)
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and named in captured.err, captured.err[:300]
+
+
+def test_a_tiny_model_s_plan_names_its_parameters_without_0_0():
+    from mlperf_grpo.plan.memory import format_memory_plan
+
+    head = format_memory_plan(plan_memory(planner_config(CONFIGS["llama-gqa-bias"]), 1, 1, "float32")).splitlines()[0]
+    assert "(0.0e9)" not in head and "e9)" in head, head

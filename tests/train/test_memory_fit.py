@@ -285,11 +285,11 @@ def test_plan_memory_gives_the_sequences_for_a_trajectory_length(tmp_path, capsy
     assert ("sequences: passes of 65,536 tokens (one row), the engine decoding 16 rows of 65,536 (prompts of up to "
             "65,536)") in text
     lines = {line[:38].strip(): line.split()[-1] for line in text.splitlines() if line.startswith("  ")}
-    assert lines["engine prefill (the largest)"] == sequences.gib(memory.prefill_bytes)
+    assert lines["engine prefill (the largest)"] == sequences.gib_cell(memory.prefill_bytes)
     # the peak the trainer judges (plan_step's fit, nothing freed) is the one printed
     verdict = sequences.fit(QWEN3_1_4B, shape, static, 1 << 50, checkpointing=True)
     assert verdict.peak_bytes == static + memory.kv_cache_bytes + memory.prefill_bytes + memory.training_bytes
-    assert lines["= device peak (with all rows)"] == sequences.gib(verdict.peak_bytes)
+    assert lines["= device peak (with all rows)"] == sequences.gib_cell(verdict.peak_bytes)
     # prompts of 40 tokens (not an agent's): the rows' prefill together, as the trainer counts it
     assert main(argv + ["--prompt-tokens", "40", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["sequences"]
@@ -318,7 +318,7 @@ def test_plan_memory_refuses_sequences_it_cannot_plan_in_one_line(tmp_path, caps
     err = capsys.readouterr().err
     assert named in err and len(err.strip().splitlines()) == 1, err
     assert main(["plan", "--global-batch-size", "256", "--micro-batch-tokens", "100"]) == 2
-    assert "--micro-batch-tokens belong to plan --memory" in capsys.readouterr().err
+    assert "--micro-batch-tokens belongs to plan --memory" in capsys.readouterr().err
     assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
                  "--trajectory-tokens", "65536", "--micro-batch-tokens", "100"]) == 0  # at the context: planned
 

@@ -231,6 +231,6 @@ class PlanRequest:
                                f"{self.trajectory_tokens:,}, which counts the prompt: give at most {self.trajectory_tokens}")
             return
         if memory_options:
-            raise BadInput(f"{' '.join(memory_options)} belong to plan --memory: add --memory")
+            raise BadInput(f"{' '.join(memory_options)} belong{'s' * (len(memory_options) == 1)} to plan --memory: add --memory")
         if (self.global_batch_size is None) == (self.config is None):
             raise BadInput("give exactly one of --global-batch-size N and --config FILE")

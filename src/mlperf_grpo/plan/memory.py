@@ -80,10 +80,11 @@ class Tensor:
         return math.prod(self.shape)
 
 
-DIVISOR_KEYS = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
+DIVISOR_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
                 "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings")
-"""Keys of a model config the planner divides by (and the context): where present (not null), whole numbers >= 1."""
-SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
+"""Keys of a model config the planner divides by (and the context and the width): where present
+(not null), whole numbers >= 1."""
+SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
              "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
 """Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
 
@@ -97,6 +98,14 @@ def _check_dimensions(config: dict, file: Path) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise MemoryPlanError(f"{file}: {key} is {value!r}, not a whole number >= {least}; "
                                       "give the model's real config.json")
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and hidden and heads and hidden % heads:
+        raise MemoryPlanError(f"{file}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no "
+                              "head_dim is given; give the model's real config.json")
+
+
+MAX_CONFIG_BYTES = 16 * 2**20
+"""The most a model config may take (a config.json is a few KiB; a weights file or a device given by mistake is refused)."""
 
 
 def load_model_config(path: Path) -> dict:
@@ -109,9 +118,14 @@ def load_model_config(path: Path) -> dict:
     """
     file = path / "config.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise MemoryPlanError(f"cannot read the model config {file}: {err}; give a config.json") from None
+        with open(file, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ValueError(f"over {MAX_CONFIG_BYTES // 2**20} MiB, not a model config")
+        data = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as err:
+        why = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise MemoryPlanError(f"cannot read the model config {file}: {why}; give a config.json") from None
     if not isinstance(data, dict):
         raise MemoryPlanError(f"{file} is not a JSON object; give a model's config.json")
     text = data.get("text_config")
@@ -414,7 +428,7 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             ("= device total", r.device_bytes, s.device_bytes),
             ("host: checkpoint staging (K)", r.staging_bytes, s.staging_bytes),
             ("host: evaluator read buffers (2)", r.eval_read_bytes, s.eval_read_bytes)]
-    head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.1f}e9), {size_text(plan.weight_bytes)} of rollout-dtype "
+    head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.3g}e9), {size_text(plan.weight_bytes)} of rollout-dtype "
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
     lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
     lines += [f"  {name:36} {gib_cell(a):>16} {gib_cell(b):>20}" for name, a, b in rows]
