@@ -184,6 +184,10 @@ def test_the_quiesce_script_kills_every_process_but_pid_1_and_itself_in_a_real_p
         disguised = sandbox.run(  # a live process named to end stat's first line in a zombie's state
             f"{sys.executable} -c \"import ctypes, time; ctypes.CDLL(None).prctl(15, b'a) Z\\nx'); time.sleep(100)\" "
             f"</dev/null >/dev/null 2>&1 & sleep 0.5; sh -c {shlex.quote(idle)}")
+        headless = sandbox.run(  # the group's first thread exits (a zombie in /proc/PID/status); another runs on
+            f"{sys.executable} -c \"import ctypes, threading, time; threading.Thread(target=time.sleep, args=(100,)).start(); "
+            f"ctypes.CDLL(None).pthread_exit(None)\" </dev/null >/dev/null 2>&1 & sleep 0.5; sh -c {shlex.quote(idle)}")
     assert listed.exit_code == 1 and listed.output.startswith("processes still running: "), listed.output
     assert len(listed.output.split(":")[1].split()) == 3  # the three sleeps (sh is the command's bash, exec'd)
     assert disguised.exit_code == 1 and len(disguised.output.split(":")[1].split()) == 1, disguised.output
+    assert headless.exit_code == 1 and len(headless.output.split(":")[1].split()) == 1, headless.output

@@ -122,3 +122,24 @@ def test_git_header_lines_count_and_hunk_lines_never_do():
              "\\ No newline at end of file\n")
     assert touched_files(patch) == ["d.txt", "new.py", "old.py", "s p.py", "té x.py"]
     assert diff_paths(patch) == ({"d.txt", "old.py"}, {"d.txt", "new.py"})
+
+
+HUNK = "@@ -1 +1,2 @@\n x\n+y\n"
+
+
+@pytest.mark.parametrize("patch, touched", [
+    ("diff --git i/t/a.py w/t/a.py\n--- i/t/a.py\n+++ w/t/a.py\n" + HUNK, ["t/a.py"]),  # diff.mnemonicPrefix
+    ("--- x/t/a.py\n+++ y/t/a.py\n" + HUNK, ["t/a.py"]),  # -p1 strips any first folder
+    ("--- a/t/a.py 2020-01-01 00:00:00.000000000 +0000\n+++ b/t/a.py 2020-01-01 00:00:00.000000000 +0000\n" + HUNK,
+     ["t/a.py"]),  # GNU diff -u's time stamp after a space
+    ("--- a/calc.py\n+++ b/t/a.py\n" + HUNK, ["t/a.py"]),  # a plain diff writes its +++ name only
+    ("--- a/t/gone.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n", ["t/gone.py"]),
+    ("diff --git a/d.txt b/d.txt\nnew file mode 100644\n--- /dev/null\n+++ b/d.txt\n@@ -0,0 +1,2 @@\n+\x0c\n+++ b/calc.py\n",
+     ["d.txt"]),  # a form feed ends no line for git
+    ("diff --git a/d.txt b/d.txt\nnew file mode 100644\n--- /dev/null\n+++ b/d.txt\n@@ -0,0 +1 @@\n+x\x0c@@ -1,50 +1,50 @@\n"
+     "diff --git a/t/a.py b/t/a.py\n--- a/t/a.py\n+++ b/t/a.py\n" + HUNK, ["d.txt", "t/a.py"]),
+])
+def test_the_touched_paths_are_the_ones_git_apply_writes(patch, touched):
+    """Break-test cases: other prefixes than a/ b/, time stamps, a plain diff's two names,
+    separators that ``str.splitlines`` takes for line ends inside a hunk."""
+    assert touched_files(patch) == touched

@@ -98,9 +98,13 @@ while :; do
   for entry in /proc/[0-9]*; do
     pid=${{entry#/proc/}}
     [ "$pid" = 1 ] || [ "$pid" = $$ ] && continue
-    state=""
-    {{ while read -r key value rest; do [ "$key" = State: ] && state=$value && break; done < "$entry/status"; }} 2>/dev/null
-    case "$state" in ""|Z*|X*) ;; *) left="$left $pid";; esac
+    live=""
+    for task in "$entry"/task/[0-9]*; do
+      state=""
+      {{ while read -r key value rest; do [ "$key" = State: ] && state=$value && break; done < "$task/status"; }} 2>/dev/null
+      case "$state" in ""|Z*|X*) ;; *) live=1;; esac
+    done
+    [ -n "$live" ] && left="$left $pid"
   done
   [ -z "$left" ] && echo quiet && exit 0
   round=$((round + 1))
@@ -112,10 +116,11 @@ done
 """POSIX sh, builtins only while it scans: ``kill -KILL -1`` signals every process the caller
 may signal but PID 1 (``sleep infinity``) and the caller itself (kill(2)); it repeats until
 no process but those two is left (zombies, which PID 1 never reaps, run nothing and count
-as gone, as does one gone before its ``status`` is read). The state is read from the
-``State:`` line of ``/proc/PID/status``, whose ``Name:`` line escapes a newline (``stat``'s
-first line ends wherever a process puts one in its name). Prints ``quiet`` and exits 0, or
-names the pids left and exits 1."""
+as gone, as does one gone before its ``status`` is read). A process runs while any of its
+threads does: the ``State:`` line of each ``/proc/PID/task/TID/status`` (a group whose first
+thread has exited reads as a zombie in ``/proc/PID/status`` while another thread runs),
+whose ``Name:`` line escapes a newline (``stat``'s first line ends wherever a process puts
+one in its name). Prints ``quiet`` and exits 0, or names the pids left and exits 1."""
 
 
 def oci_quiesce_argv(binary: str, name: str) -> list[str]:

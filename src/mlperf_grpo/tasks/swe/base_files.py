@@ -41,11 +41,12 @@ _RENAMES = {"rename from ": 0, "copy from ": 0, "rename to ": 1, "copy to ": 1}
 
 
 def diff_paths(patch: str) -> tuple[set[str], set[str]]:
-    """``(read, written)``: the paths of a unified diff's ``--- a/`` and ``+++ b/`` file
-    headers and git's ``rename``/``copy`` ``from``/``to`` lines (``/dev/null`` left out;
-    git's C-quoted names unquoted; a tab and what follows it, which git adds after a name
-    with a space and GNU diff before its time stamp, cut). Lines inside a hunk (counted by
-    its ``@@ -l,s +l,s @@`` header, as ``git apply`` does) are content, never names."""
+    """``(read, written)``: the paths of a unified diff's ``---`` and ``+++`` file headers,
+    their first folder stripped as ``git apply -p1`` does, and git's ``rename``/``copy``
+    ``from``/``to`` lines (``/dev/null`` left out; git's C-quoted names unquoted; a tab and
+    what follows it, which git adds after a name with a space and GNU diff before its time
+    stamp, cut). Lines inside a hunk (counted by its ``@@ -l,s +l,s @@`` header, as ``git
+    apply`` does) are content, never names."""
     return _diff_paths(patch)[:2]
 
 
@@ -58,10 +59,16 @@ def touched_files(patch: str) -> list[str]:
 
 
 def _diff_paths(patch: str) -> tuple[set[str], set[str], set[str]]:
-    """``(read, written, git header paths)`` of :func:`diff_paths` and :func:`touched_files`."""
+    """``(read, written, git header paths)`` of :func:`diff_paths` and :func:`touched_files`.
+    Lines end at ``\\n`` alone (git's; ``str.splitlines`` also ends them at form feeds and
+    other separators a hunk's content may hold). A git entry (``diff --git``) names its old
+    and new files; a plain diff's entry writes one file, as ``git apply`` picks it: its
+    ``+++`` name, or its ``---`` name where ``+++`` is ``/dev/null``."""
     read, written, headers = set(), set(), set()
     old = new = 0  # lines left in the current hunk
-    for line in patch.splitlines():
+    git_entry, hunk_seen, plain_old = False, False, None
+    for line in patch.split("\n"):
+        line = line.removesuffix("\r")
         if old > 0 or new > 0:  # a hunk's line: " " (or "", a context line stripped of its space) both, "-", "+"
             tag = line[:1]
             old -= tag in (" ", "", "-")
@@ -69,22 +76,50 @@ def _diff_paths(patch: str) -> tuple[set[str], set[str], set[str]]:
             continue
         if hunk := _HUNK.match(line):
             old, new = (1 if count is None else int(count) for count in hunk.groups())
+            hunk_seen = True
         elif line.startswith("diff --git "):
+            git_entry, hunk_seen = True, False
             headers.update(_git_header_paths(line[len("diff --git "):]))
-        elif line.startswith(("--- ", "+++ ")):
-            name = _name(line[4:])
-            if name[:2] in ("a/", "b/"):
-                (read if line[0] == "-" else written).add(name[2:])
-        else:
+        elif line.startswith("--- "):
+            if hunk_seen or not git_entry:  # a plain diff's entry begins
+                git_entry, hunk_seen = False, False
+            plain_old = _stripped(_name(line[4:], git_entry))
+            if git_entry and plain_old is not None:
+                read.add(plain_old)
+        elif line.startswith("+++ "):
+            name = _stripped(_name(line[4:], git_entry))
+            if git_entry:
+                written.update([name] if name is not None else [])
+            elif name is not None:
+                written.add(name)
+            elif plain_old is not None:  # a deletion: +++ /dev/null
+                read.add(plain_old)
+        elif git_entry:
             for marker, side in _RENAMES.items():
                 if line.startswith(marker):
-                    (read, written)[side].add(_name(line[len(marker):]))
+                    (read, written)[side].add(_name(line[len(marker):], True))
     return read, written, headers
 
 
-def _name(text: str) -> str:
-    """A name as a diff writes it: C-quoted, or cut at a tab."""
-    return _unquote(text) if text.startswith('"') else text.split("\t")[0]
+_TIMESTAMP = re.compile(r"\s+(?:\d{4}-\d\d-\d\d|(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} [ \d]\d) .*$")
+
+
+def _name(text: str, git_entry: bool) -> str:
+    """A name as a diff writes it: C-quoted, or cut at a tab (and, in a plain diff, before
+    a time stamp after a space: GNU diff's ``-u`` and ``-c`` formats)."""
+    if text.startswith('"'):
+        return _unquote(text)
+    name = text.split("\t")[0]
+    return name if git_entry else _TIMESTAMP.sub("", name)
+
+
+def _stripped(name: str) -> str | None:
+    """``name`` without its first folder (``git apply``'s ``-p1``, whatever the prefix:
+    ``a/``, ``b/``, or ``i/``/``w/`` of ``diff.mnemonicPrefix``); None for ``/dev/null`` or
+    a name with no folder to strip."""
+    if name == "/dev/null" or "/" not in name:
+        return None
+    return name.split("/", 1)[1] or None
 
 
 def _git_header_paths(text: str) -> set[str]:
@@ -102,7 +137,7 @@ def _git_header_paths(text: str) -> set[str]:
         first, second = text[:half + 2], text[half + 3:]
         if first[2:] != second[2:]:
             return set()
-    return {name[2:] for name in (first, second) if name[:2] in ("a/", "b/")}
+    return {path for path in (_stripped(first), _stripped(second)) if path is not None}
 
 
 def _closing_quote(text: str) -> int:
