@@ -232,7 +232,8 @@ def test_a_small_size_in_a_plan_table_never_reads_0_0():
 
 
 @pytest.mark.parametrize("content, named", [
-    ("[" * 100_000, "nested too deeply"), ("x" * (16 * 2**20 + 1), "over 16 MiB, not a model config"),
+    ("[" * 100_000, "nested too deeply"), ('{"model_type": "llama", "hidden_size": ' + "9" * 400 + "}", "hidden_size is over"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1000000000}', "num_hidden_layers is over 100,000"), ("x" * (16 * 2**20 + 1), "over 16 MiB, not a model config"),
     ('{"model_type": "llama", "hidden_size": 66, "num_attention_heads": 4, "vocab_size": 15, "num_hidden_layers": 2, '
      '"intermediate_size": 8}', "hidden_size 66 is not a multiple of num_attention_heads 4"),
 ])
@@ -252,3 +253,16 @@ def test_a_tiny_model_s_plan_names_its_parameters_without_0_0():
 
     head = format_memory_plan(plan_memory(planner_config(CONFIGS["llama-gqa-bias"]), 1, 1, "float32")).splitlines()[0]
     assert "(0.0e9)" not in head and "e9)" in head, head
+
+
+def test_a_fifo_or_a_device_as_model_config_is_one_line(tmp_path, capsys):
+    """A FIFO would block the read forever, /dev/zero never ends: refused before reading."""
+    import os
+
+    from mlperf_grpo.cli import main
+
+    os.mkfifo(tmp_path / "config.json")
+    for given in (tmp_path, "/dev/zero"):
+        assert main(["plan", "--memory", "--model-config", str(given), "--world-size", "2"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and "not a regular file" in captured.err

@@ -89,6 +89,12 @@ SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "l
 """Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
 
 
+MAX_COUNT = 2**32
+"""The largest count of a model config the planner takes (a width, a vocabulary, a context)."""
+MAX_LAYERS = 100_000
+"""The most layers it takes (it lists every layer's tensors)."""
+
+
 def _check_dimensions(config: dict, file: Path) -> None:
     """Refuse a count the planner's arithmetic cannot take (a string, a fraction, a
     negative, a 0 it divides by): one line, not a ZeroDivisionError or TypeError."""
@@ -98,6 +104,9 @@ def _check_dimensions(config: dict, file: Path) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise MemoryPlanError(f"{file}: {key} is {value!r}, not a whole number >= {least}; "
                                       "give the model's real config.json")
+            most = MAX_LAYERS if key == "num_hidden_layers" else MAX_COUNT
+            if value is not None and value > most:
+                raise MemoryPlanError(f"{file}: {key} is over {most:,}; give the model's real config.json")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and hidden and heads and hidden % heads:
         raise MemoryPlanError(f"{file}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no "
@@ -118,6 +127,8 @@ def load_model_config(path: Path) -> dict:
     """
     file = path / "config.json" if path.is_dir() else path
     try:
+        if file.exists() and not file.is_file():  # a FIFO would block the read; a device never ends
+            raise ValueError("not a regular file")
         with open(file, "rb") as handle:
             raw = handle.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:
