@@ -143,3 +143,9 @@ def test_the_touched_paths_are_the_ones_git_apply_writes(patch, touched):
     """Break-test cases: other prefixes than a/ b/, time stamps, a plain diff's two names,
     separators that ``str.splitlines`` takes for line ends inside a hunk."""
     assert touched_files(patch) == touched
+
+
+def test_a_path_outside_the_repository_is_never_touched():
+    """``a//etc/x`` and ``a/../x`` (git refuses such a patch): nothing to remove or reset."""
+    assert touched_files("--- a//etc/x\n+++ b//etc/x\n" + HUNK) == []
+    assert touched_files("diff --git a/../x b/../x\n--- a/../x\n+++ b/../x\n" + HUNK) == []

@@ -11,7 +11,8 @@ invalid sample); then the session grades it (the task's tests in its final state
 Scheduling: every trajectory whose turn is due is decoded in one engine call; a
 trajectory waiting for its tools (or its sandbox's start, its grading or its sandbox's
 removal, all on the tool threads) is not, and waiting never blocks the others: the loop
-blocks only when no trajectory is due (that time is the engine's *idle* time, :attr:`RolloutStats.engine_idle_s`).
+blocks only when no trajectory is due (that time is the engine's *idle* time,
+:attr:`RolloutStats.engine_idle_s`).
 KV cache across turns: vLLM's prefix cache reuses a conversation's earlier turns; the
 ``hf`` engine re-prefills the whole conversation each turn (keeping a row's KV in the
 slot decoder across turns is not written).

@@ -60,10 +60,10 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     """``torch.compile`` each decoder layer in place (``nn.Module.compile``: parameter
     names and ``state_dict`` keys are unchanged), with dynamic shapes (micro-batches differ
     in rows and width) and no duck sizing (:func:`no_duck_sizing`). The layers share one
-    code object, so one compilation serves them all; it happens at the first forward and backward pass. Regional compilation as
-    torchtitan's ``apply_compile`` (before any ``fully_shard``). The layers' sibling
-    modules but embeddings and dropouts are compiled too (the final norm, the rotary
-    embedding: some 35 kernels a pass eager, a few compiled).
+    code object, so one compilation serves them all; it happens at the first forward and
+    backward pass. Regional compilation as torchtitan's ``apply_compile`` (before any
+    ``fully_shard``). The layers' sibling modules but embeddings and dropouts are compiled
+    too (the final norm, the rotary embedding: some 35 kernels a pass eager, a few compiled).
 
     Raises:
         ValueError: the model has no list of decoder layers (:func:`decoder_layers`).

@@ -88,11 +88,9 @@ def _diff_paths(patch: str) -> tuple[set[str], set[str], set[str]]:
                 read.add(plain_old)
         elif line.startswith("+++ "):
             name = _stripped(_name(line[4:], git_entry))
-            if git_entry:
-                written.update([name] if name is not None else [])
-            elif name is not None:
+            if name is not None:
                 written.add(name)
-            elif plain_old is not None:  # a deletion: +++ /dev/null
+            elif not git_entry and plain_old is not None:  # a plain diff's deletion: +++ /dev/null
                 read.add(plain_old)
         elif git_entry:
             for marker, side in _RENAMES.items():
@@ -116,10 +114,12 @@ def _name(text: str, git_entry: bool) -> str:
 def _stripped(name: str) -> str | None:
     """``name`` without its first folder (``git apply``'s ``-p1``, whatever the prefix:
     ``a/``, ``b/``, or ``i/``/``w/`` of ``diff.mnemonicPrefix``); None for ``/dev/null`` or
-    a name with no folder to strip."""
+    a name with no folder to strip, or one that would not be inside the repository
+    (absolute after the strip, or climbing with ``..``: git refuses such a patch)."""
     if name == "/dev/null" or "/" not in name:
         return None
-    return name.split("/", 1)[1] or None
+    path = name.split("/", 1)[1]
+    return None if not path or path.startswith("/") or ".." in path.split("/") else path
 
 
 def _git_header_paths(text: str) -> set[str]:
