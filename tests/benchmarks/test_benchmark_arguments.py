@@ -4,6 +4,7 @@ benchmarks/evaluate.py from the config parser on ``--checkpoints 0``, and from t
 lazy CUDA init on ``--device cuda`` without CUDA)."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     ("evaluate.py", ["--run", "."], "--run . is not a trained run directory (no mlperf.log, config.yaml, checkpoints)"),
     ("evaluate.py", ["--keep", "/proc/version/kept"], "--keep /proc/version/kept: cannot write there"),
     ("evaluate.py", ["--dir", "/proc"], "--dir /proc: cannot make a folder there"),  # os.access says yes to root
+    ("weight_copies.py", ["--steps", "3"], "--steps must be >= 4"),
     ("grpo_step.py", ["--repeat", "0", "--steps", "1"], "--repeat 0, --steps 1"),  # a StatisticsError traceback
     ("grpo_step.py", ["--also-steps", "1", "--also-micro-batch-size", "0"], "--also-micro-batch-size 0, --also-steps 1"),
     ("grpo_step.py", ["--max-new-tokens", "100000", "--no-trl"], "over the model's context"),  # a ConfigError one
@@ -164,3 +166,16 @@ def test_update_ops_benchmark_counts_the_operations_of_each_pass(tmp_path):
     assert line["passes"] == 2 and line["compute_ops_per_pass"] > 0 and line["compute_ops"] > 2 * 100
     assert line["compute_ops_per_pass_over_eager"] == 1.0 and len(line["top_compute_ops_per_pass"]) == 3
     assert line["entropy"] > 0 and line["compute_ops_per_pass_over_baseline"] is None
+
+
+def test_weight_copies_benchmark_alternates_the_arms(tmp_path):
+    """The smallest run: steps 3 and 5 with autocast's casts, 4 with the copies (steps 1 and 2 compile)."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "weight_copies.py"), "--steps", "5",
+                           "--num-prompts-per-step", "2", "--micro-batch-size", "8"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["steps_with_copies"] == [2, 4]
+    assert [len(line["update_s"][arm]) for arm in ("copies", "autocast")] == [1, 2]
+    medians = {arm: statistics.median(times) for arm, times in line["update_s"].items()}
+    assert line["ratio"] == round(medians["copies"] / medians["autocast"], 3)

@@ -21,12 +21,19 @@ from mlperf_grpo.inference.base import Completion
 from mlperf_grpo.model.attention import planless_attention
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.train import collectives
+from mlperf_grpo.train.compute_weights import compute_weights
 from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grad_accumulation import GradSum, usable
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
-from mlperf_grpo.train.packing import (PackedInputs, packed_inputs, padded_width, split_padded, split_to_count,
-                                       token_budget_micro_batches)
+from mlperf_grpo.train.packing import (
+    PackedInputs,
+    packed_inputs,
+    padded_width,
+    split_padded,
+    split_to_count,
+    token_budget_micro_batches,
+)
 from mlperf_grpo.train.pass_loss import STATS, PassLossSettings, loss_function
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
@@ -274,17 +281,23 @@ def optimize_step(
 
 def _run_passes(policy: torch.nn.Module, batch: RolloutBatch, on_device: tuple[torch.Tensor, ...],
                 passes: list[_Pass], settings: OptimizeSettings, divisor: torch.Tensor, sums: _Sums) -> None:
-    """Forward and backward of every pass, gradients summed into the parameters' ``.grad``
-    (:class:`~mlperf_grpo.train.grad_accumulation.GradSum` where it may: a few foreach adds a pass)."""
-    params = list(policy.parameters())
+    """Forward and backward of every pass, gradients summed into the parameters' ``.grad``:
+    the decoder linears' through compute-dtype copies made once a step
+    (:class:`~mlperf_grpo.train.compute_weights.ComputeWeights`, below float32), the others'
+    by :class:`~mlperf_grpo.train.grad_accumulation.GradSum` where it may (a few foreach adds a pass)."""
+    copies = compute_weights(policy, settings.compute_dtype)
+    copied = {id(p) for p in copies.masters} if copies is not None else set()
+    params = [p for p in policy.parameters() if id(p) not in copied]
     summed = usable(params) and len(passes) > 1
-    with GradSum(params) if summed else contextlib.nullcontext() as grad_sum:
+    with copies or contextlib.nullcontext(), GradSum(params) if summed else contextlib.nullcontext() as grad_sum:
         for index, one in enumerate(passes):
             if not settings.reshard_every_micro_batch and index in (0, len(passes) - 1):  # the flags persist
                 sync_after_micro_batch(policy, last=index == len(passes) - 1)
             _micro_batch(policy, batch, on_device, one, settings, divisor, sums)
             if grad_sum is not None:
                 grad_sum.take()
+            if copies is not None:
+                copies.take()
 
 
 @dataclass(frozen=True)
