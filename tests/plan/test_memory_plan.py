@@ -236,6 +236,20 @@ def test_a_small_size_in_a_plan_table_never_reads_0_0():
     ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1000000000}', "num_hidden_layers is over 100,000"), ("x" * (16 * 2**20 + 1), "over 16 MiB, not a model config"),
     ('{"model_type": "llama", "hidden_size": 66, "num_attention_heads": 4, "vocab_size": 15, "num_hidden_layers": 2, '
      '"intermediate_size": 8}', "hidden_size 66 is not a multiple of num_attention_heads 4"),
+    # accepted before: 3 KV heads planned for 4 heads, a NaN switch read as true, a short layer_types an IndexError
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 15, '
+     '"num_hidden_layers": 2, "intermediate_size": 8}', "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 15, "num_hidden_layers": 2, '
+     '"intermediate_size": 8, "tie_word_embeddings": NaN}', "tie_word_embeddings is nan, not true or false"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 15, "num_hidden_layers": 2, '
+     '"intermediate_size": 8, "attention_bias": "yes"}', "attention_bias is 'yes', not true or false"),
+    ('{"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 15, '
+     '"num_hidden_layers": 2, "layer_types": ["full_attention"]}', "layer_types is not a list of 2 of full_attention"),
+    ('{"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 15, '
+     '"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}', "layer_types is not a list of 1"),
+    ('{"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 15, '
+     '"num_hidden_layers": 1, "linear_num_key_heads": 3, "linear_num_value_heads": 4}',
+     "linear_num_key_heads 3 does not divide linear_num_value_heads 4"),
 ])
 def test_a_config_that_is_no_model_config_is_one_line(tmp_path, capsys, content, named):
     """A deep JSON nest (RecursionError), a huge file (a weights file given by mistake:
@@ -266,3 +280,20 @@ def test_a_fifo_or_a_device_as_model_config_is_one_line(tmp_path, capsys):
         assert main(["plan", "--memory", "--model-config", str(given), "--world-size", "2"]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.count("\n") == 1 and "not a regular file" in captured.err
+
+
+def test_a_saved_config_s_layer_types_are_accepted(tmp_path):
+    """transformers writes ``layer_types`` into config.json: Qwen3's with sliding-window layers, Qwen3.5's."""
+    import json
+
+    from mlperf_grpo.plan.memory import load_model_config
+
+    sliding = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=32, vocab_size=90, use_sliding_window=True, sliding_window=16,
+                          max_window_layers=1)
+    for name, hf_config in (("qwen3", sliding),
+                            ("qwen3_5_moe", CONFIGS["qwen3_5_moe"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hf_config.to_dict()))
+        assert len(load_model_config(tmp_path / name)["layer_types"]) == hf_config.num_hidden_layers
+    assert "sliding_attention" in load_model_config(tmp_path / "qwen3")["layer_types"]

@@ -89,6 +89,13 @@ SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "l
 """Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
 
 
+FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+"""Keys of a model config the planner reads as switches: where present (not null), true or false."""
+LAYER_TYPES = {"llama": {"full_attention"}, "qwen3": {"full_attention", "sliding_attention"},
+               "qwen3_5_moe": {"full_attention", "linear_attention"}, "qwen3_5_moe_text": {"full_attention", "linear_attention"}}
+"""The ``layer_types`` entries of each model type the planner counts (transformers' config classes)."""
+
+
 MAX_COUNT = 2**32
 """The largest count of a model config the planner takes (a width, a vocabulary, a context)."""
 MAX_LAYERS = 100_000
@@ -111,6 +118,19 @@ def _check_dimensions(config: dict, file: Path) -> None:
     if config.get("head_dim") is None and hidden and heads and hidden % heads:
         raise MemoryPlanError(f"{file}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no "
                               "head_dim is given; give the model's real config.json")
+    for many, few in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
+        if config.get(many) and config.get(few) and config[many] % config[few]:
+            raise MemoryPlanError(f"{file}: {few} {config[few]} does not divide {many} {config[many]} (each "
+                                  "key head serves a whole group); give the model's real config.json")
+    for key in FLAG_KEYS:
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise MemoryPlanError(f"{file}: {key} is {config[key]!r}, not true or false; give the model's real config.json")
+    layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers") or 0
+    known = LAYER_TYPES[config["model_type"]]
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers
+                                    or not all(isinstance(t, str) and t in known for t in layer_types)):
+        raise MemoryPlanError(f"{file}: layer_types is not a list of {layers} of {', '.join(sorted(known))}; "
+                              "give the model's real config.json")
 
 
 MAX_CONFIG_BYTES = 16 * 2**20
