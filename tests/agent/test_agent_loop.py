@@ -74,6 +74,19 @@ def test_a_turn_of_many_slow_calls_stops_at_the_trajectory_s_timeout(setup, tmp_
     assert 1 <= len(traj.turns[0].observations) < 10 and stats.wall_s < 6.0, (traj.turns[0].observations, stats.wall_s)
 
 
+def test_a_turn_of_many_large_observations_stops_once_they_fill_the_context(setup, tmp_path):
+    """Each observation was bounded, a turn's total not: a turn of 20 calls each printing
+    4,000 characters ran them all, held them and tokenised them together, to end at the
+    context limit anyway."""
+    many = "\n".join([call_text("execute_bash", command="seq 100000 101000")] * 20)
+    settings = AgentSettings(max_context_tokens=8192, tool_threads=2, max_observation_chars=4000)
+    (traj,), _ = run(setup, tmp_path, lambda task_id, turn, text: many, settings, tasks=setup[2][:1])
+    assert (traj.end_reason, len(traj.turns), traj.invalid) == ("context", 1, False)
+    tokens = [setup[1].count(o) for o in traj.turns[0].observations]
+    room = 8192 - len(traj.prompt_token_ids) - len(traj.token_ids)
+    assert sum(tokens[:-1]) < room <= sum(tokens) and len(tokens) < 20, (len(tokens), room)
+
+
 def test_the_token_ids_are_the_sampled_turns_and_the_templates_environment_text(setup, tmp_path):
     tok, chat, suite = setup
     (traj,), _ = run(setup, tmp_path, known_fix_script, tasks=suite[:1])

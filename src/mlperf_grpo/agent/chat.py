@@ -13,6 +13,8 @@ writes after the assistant's ``<|im_end|>``. With the Qwen3 template, for two to
 
 from __future__ import annotations
 
+import threading
+
 from transformers import PreTrainedTokenizerBase
 
 _ANCHOR = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
@@ -37,6 +39,7 @@ class ChatTokens:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; the agent needs one (model.path: builtin:swe-tiny)")
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()
         self.tools = tools
         self.end_of_turn = end_of_turn
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(end_of_turn)
@@ -57,6 +60,16 @@ class ChatTokens:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (special tokens as written, none added)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` is alone; safe on any thread (a fast tokenizer's Rust
+        ``encode``: the ``__call__`` of :meth:`encode` sets truncation first, which fails
+        when two threads do it at once)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            with self._lock:
+                return len(self.encode(text))
+        return len(backend.encode(text, add_special_tokens=False).ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The first prompt: ``messages`` (system, user) with the tools and the generation prompt."""

@@ -192,7 +192,7 @@ def _collect(run: _Running, what: str, result: object, chat: ChatTokens, setting
     if what in ("grade", "close"):  # the session closed itself on the pool
         run.session = None
         return False
-    observations, finished = result  # what == "tools"
+    observations, finished, full = result  # what == "tools"
     turn = traj.turns[-1]
     turn.observations = [o.text for o in observations]
     if time.perf_counter() - run.started > settings.trajectory_timeout_s:
@@ -201,6 +201,8 @@ def _collect(run: _Running, what: str, result: object, chat: ChatTokens, setting
         return _end(run, "finish", pool, pending)
     if len(traj.turns) >= settings.max_turns:
         return _end(run, "max_turns", pool, pending)
+    if full:  # the observations alone fill the context: the rest of the turn's calls did not run
+        return _end(run, "context", pool, pending)
     if turn.calls:
         messages = [{"role": "tool", "content": o.text} for o in observations]
     else:
@@ -259,26 +261,45 @@ def _take_turn(run: _Running, out: Completion, budget: int, chat: ChatTokens, se
     parsed = parse_tool_calls(text, chat.tools)
     turn.calls = [{"error": c.message} if isinstance(c, CallError) else {"name": c.name, "arguments": c.arguments}
                   for c in parsed.calls]
-    deadline = run.started + settings.trajectory_timeout_s
-    pending[pool.submit(_run_calls, run.session, parsed.calls, settings.max_observation_chars, deadline)] = (run, "tools")
+    limits = _CallLimits(settings.max_observation_chars, run.started + settings.trajectory_timeout_s,
+                         settings.max_context_tokens - traj.num_tokens, chat.count)
+    pending[pool.submit(_run_calls, run.session, parsed.calls, limits)] = (run, "tools")
 
 
-def _run_calls(session: Session, calls: list, max_chars: int, deadline: float) -> tuple[list[Observation], bool]:
-    """Every call of a turn in order; a ``finish`` (an observation with ``finished``) ends the turn's calls,
-    and so does the trajectory's ``deadline`` (``time.perf_counter()``): a turn of a thousand calls
-    would otherwise run them all before its timeout is seen."""
-    observations = []
+@dataclass(frozen=True)
+class _CallLimits:
+    """A turn's bounds on its calls: ``max_chars`` each observation; the trajectory's
+    ``deadline`` (``time.perf_counter()``); ``room``: the tokens left in the context, which
+    the observations' tokens (``count``) may not reach."""
+
+    max_chars: int
+    deadline: float
+    room: int
+    count: Callable[[str], int]
+
+
+def _run_calls(session: Session, calls: list, limits: _CallLimits) -> tuple[list[Observation], bool, bool]:
+    """Every call of a turn in order: ``(observations, finished, full)``. A ``finish`` (an
+    observation with ``finished``) ends the turn's calls; so does the trajectory's deadline (a
+    turn of a thousand calls would otherwise run them all before its timeout is seen), and so
+    do observations whose tokens reach the room left in the context (``full``: the trajectory
+    ends there, as it would once they were tokenised; a turn of a thousand calls of 30,000
+    characters each would otherwise hold and tokenise them all)."""
+    observations, tokens = [], 0
     for call in calls:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > limits.deadline:
             break
-        if isinstance(call, CallError):
-            observations.append(Observation(clip(call.message, max_chars), finished=False, error=True))  # it echoes the call
-            continue
-        observation = session.call(call, max_chars)  # at most max_chars (tools.clip)
+        if isinstance(call, CallError):  # it echoes the call
+            observation = Observation(clip(call.message, limits.max_chars), finished=False, error=True)
+        else:
+            observation = session.call(call, limits.max_chars)  # at most max_chars (tools.clip)
         observations.append(observation)
         if observation.finished:
-            return observations, True
-    return observations, False
+            return observations, True, False
+        tokens += limits.count(observation.text)
+        if tokens >= limits.room:
+            return observations, False, True
+    return observations, False, False
 
 
 def _end(run: _Running, reason: str, pool: ThreadPoolExecutor, pending: dict) -> bool:
