@@ -155,8 +155,9 @@ def step_shape(longest: int, rows: int, budget: int | None, max_rows: int | None
 
 
 def autocast_copy_bytes(parameters: int, world_size: int, compute_bytes: int) -> int:
-    """The compute-dtype copies of the weights that autocast makes in one process and a
-    pass keeps for its backward (``2 P`` under bfloat16; none in float32; under FSDP2 the
+    """The compute-dtype copies of the weights in one process: the decoder linears' made
+    once a step (``train/compute_weights.py``), the others' made by autocast and kept by a
+    pass for its backward (``2 P`` under bfloat16; none in float32; under FSDP2 the
     all-gathered layers come and go, not counted)."""
     return parameters * compute_bytes if world_size == 1 and compute_bytes < 4 else 0
 

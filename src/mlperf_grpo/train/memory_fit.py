@@ -87,7 +87,8 @@ def check_host_batch(config: RunConfig, longest_prompt: int, world_size: int, ag
 def static_bytes(config: RunConfig, model: dict, world_size: int) -> int:
     """Weights, gradients, AdamW moments (FSDP2 shards), the engine's weights
     (:func:`~mlperf_grpo.plan.memory.static_device_bytes`) and, in one process under
-    bfloat16 autocast, the compute-dtype copies of the weights a pass keeps for its backward."""
+    bfloat16 compute, the compute-dtype copies of the weights
+    (:func:`~mlperf_grpo.plan.sequences.autocast_copy_bytes`)."""
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"
     plan = memory_plan.plan_memory(model, world_size, t if hf else 1, config.model.dtype,
                                    config.checkpoint.max_in_flight, config.inference.engine)
