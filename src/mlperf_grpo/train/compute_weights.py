@@ -66,11 +66,12 @@ class ComputeWeights:
         slots: ``(module, name)`` of float32 parameters (:func:`linear_slots`).
         dtype: the compute dtype of the copies.
         flush_bytes: queued gradients are added to the sums once their float32 sizes
-            reach this many bytes (and after each backward).
+            reach this many bytes (and after each backward): beyond the sums, a pass holds
+            at most that much float32 staging and half as much queued.
     """
 
     def __init__(self, slots: list[tuple[torch.nn.Module, str]], dtype: torch.dtype,
-                 flush_bytes: int = FLUSH_BYTES) -> None:
+                 flush_bytes: int = FLUSH_BYTES // 2) -> None:
         self.slots, self.dtype, self.flush_bytes = slots, dtype, flush_bytes
         self.masters = [m._parameters[name] for m, name in slots]
         self.copies: list[torch.nn.Parameter] = []
