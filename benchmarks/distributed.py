@@ -202,6 +202,7 @@ def tensor_parallel_figures(args: argparse.Namespace, dtype: str, params: float,
     from checkpoint import build_model_dir  # benchmarks/checkpoint.py
 
     from mlperf_grpo.plan import memory as memory_plan
+    from mlperf_grpo.plan.model_config import load_model_config
 
     t = args.tensor_parallel_size
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -219,7 +220,7 @@ def tensor_parallel_figures(args: argparse.Namespace, dtype: str, params: float,
         if proc.returncode != 0 or not result.is_file():
             sys.exit(f"torchrun with {args.nproc} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         ranks = json.loads(result.read_text())
-        plan = memory_plan.plan_memory(memory_plan.load_model_config(tmp / "model"), args.nproc, t, dtype, 2, engine="hf")
+        plan = memory_plan.plan_memory(load_model_config(tmp / "model"), args.nproc, t, dtype, 2, engine="hf")
     total, largest = ranks[0]["total_weight_bytes"], ranks[0]["largest_tensor_bytes"]
     return {"benchmark": "distributed", "device": args.device, "nproc": args.nproc, "tensor_parallel_size": t,
             "params": n_params, "dtype": dtype, "prompts": prompts, "total_weight_bytes": total,
@@ -263,8 +264,9 @@ def planned_bytes_per_rank(model_dir: Path, nproc: int, dtype: str, max_in_fligh
     model in ``model_dir`` on ``nproc`` ranks: ``device_bytes`` and its parts, and
     ``staging_bytes`` (host memory, rank 0)."""
     from mlperf_grpo.plan import memory as memory_plan
+    from mlperf_grpo.plan.model_config import load_model_config
 
-    rank = memory_plan.plan_memory(memory_plan.load_model_config(model_dir), nproc, 1, dtype, max_in_flight).replica
+    rank = memory_plan.plan_memory(load_model_config(model_dir), nproc, 1, dtype, max_in_flight).replica
     parts = ("master_weights_bytes", "gradient_bytes", "adam_bytes", "engine_bytes", "staging_bytes")
     return {"device_bytes": rank.device_bytes, **{name: getattr(rank, name) for name in parts}}
 

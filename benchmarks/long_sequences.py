@@ -185,11 +185,11 @@ def run_case(model: Path, args: argparse.Namespace, case: str, real: bool, tmp: 
                    kv_budget_gib=round(fit.kv_cache_bytes / GIB, 2), kv_bounded=fit.verdict.bounded,
                    kv_released=fit.release_engine_memory)
     else:  # refused: measure the training phase (checkpointed, no KV cache) against its own figure
-        from mlperf_grpo.plan import memory as memory_plan
         from mlperf_grpo.plan import sequences as seq
+        from mlperf_grpo.plan.model_config import load_model_config
         from mlperf_grpo.train.memory_fit import static_bytes, step_shape
 
-        model_cfg = memory_plan.load_model_config(model)
+        model_cfg = load_model_config(model)
         memory = seq.sequence_memory(model_cfg, step_shape(config, PROMPT_TOKENS, 1), True)
         planned, ckpt = static_bytes(config, model_cfg, 1) + memory.training_bytes, True
         out.update(refusal=refusal, planned_gib_without_kv=round(planned / GIB, 2), checkpointing=True,

@@ -95,7 +95,8 @@ def test_planned_bytes_are_the_planners_for_the_built_model(tmp_path):
     assert one == {"device_bytes": 18 * n, "master_weights_bytes": 4 * n, "gradient_bytes": 4 * n, "adam_bytes": 8 * n,
                    "engine_bytes": 2 * n, "staging_bytes": 2 * n}
     two = _module("distributed").planned_bytes_per_rank(tmp_path / "m", 2, "bfloat16", 1)
-    from mlperf_grpo.plan.memory import load_model_config, model_tensors
+    from mlperf_grpo.plan.memory import model_tensors
+    from mlperf_grpo.plan.model_config import load_model_config
 
     row_elements = sum(t.numel // t.shape[0] for t in model_tensors(load_model_config(tmp_path / "m")))
     assert 2 * n <= two["master_weights_bytes"] <= 2 * n + 4 * row_elements  # rank 0's half, + a row of each tensor at most

@@ -286,7 +286,7 @@ def test_a_saved_config_s_layer_types_are_accepted(tmp_path):
     """transformers writes ``layer_types`` into config.json: Qwen3's with sliding-window layers, Qwen3.5's."""
     import json
 
-    from mlperf_grpo.plan.memory import load_model_config
+    from mlperf_grpo.plan.model_config import load_model_config
 
     sliding = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=32, vocab_size=90, use_sliding_window=True, sliding_window=16,

@@ -260,9 +260,10 @@ def _plan_memory(request: PlanRequest) -> str:
     import json
 
     from mlperf_grpo.plan import memory as memory_plan
+    from mlperf_grpo.plan.model_config import load_model_config
 
     model = (memory_plan.MODEL_SHAPES[request.model_shape] if request.model_shape
-             else memory_plan.load_model_config(request.model_config))
+             else load_model_config(request.model_config))
     result = memory_plan.plan_memory(model, request.world_size, request.tensor_parallel_size, request.dtype,
                                      request.max_in_flight, tensor_parallel_name="--tensor-parallel-size")
     out, lines = result.to_json(), [memory_plan.format_memory_plan(result)]
@@ -275,13 +276,14 @@ def _plan_memory(request: PlanRequest) -> str:
 def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[dict | None, str]:
     """``plan --memory --trajectory-tokens``: the sequences' per-rank bytes (plan/sequences.py)
     without and with activation checkpointing, as JSON and text."""
+    from mlperf_grpo.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+    from mlperf_grpo.plan import hybrid_cache
     from mlperf_grpo.plan import memory as memory_plan
     from mlperf_grpo.plan import sequences as plan_sequences
 
-    from mlperf_grpo.config.sections import DEFAULT_MICRO_BATCH_TOKENS
-
-    if not plan_sequences.plans_sequences(model):
-        return None, f"sequences: not counted for model_type {model.get('model_type')!r} (dense llama / qwen3 only)"
+    hybrid = hybrid_cache.plans_hybrid_cache(model)
+    if not plan_sequences.plans_sequences(model) and not hybrid:
+        return None, f"sequences: not counted for model_type {model.get('model_type')!r} (llama, qwen3, qwen3_5_moe only)"
     from mlperf_grpo.model.files import config_context_length
 
     context, key = config_context_length(model)
@@ -292,6 +294,9 @@ def _plan_sequences(request: PlanRequest, model: dict, result: object) -> tuple[
                        f"{context:,} tokens ({given}): give at most {context}")
     rows = request.rows or max(1, 256 // request.world_size)
     bytes_ = memory_plan.DTYPE_BYTES[request.dtype]
+    if hybrid:
+        cache = hybrid_cache.hybrid_cache(model, request.tensor_parallel_size, bytes_)
+        return hybrid_cache.format_hybrid_cache(model, cache, request.trajectory_tokens, rows)
     tokens = request.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS
     shape = plan_sequences.step_shape(request.trajectory_tokens, rows, tokens, compute_bytes=bytes_,
                                       rollout_bytes=bytes_, prompt=request.prompt_tokens)

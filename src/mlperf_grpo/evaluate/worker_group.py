@@ -56,6 +56,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
     from mlperf_grpo.evaluate.series import EvaluationError
     from mlperf_grpo.model.load import check_model_path
     from mlperf_grpo.plan import memory as memory_plan
+    from mlperf_grpo.plan.model_config import load_model_config
 
     t = group_size(config)
     if t == 1:
@@ -65,7 +66,7 @@ def check_worker_groups(config: RunConfig, world_size: int | None, command: str 
             f"inference.tensor_parallel_size {t} splits each evaluation worker's hf engine over {t} ranks: run {command} "
             f"under torchrun with a multiple of {t} ranks (e.g. torchrun --nproc-per-node {t} ...), or set "
             "inference.tensor_parallel_size 1")
-    memory_plan.check_tensor_parallel(memory_plan.load_model_config(check_model_path(config.model.path)), world_size, t,
+    memory_plan.check_tensor_parallel(load_model_config(check_model_path(config.model.path)), world_size, t,
                                       config.inference.engine)
 
 

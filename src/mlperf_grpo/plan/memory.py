@@ -26,10 +26,8 @@ allocator's slack, so a planned figure is a lower bound of the measured peak.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from mlperf_grpo.errors import ConfigError
 
@@ -46,10 +44,12 @@ QWEN3_5_397B_A17B = {
     "linear_num_value_heads": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
     "shared_expert_intermediate_size": 1024, "vocab_size": 248320, "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
 }
 """Text config of Qwen3.5-397B-A17B (the benchmark's model), as recalled and partly checked
-against public model cards (hidden 4096, 32 / 2 heads of 256, 512 experts); the vision tower
-and the multi-token-prediction layer are not counted."""
+against public model cards (hidden 4096, 32 / 2 heads of 256, 512 experts; a native context
+of 262,144 tokens, recalled, of which the benchmark uses 65,536); the vision tower and the
+multi-token-prediction layer are not counted."""
 
 MODEL_SHAPES = {"qwen3.5-397b-a17b": QWEN3_5_397B_A17B}
 """Named shapes for ``plan --memory --model-shape NAME``."""
@@ -78,92 +78,6 @@ class Tensor:
     def numel(self) -> int:
         """Elements (parameters) in the tensor."""
         return math.prod(self.shape)
-
-
-DIVISOR_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
-                "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings")
-"""Keys of a model config the planner divides by (and the context and the width): where present
-(not null), whole numbers >= 1."""
-SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
-             "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
-"""Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
-
-
-FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
-"""Keys of a model config the planner reads as switches: where present (not null), true or false."""
-LAYER_TYPES = {"llama": {"full_attention"}, "qwen3": {"full_attention", "sliding_attention"},
-               "qwen3_5_moe": {"full_attention", "linear_attention"}, "qwen3_5_moe_text": {"full_attention", "linear_attention"}}
-"""The ``layer_types`` entries of each model type the planner counts (transformers' config classes)."""
-
-
-MAX_COUNT = 2**32
-"""The largest count of a model config the planner takes (a width, a vocabulary, a context)."""
-MAX_LAYERS = 100_000
-"""The most layers it takes (it lists every layer's tensors)."""
-
-
-def _check_dimensions(config: dict, file: Path) -> None:
-    """Refuse a count the planner's arithmetic cannot take (a string, a fraction, a
-    negative, a 0 it divides by): one line, not a ZeroDivisionError or TypeError."""
-    for keys, least in ((DIVISOR_KEYS, 1), (SIZE_KEYS, 0)):
-        for key in keys:
-            value = config.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise MemoryPlanError(f"{file}: {key} is {value!r}, not a whole number >= {least}; "
-                                      "give the model's real config.json")
-            most = MAX_LAYERS if key == "num_hidden_layers" else MAX_COUNT
-            if value is not None and value > most:
-                raise MemoryPlanError(f"{file}: {key} is over {most:,}; give the model's real config.json")
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if config.get("head_dim") is None and hidden and heads and hidden % heads:
-        raise MemoryPlanError(f"{file}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no "
-                              "head_dim is given; give the model's real config.json")
-    for many, few in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
-        if config.get(many) and config.get(few) and config[many] % config[few]:
-            raise MemoryPlanError(f"{file}: {few} {config[few]} does not divide {many} {config[many]} (each "
-                                  "key head serves a whole group); give the model's real config.json")
-    for key in FLAG_KEYS:
-        if config.get(key) is not None and not isinstance(config[key], bool):
-            raise MemoryPlanError(f"{file}: {key} is {config[key]!r}, not true or false; give the model's real config.json")
-    layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers") or 0
-    known = LAYER_TYPES[config["model_type"]]
-    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers
-                                    or not all(isinstance(t, str) and t in known for t in layer_types)):
-        raise MemoryPlanError(f"{file}: layer_types is not a list of {layers} of {', '.join(sorted(known))}; "
-                              "give the model's real config.json")
-
-
-MAX_CONFIG_BYTES = 16 * 2**20
-"""The most a model config may take (a config.json is a few KiB; a weights file or a device given by mistake is refused)."""
-
-
-def load_model_config(path: Path) -> dict:
-    """A model's ``config.json`` (``path`` is the file or its directory) as a dict; a
-    multimodal config's ``text_config`` is what is planned (the text model).
-
-    Raises:
-        MemoryPlanError: the file is missing or not JSON, or (for a model type the planner
-            counts) a count is not a whole number (:func:`_check_dimensions`).
-    """
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        if file.exists() and not file.is_file():  # a FIFO would block the read; a device never ends
-            raise ValueError("not a regular file")
-        with open(file, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ValueError(f"over {MAX_CONFIG_BYTES // 2**20} MiB, not a model config")
-        data = json.loads(raw)
-    except (OSError, ValueError, RecursionError) as err:
-        why = "nested too deeply" if isinstance(err, RecursionError) else err
-        raise MemoryPlanError(f"cannot read the model config {file}: {why}; give a config.json") from None
-    if not isinstance(data, dict):
-        raise MemoryPlanError(f"{file} is not a JSON object; give a model's config.json")
-    text = data.get("text_config")
-    config = {"model_type": data.get("model_type"), **text} if isinstance(text, dict) else data
-    if counts(config):  # other model types are not planned
-        _check_dimensions(config, file)
-    return config
 
 
 def _get(config: dict, key: str, default=None):
@@ -246,6 +160,15 @@ def _delta_net(config: dict, prefix: str) -> list[Tensor]:
             Tensor(prefix + "in_proj_a.weight", (v_heads, hidden))]
 
 
+def is_full_attention(config: dict, index: int) -> bool:
+    """Whether layer ``index`` of a ``qwen3_5_moe`` config is full attention (else linear):
+    its ``layer_types`` entry, else every ``full_attention_interval``-th layer (4), as
+    transformers derives them."""
+    if config.get("layer_types") is not None:
+        return config["layer_types"][index] == "full_attention"
+    return (index + 1) % _get(config, "full_attention_interval", 4) == 0
+
+
 def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     hidden = _get(config, "hidden_size")
     out = [Tensor(prefix + "input_layernorm.weight", (hidden,), REPLICATED),
@@ -253,9 +176,7 @@ def _layer(config: dict, prefix: str, index: int, moe: bool) -> list[Tensor]:
     if not moe:
         out += _attention(config, prefix + "self_attn.", gated=False, qk_norm=config["model_type"] == "qwen3")
         return out + _mlp(prefix + "mlp.", hidden, _get(config, "intermediate_size"), bool(config.get("mlp_bias", False)))
-    full = (index + 1) % _get(config, "full_attention_interval", 4) == 0
-    if "layer_types" in config and config["layer_types"] is not None:
-        full = config["layer_types"][index] == "full_attention"
+    full = is_full_attention(config, index)
     out += _attention(config, prefix + "self_attn.", gated=True, qk_norm=True) if full else _delta_net(config, prefix + "linear_attn.")
     experts, moe_size = _get(config, "num_experts"), _get(config, "moe_intermediate_size")
     return out + [
@@ -367,7 +288,7 @@ def plan_memory(config: dict, world_size: int, tensor_parallel_size: int = 1, dt
     on ``world_size`` ranks (see the module docstring).
 
     Args:
-        config: a model ``config.json`` as a dict (:func:`load_model_config`).
+        config: a model ``config.json`` as a dict (:func:`~mlperf_grpo.plan.model_config.load_model_config`).
         world_size: N ranks (>= 1), each one accelerator.
         tensor_parallel_size: T, the sharded engine's group size (``sharded`` layout only).
         dtype: the rollout dtype (``model.dtype``): ``bfloat16`` or ``float32``.

@@ -23,6 +23,7 @@ from mlperf_grpo.model.files import check_device, check_model_path
 from mlperf_grpo.model.linear_attention import check_linear_attention_kernels
 from mlperf_grpo.model.load import load_tokenizer
 from mlperf_grpo.plan import memory as memory_plan
+from mlperf_grpo.plan.model_config import load_model_config
 from mlperf_grpo.tasks.base import is_agentic
 from mlperf_grpo.tasks.lengths import check_prompt_lengths
 from mlperf_grpo.train import ranks
@@ -110,7 +111,7 @@ def check_planned_memory(config: RunConfig, longest_prompt: int = 0, agentic: bo
         MemoryPlanError: the divisibility or the bytes (the rollout batch's on the host
             too), in one line with the remedy.
     """
-    model = memory_plan.load_model_config(check_model_path(config.model.path))
+    model = load_model_config(check_model_path(config.model.path))
     world_size = ranks.layout().world_size
     check_host_batch(config, longest_prompt, world_size, agentic)
     t, hf = config.inference.tensor_parallel_size, config.inference.engine == "hf"

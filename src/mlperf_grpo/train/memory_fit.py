@@ -165,7 +165,7 @@ def plan_step(config: RunConfig, model: dict, longest_prompt: int, world_size: i
     """Resolve ``model.activation_checkpointing`` and refuse a step that cannot fit.
 
     Args:
-        model: the model's ``config.json`` (:func:`~mlperf_grpo.plan.memory.load_model_config`).
+        model: the model's ``config.json`` (:func:`~mlperf_grpo.plan.model_config.load_model_config`).
         longest_prompt: tokens of the longest training prompt.
         world_size: N ranks.
         device_bytes: the CUDA device's memory; None: not on CUDA (nothing planned).

@@ -1,0 +1,65 @@
+"""The hybrid model's engine cache (src/mlperf_grpo/plan/hybrid_cache.py): transformers'
+own cache of a tiny qwen3_5_moe, byte for byte, and the tensor-parallel share."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+from mlperf_grpo.plan.hybrid_cache import hybrid_cache
+
+MOE = dict(hidden_size=32, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+           linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=4,
+           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=16, vocab_size=64)
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            total += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+    return total
+
+
+@pytest.mark.parametrize("layout", [{"full_attention_interval": 2}, {"layer_types": [
+    "linear_attention", "full_attention", "full_attention", "linear_attention", "linear_attention"]}],
+    ids=["interval", "layer-types"])
+def test_one_row_is_what_transformers_caches(layout):
+    config = Qwen3_5MoeTextConfig(**MOE, **layout)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    rows, tokens = 3, 21
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 64, (rows, tokens)), use_cache=True).past_key_values
+    planned = hybrid_cache(config.to_dict(), 1, 2)
+    assert (planned.full_layers, planned.linear_layers) == (2, 3)
+    assert _cache_bytes(cache) == rows * planned.row_bytes(tokens)
+
+
+def test_the_share_of_one_rank():
+    config = Qwen3_5MoeTextConfig(**MOE, full_attention_interval=2).to_dict()  # layers 1 and 3 full
+    one, two, four = (hybrid_cache(config, t, 2) for t in (1, 2, 4))
+    # per token: 2 full layers x (K, V) x 2 KV heads x 8 x 2 bytes; T = 2 splits the KV heads, T = 4 replicates them
+    assert (one.per_token, two.per_token, four.per_token) == (128, 64, 64)
+    # per row: 3 linear layers x (conv (2 x 4 x 8 + 8 x 4 = 96 channels) x 4 x 2 bytes + recurrent 8 x 8 x 4 x 4 bytes)
+    assert one.state == 3 * (96 * 4 * 2 + 8 * 8 * 4 * 4) == 2 * two.state == 4 * four.state
+
+
+def test_plan_memory_prints_the_benchmark_model_s_cache(capsys):
+    import json
+
+    from mlperf_grpo.cli import main
+
+    assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                 "--tensor-parallel-size", "8", "--trajectory-tokens", "65536", "--json"]) == 0
+    cache = json.loads(capsys.readouterr().out)["sequences"]
+    # 15 full layers x (K, V) x 1 of 2 KV heads (T = 8) x 256 x 2 bytes; 45 linear layers x (12,288 conv
+    # channels / 8 x 4 x 2 bytes + 64 / 8 value heads x 128 x 128 x 4 bytes)
+    assert (cache["per_token"], cache["state"]) == (15 * 2 * 256 * 2, 45 * (12288 // 8 * 4 * 2 + 8 * 128 * 128 * 4))
+    assert cache["row_bytes"] == 65536 * 15360 + 24_145_920 and cache["all_rows_bytes"] == 4 * cache["row_bytes"]
+    assert main(["plan", "--memory", "--model-shape", "qwen3.5-397b-a17b", "--world-size", "64",
+                 "--tensor-parallel-size", "8", "--trajectory-tokens", "65536"]) == 0
+    text = capsys.readouterr().out
+    assert "K/V of 15 full-attention layers" in text and "(15,360 bytes a token)" in text
