@@ -35,6 +35,14 @@ def still_works(box: Sandbox) -> None:
     assert (result.exit_code, result.output) == (0, "ok\n")
 
 
+def test_no_process_inside_reads_the_host_s_paths_in_proc(sandbox, tmp_path):
+    """bwrap's options (every bind's host path: the sandbox's folder, the run's) were its
+    command line, which the sandbox read as /proc/1/cmdline."""
+    result = sandbox.run("cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'")
+    assert result.exit_code in (0, 1) and "bwrap" in result.output, result.output[:500]
+    assert str(tmp_path) not in result.output and str(sandbox.folder) not in result.output, result.output[:2000]
+
+
 def test_files_outside_the_sandbox_are_not_there(sandbox, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET")

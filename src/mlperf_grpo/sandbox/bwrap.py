@@ -87,22 +87,35 @@ class BwrapLayout:
 
 
 def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list[str]:
-    """The full argv: ``bwrap`` ... ``bash -c <limits> <command>`` in ``inside_workdir``.
-    The command's environment is cleared to PATH, HOME=/tmp, LANG, TMPDIR, and the first
-    ``ro_paths`` entry's ``bin`` leads PATH (the run's Python environment)."""
-    ro_paths, run_as = layout.ro_paths, layout.run_as
+    """The full argv: ``bwrap`` :func:`bwrap_options` ``--`` :func:`inside_argv`."""
+    return [layout.bwrap, *bwrap_options(layout, limits), "--", *inside_argv(layout, limits, command)]
+
+
+def inside_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list[str]:
+    """What bwrap runs: ``bash -c <limits> <command>``, behind ``setpriv`` dropping to
+    ``layout.run_as`` on a root run."""
+    if layout.run_as is None:
+        return [*limited_shell(limits), command]
+    return ["setpriv", f"--reuid={layout.run_as}", f"--regid={layout.run_as}", "--clear-groups", "--no-new-privs",
+            "--inh-caps=-all", "--bounding-set=-all", "--", *limited_shell(limits), command]
+
+
+def bwrap_options(layout: BwrapLayout, limits: SandboxLimits) -> list[str]:
+    """bwrap's options: namespaces, identity, mounts and environment. The command's
+    environment is cleared to PATH, HOME=/tmp, LANG, TMPDIR, and the first ``ro_paths``
+    entry's ``bin`` leads PATH (the run's Python environment). They name host paths: the
+    sandbox gives them to bwrap through ``--args FD``, off its command line, which the
+    sandbox's processes read as ``/proc/1/cmdline``."""
+    ro_paths = layout.ro_paths
     path_dirs = [str(Path(p) / "bin") for p in ro_paths] + ["/usr/local/bin", "/usr/bin", "/bin"]
-    if run_as is None:
+    if layout.run_as is None:
         identity = ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--disable-userns",
                     "--cap-drop", "ALL"]
-        shell = limited_shell(limits)
     else:
         identity = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
                     "--cap-add", "CAP_SETPCAP"]  # without it setpriv skips --bounding-set=-all silently
-        shell = ["setpriv", f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs",
-                 "--inh-caps=-all", "--bounding-set=-all", "--", *limited_shell(limits)]
     args = [
-        layout.bwrap, *identity,
+        *identity,
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
         "--setenv", "PATH", ":".join(dict.fromkeys(path_dirs)), "--setenv", "HOME", "/tmp",
@@ -123,9 +136,6 @@ def bwrap_argv(layout: BwrapLayout, limits: SandboxLimits, command: str) -> list
         args += ["--ro-bind", path, path]
     for path in layout.hidden:
         args += ["--size", "4096", "--tmpfs", str(path)]
-    args += [
-        "--bind", str(layout.workdir), layout.inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev",
-        "--chdir", layout.inside_workdir,
-        "--", *shell, command,
-    ]
-    return args
+    return args + ["--bind", str(layout.workdir), layout.inside_workdir, "--remount-ro", "/", "--remount-ro", "/dev",
+                   "--chdir", layout.inside_workdir]
+

@@ -227,14 +227,19 @@ class Sandbox:
                 raise ConfigError(f"sandbox: cannot start image {self.image}: {result.output.strip()[:300]}")
             self._container = name
 
-    def _argv(self, command: str, timeout_s: float, info_fd: int = -1,
-              seccomp_fd: int = -1) -> tuple[list[str], dict[str, str]]:
+    def _argv(self, command: str, timeout_s: float, info_fd: int = -1, seccomp_fd: int = -1,
+              args_fd: int = -1) -> tuple[list[str], dict[str, str]]:
+        """The command's argv and environment; bwrap's options go into ``args_fd`` (``--args``:
+        off the command line, which the sandbox reads as ``/proc/1/cmdline``)."""
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             layout = bwrap.BwrapLayout(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
                                        tuple(self._ro_paths), tuple(hidden_inside(self._ro_paths)), self._uid)
-            argv = bwrap.bwrap_argv(layout, self.limits, command)
-            argv[1:1] = ["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
+            options = (["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
+                       + bwrap.bwrap_options(layout, self.limits))
+            os.write(args_fd, b"".join(o.encode("utf-8", "surrogateescape") + b"\0" for o in options))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            argv = [binary, "--args", str(args_fd), "--", *bwrap.inside_argv(layout, self.limits, command)]
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
                 argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
@@ -261,19 +266,20 @@ class Sandbox:
         timeout = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
         info_read, info_write = os.pipe() if self.backend == "bwrap" else (-1, -1)
         filter_fd = seccomp.filter_fd() if self.backend == "bwrap" else -1
+        args_fd = os.memfd_create("sandbox-bwrap-args", os.MFD_CLOEXEC) if self.backend == "bwrap" else -1
         try:
             with self._lock:
                 if self._closed:
                     return CommandResult(None, "", False, False, "closed")
-                argv, env = self._argv(command, timeout, info_write, filter_fd)
+                argv, env = self._argv(command, timeout, info_write, filter_fd, args_fd)
                 running = RunningCommand(argv, self.limits, input_bytes, env,
-                                         pass_fds=tuple(fd for fd in (info_write, filter_fd) if fd >= 0),
+                                         pass_fds=tuple(fd for fd in (info_write, filter_fd, args_fd) if fd >= 0),
                                          disk_path=str(self.folder.parent))
                 self._running.add(running)
-            for fd in (info_write, filter_fd):
+            for fd in (info_write, filter_fd, args_fd):
                 if fd >= 0:
                     os.close(fd)
-            info_write = filter_fd = -1
+            info_write = filter_fd = args_fd = -1
             try:
                 return running.finish(timeout)
             finally:
@@ -283,7 +289,7 @@ class Sandbox:
                     self._running.discard(running)
                     self._idle.notify_all()
         finally:
-            for fd in (info_read, info_write, filter_fd):
+            for fd in (info_read, info_write, filter_fd, args_fd):
                 if fd >= 0:
                     os.close(fd)
 
