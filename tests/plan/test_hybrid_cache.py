@@ -63,3 +63,9 @@ def test_plan_memory_prints_the_benchmark_model_s_cache(capsys):
                  "--tensor-parallel-size", "8", "--trajectory-tokens", "65536"]) == 0
     text = capsys.readouterr().out
     assert "K/V of 15 full-attention layers" in text and "(15,360 bytes a token)" in text
+
+
+def test_a_model_of_full_attention_alone_needs_no_linear_attention_keys():
+    config = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 2, "full_attention_interval": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32}
+    assert hybrid_cache(config, 1, 2) == type(hybrid_cache(config, 1, 2))(2, 0, 2 * 2 * 2 * 8 * 2, 0)

@@ -51,12 +51,14 @@ def hybrid_cache(config: dict, tensor_parallel_size: int = 1, rollout_bytes: int
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = config.get("num_key_value_heads") or heads
     kv_rank = kv // t if t <= kv else 1
+    per_token = full * 2 * kv_rank * head_dim * rollout_bytes
+    if full == layers:  # no linear-attention layer: its keys may be left out
+        return HybridCache(full, 0, per_token, 0)
     k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     k_dim, v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
     conv = (2 * k_heads * k_dim + v_heads * v_dim) // t * config["linear_conv_kernel_dim"] * rollout_bytes
     recurrent = v_heads // t * k_dim * v_dim * RECURRENT_STATE_BYTES
-    return HybridCache(full, layers - full, full * 2 * kv_rank * head_dim * rollout_bytes,
-                       (layers - full) * (conv + recurrent))
+    return HybridCache(full, layers - full, per_token, (layers - full) * (conv + recurrent))
 
 
 def format_hybrid_cache(config: dict, cache: HybridCache, tokens: int, rows: int) -> tuple[dict, str]:
