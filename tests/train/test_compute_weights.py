@@ -85,3 +85,39 @@ def test_a_copy_no_pass_reaches_leaves_no_gradient_and_an_error_leaves_the_maste
     assert {n: p for n, p in policy.named_parameters()} == masters
     policy(input_ids=ids).logits.sum().backward()  # no hook left: plain autograd into the masters
     assert all(p.grad is not None for n, p in policy.named_parameters() if "extra" not in n)
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises between two bytecodes (GracefulStop's Terminated, Ctrl-C)."""
+
+
+def test_a_signal_during_the_exit_leaves_every_master_in_its_module(monkeypatch):
+    # a SIGTERM raises where the handler runs: while the hooks are removed, or in the middle
+    # of putting the masters back; before, the copies stayed in the modules (the optimizer
+    # then stepped masters no module read, and a save took the bfloat16 copies)
+    policy = load_model(MODEL, "float32")
+    masters = {n: p for n, p in policy.named_parameters()}
+    remove = torch.utils.hooks.RemovableHandle.remove
+
+    def interrupted_remove(handle):
+        monkeypatch.setattr(torch.utils.hooks.RemovableHandle, "remove", remove)
+        raise _Interrupted
+
+    monkeypatch.setattr(torch.utils.hooks.RemovableHandle, "remove", interrupted_remove)
+    with pytest.raises(_Interrupted):
+        with compute_weights(policy, torch.bfloat16):
+            pass
+    assert {n: p for n, p in policy.named_parameters()} == masters
+
+    class OnceInterrupted(dict):
+        def __setitem__(self, key, value):
+            type(self).__setitem__ = dict.__setitem__
+            raise _Interrupted
+
+    slots = linear_slots(policy)
+    with pytest.raises(_Interrupted):
+        with ComputeWeights(slots, torch.bfloat16):
+            module = slots[len(slots) // 2][0]
+            module._parameters = OnceInterrupted(module._parameters)
+    assert {n: p for n, p in policy.named_parameters()} == masters
+    assert all(p.dtype == torch.float32 for p in policy.parameters())

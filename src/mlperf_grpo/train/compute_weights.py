@@ -58,9 +58,9 @@ def compute_weights(policy: torch.nn.Module, dtype: torch.dtype) -> ComputeWeigh
 class ComputeWeights:
     """A context over a step's passes: inside, each slot's parameter is a ``dtype`` copy of
     its float32 parameter (the master); call :meth:`take` after each backward. On exit (an
-    error too) the masters are back in their modules, each with the float32 sum of its
-    copy's gradients as ``.grad`` (None where no pass reached it). Enter with every master's
-    ``.grad`` None.
+    error too, or a signal's exception raised during the exit) the masters are back in their
+    modules, each with the float32 sum of its copy's gradients as ``.grad`` (None where no
+    pass reached it). Enter with every master's ``.grad`` None.
 
     Args:
         slots: ``(module, name)`` of float32 parameters (:func:`linear_slots`).
@@ -126,13 +126,22 @@ class ComputeWeights:
             torch._foreach_add_([self.sums[i] for i, _ in later], parts)
 
     def _restore(self) -> None:
-        for (module, name), master in zip(self.slots, self.masters):
-            module._parameters[name] = master
+        """Every master back in its module, even where an exception a signal raises (SIGTERM's
+        ``Terminated``, Ctrl-C) cuts the loop short: the rest are put back before it propagates."""
+        done = False
+        try:
+            for (module, name), master in zip(self.slots, self.masters):
+                module._parameters[name] = master
+            done = True
+        finally:
+            if not done:
+                for (module, name), master in zip(self.slots, self.masters):
+                    module._parameters[name] = master
 
     def __exit__(self, *exc: object) -> None:
+        self._restore()  # first: a signal's exception in what follows leaves no copy in a module
         for handle in self.handles:
             handle.remove()
-        self._restore()
         self.take()
         for master, total, reached in zip(self.masters, self.sums, self.reached):
             master.grad = total if reached else None
