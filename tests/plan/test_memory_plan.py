@@ -297,3 +297,22 @@ def test_a_saved_config_s_layer_types_are_accepted(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps(hf_config.to_dict()))
         assert len(load_model_config(tmp_path / name)["layer_types"]) == hf_config.num_hidden_layers
     assert "sliding_attention" in load_model_config(tmp_path / "qwen3")["layer_types"]
+
+
+def test_layer_types_without_a_layer_count_or_with_a_null_interval(tmp_path, capsys):
+    """transformers reads ``full_attention_interval`` only where no ``layer_types`` is given:
+    a null interval beside them is planned; ``layer_types`` without ``num_hidden_layers``
+    names the missing count (not "not a list of 0")."""
+    import json
+
+    from mlperf_grpo.cli import main
+    from mlperf_grpo.plan.model_config import load_model_config
+
+    data = {**CONFIGS["qwen3_5_moe"].to_dict(), "full_attention_interval": None}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert {t.name: t.shape for t in model_tensors(load_model_config(tmp_path))} == meta_shapes(CONFIGS["qwen3_5_moe"])
+    (tmp_path / "config.json").write_text(json.dumps({**data, "num_hidden_layers": None}))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert "layer_types is given but num_hidden_layers is not" in captured.err, captured.err

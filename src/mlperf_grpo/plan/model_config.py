@@ -54,8 +54,10 @@ def _check_dimensions(config: dict, file: Path) -> None:
     for key in FLAG_KEYS:
         if config.get(key) is not None and not isinstance(config[key], bool):
             raise MemoryPlanError(f"{file}: {key} is {config[key]!r}, not true or false; give the model's real config.json")
-    layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers") or 0
+    layer_types, layers = config.get("layer_types"), config.get("num_hidden_layers")
     known = LAYER_TYPES[config["model_type"]]
+    if layer_types is not None and layers is None:  # not "a list of 0": the count is what is missing
+        raise MemoryPlanError(f"{file}: layer_types is given but num_hidden_layers is not; give the model's full config.json")
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers
                                     or not all(isinstance(t, str) and t in known for t in layer_types)):
         raise MemoryPlanError(f"{file}: layer_types is not a list of {layers} of {', '.join(sorted(known))}; "
