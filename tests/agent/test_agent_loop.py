@@ -219,3 +219,17 @@ def test_a_failing_sandbox_start_stops_the_rollout_and_leaves_no_sandbox(setup, 
         run_trajectories(ScriptedEngine(tok, suite, known_fix_script), chat, jobs, PARAMS,
                          AgentSettings(max_context_tokens=8192, tool_threads=2))
     assert not any((tmp_path / "sandboxes").iterdir())
+
+
+def test_a_finish_after_observations_that_fill_the_context_still_finishes(setup, tmp_path):
+    """A last turn of a large look and then ``finish`` ended "context" and its reward was
+    masked: the finish never ran, though a finish's turn adds nothing to the context."""
+    def fix_look_finish(task_id, turn, text):
+        if turn < 2:
+            return known_fix_script(task_id, turn, text)
+        return call_text("execute_bash", command="seq 100000 105000") + "\n" + call_text("finish", message="fixed")
+    settings = AgentSettings(max_context_tokens=8192, tool_threads=2, max_observation_chars=30000)
+    (traj,), _ = run(setup, tmp_path, fix_look_finish, settings, tasks=setup[2][:1])
+    room = 8192 - traj.num_tokens
+    assert setup[1].count(traj.turns[-1].observations[0]) >= room  # the look alone filled the context
+    assert (traj.end_reason, traj.reward, traj.invalid) == ("finish", 1.0, False), [t.observations for t in traj.turns]

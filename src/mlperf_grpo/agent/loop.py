@@ -38,7 +38,7 @@ from typing import Protocol
 
 from mlperf_grpo.agent.chat import ChatTokens
 from mlperf_grpo.agent.parser import CallError, parse_tool_calls
-from mlperf_grpo.agent.tools import Observation, ToolCall, clip
+from mlperf_grpo.agent.tools import FINISH, Observation, ToolCall, clip
 from mlperf_grpo.agent.trajectory import Trajectory, Turn
 from mlperf_grpo.inference.base import Completion, SamplingParams, derive_seed
 
@@ -284,9 +284,11 @@ def _run_calls(session: Session, calls: list, limits: _CallLimits) -> tuple[list
     turn of a thousand calls would otherwise run them all before its timeout is seen), and so
     do observations whose tokens reach the room left in the context (``full``: the trajectory
     ends there, as it would once they were tokenised; a turn of a thousand calls of 30,000
-    characters each would otherwise hold and tokenise them all)."""
+    characters each would otherwise hold and tokenise them all). A ``finish`` right after
+    them still runs: its turn adds nothing to the context, and the honest "look, then finish"
+    turn would otherwise end "context" with its reward masked."""
     observations, tokens = [], 0
-    for call in calls:
+    for i, call in enumerate(calls):
         if time.perf_counter() > limits.deadline:
             break
         if isinstance(call, CallError):  # it echoes the call
@@ -297,9 +299,14 @@ def _run_calls(session: Session, calls: list, limits: _CallLimits) -> tuple[list
         if observation.finished:
             return observations, True, False
         tokens += limits.count(observation.text)
-        if tokens >= limits.room:
+        if tokens >= limits.room and not _is_finish(calls[i + 1:i + 2]):
             return observations, False, True
-    return observations, False, False
+    return observations, False, tokens >= limits.room
+
+
+def _is_finish(calls: list) -> bool:
+    """Whether ``calls`` is one ``finish`` call (not a malformed one)."""
+    return len(calls) == 1 and isinstance(calls[0], ToolCall) and calls[0].name == FINISH
 
 
 def _end(run: _Running, reason: str, pool: ThreadPoolExecutor, pending: dict) -> bool:
