@@ -69,3 +69,32 @@ def test_a_model_of_full_attention_alone_needs_no_linear_attention_keys():
     config = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 2, "full_attention_interval": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32}
     assert hybrid_cache(config, 1, 2) == type(hybrid_cache(config, 1, 2))(2, 0, 2 * 2 * 2 * 8 * 2, 0)
+
+
+def test_a_config_json_without_head_dim_or_kv_heads_is_planned_as_transformers_loads_it(tmp_path, capsys):
+    """The planner took a missing ``head_dim`` as hidden / heads (4) and missing KV heads
+    as the heads (8), Llama's rule; transformers' Qwen3.5 config fills in 256 and 2: the
+    cache was planned at 1/32 of what transformers keeps."""
+    import json
+
+    from transformers import AutoConfig
+
+    from mlperf_grpo.cli import main
+
+    shape = {k: v for k, v in MOE.items() if k not in ("head_dim", "num_key_value_heads")}
+    Qwen3_5MoeTextConfig(**{**shape, "linear_conv_kernel_dim": 3}, full_attention_interval=3).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for key in ("head_dim", "num_key_value_heads", "layer_types"):  # as a hand-written config.json leaves them out
+        saved.pop(key, None)
+    saved["full_attention_interval"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "1",
+                 "--trajectory-tokens", "21", "--rows", "3", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["sequences"]
+    config = AutoConfig.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 64, (3, 21)), use_cache=True).past_key_values
+    assert (planned["full_layers"], planned["linear_layers"]) == (1, 4)
+    assert _cache_bytes(cache) == planned["all_rows_bytes"]

@@ -25,6 +25,13 @@ LAYER_TYPES = {"llama": {"full_attention"}, "qwen3": {"full_attention", "sliding
 """The ``layer_types`` entries of each model type the planner counts (transformers' config classes)."""
 
 
+TYPE_DEFAULTS = {"qwen3": {"head_dim": 128}, "qwen3_5_moe": {"head_dim": 256, "num_key_value_heads": 2},
+                 "qwen3_5_moe_text": {"head_dim": 256, "num_key_value_heads": 2}}
+"""What transformers' config class of the type fills in for these keys where ``config.json``
+leaves them out (``Qwen3Config``, ``Qwen3_5MoeTextConfig``); the planner's own fallback
+(``hidden_size / num_attention_heads``, KV heads = heads) is Llama's rule."""
+
+
 MAX_COUNT = 2**32
 """The largest count of a model config the planner takes (a width, a vocabulary, a context)."""
 MAX_LAYERS = 100_000
@@ -92,6 +99,8 @@ def load_model_config(path: Path) -> dict:
         raise MemoryPlanError(f"{file} is not a JSON object; give a model's config.json")
     text = data.get("text_config")
     config = {"model_type": data.get("model_type"), **text} if isinstance(text, dict) else data
+    defaults = TYPE_DEFAULTS.get(config.get("model_type"), {})
+    config = {**config, **{key: value for key, value in defaults.items() if config.get(key) is None}}
     if counts(config):  # other model types are not planned
         _check_dimensions(config, file)
     return config
