@@ -41,6 +41,16 @@ def disk_short(path: str, min_free_bytes: int) -> bool:
             or 0 < stats.f_files and stats.f_favail < MIN_FREE_INODE_SHARE * stats.f_files)
 
 
+def data_fd(name: str, data: bytes) -> int:
+    """A fresh readable descriptor (a memfd, close-on-exec) holding ``data`` from its start,
+    for a child that reads it to the end (bwrap's ``--args`` and ``--seccomp``). The caller
+    closes it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group ``proc`` leads (it was started in a new session)."""
     try:

@@ -34,7 +34,7 @@ from pathlib import Path
 from mlperf_grpo.errors import ConfigError
 from mlperf_grpo.sandbox import bwrap, containers, leftovers, seccomp
 from mlperf_grpo.sandbox.limits import MAX_COMMAND_BYTES, CommandResult, SandboxLimits
-from mlperf_grpo.sandbox.process import RunningCommand, run_command, wait_gone
+from mlperf_grpo.sandbox.process import RunningCommand, data_fd, run_command, wait_gone
 
 INSIDE_WORKDIR = "/testbed"
 """Where the repository copy appears inside the sandbox (R2E-Gym's and SWE-bench's images' place)."""
@@ -227,28 +227,29 @@ class Sandbox:
                 raise ConfigError(f"sandbox: cannot start image {self.image}: {result.output.strip()[:300]}")
             self._container = name
 
-    def _argv(self, command: str, timeout_s: float, info_fd: int = -1, seccomp_fd: int = -1,
-              args_fd: int = -1) -> tuple[list[str], dict[str, str]]:
-        """The command's argv and environment; bwrap's options go into ``args_fd`` (``--args``:
-        off the command line, which the sandbox reads as ``/proc/1/cmdline``)."""
+    def _argv(self, command: str, timeout_s: float, info_fd: int = -1,
+              seccomp_fd: int = -1) -> tuple[list[str], dict[str, str], int]:
+        """The command's argv, environment and the descriptor of bwrap's options (``--args``:
+        off the command line, which the sandbox reads as ``/proc/1/cmdline``; -1 for the
+        other runtimes), which the caller passes and closes."""
         binary = shutil.which(self.backend)
         if self.backend == "bwrap":
             layout = bwrap.BwrapLayout(binary, self.workdir, INSIDE_WORKDIR, self.folder / "etc",
                                        tuple(self._ro_paths), tuple(hidden_inside(self._ro_paths)), self._uid)
             options = (["--info-fd", str(info_fd)] + (["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else [])
                        + bwrap.bwrap_options(layout, self.limits))
-            os.write(args_fd, b"".join(o.encode("utf-8", "surrogateescape") + b"\0" for o in options))
-            os.lseek(args_fd, 0, os.SEEK_SET)
+            args_fd = data_fd("sandbox-bwrap-args", b"".join(o.encode("utf-8", "surrogateescape") + b"\0"
+                                                              for o in options))
             argv = [binary, "--args", str(args_fd), "--", *bwrap.inside_argv(layout, self.limits, command)]
             setpriv = shutil.which("setpriv")
             if setpriv:  # armed before bwrap starts: --die-with-parent is armed only once bwrap runs
                 argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
-            return argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            return argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, args_fd
         if self.backend in ("apptainer", "singularity"):
             return containers.apptainer_argv(binary, self.image, self.workdir, INSIDE_WORKDIR, self.limits,
-                                             command), dict(os.environ)
+                                             command), dict(os.environ), -1
         return containers.oci_exec_argv(binary, self._container, INSIDE_WORKDIR, self.limits, command,
-                                        timeout_s), dict(os.environ)
+                                        timeout_s), dict(os.environ), -1
 
     def run(self, command: str, timeout_s: float | None = None, input_bytes: bytes = b"") -> CommandResult:
         """Run ``command`` with ``bash -c`` in :attr:`inside_workdir` (``input_bytes`` on its
@@ -266,12 +267,12 @@ class Sandbox:
         timeout = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
         info_read, info_write = os.pipe() if self.backend == "bwrap" else (-1, -1)
         filter_fd = seccomp.filter_fd() if self.backend == "bwrap" else -1
-        args_fd = os.memfd_create("sandbox-bwrap-args", os.MFD_CLOEXEC) if self.backend == "bwrap" else -1
+        args_fd = -1
         try:
             with self._lock:
                 if self._closed:
                     return CommandResult(None, "", False, False, "closed")
-                argv, env = self._argv(command, timeout, info_write, filter_fd, args_fd)
+                argv, env, args_fd = self._argv(command, timeout, info_write, filter_fd)
                 running = RunningCommand(argv, self.limits, input_bytes, env,
                                          pass_fds=tuple(fd for fd in (info_write, filter_fd, args_fd) if fd >= 0),
                                          disk_path=str(self.folder.parent))

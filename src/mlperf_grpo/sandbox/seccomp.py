@@ -25,9 +25,10 @@ bubblewrap's ``--seccomp FD`` reads them (seccomp(2), linux/filter.h, linux/secc
 
 from __future__ import annotations
 
-import os
 import platform
 import struct
+
+from mlperf_grpo.sandbox.process import data_fd
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 X32_SYSCALL_BIT = 0x40000000
@@ -126,7 +127,4 @@ def filter_fd() -> int:
     program = filter_program()
     if program is None:
         return -1
-    fd = os.memfd_create("sandbox-seccomp", os.MFD_CLOEXEC)
-    os.write(fd, program)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
+    return data_fd("sandbox-seccomp", program)
