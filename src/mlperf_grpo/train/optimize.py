@@ -26,14 +26,8 @@ from mlperf_grpo.train.fsdp import sync_after_micro_batch
 from mlperf_grpo.train.grad_accumulation import GradSum, usable
 from mlperf_grpo.train.grpo import PGLossOptions
 from mlperf_grpo.train.logprobs import LOGITS_CHUNK_BYTES, chunk_tokens_for, policy_token_logprobs
-from mlperf_grpo.train.packing import (
-    PackedInputs,
-    packed_inputs,
-    padded_width,
-    split_padded,
-    split_to_count,
-    token_budget_micro_batches,
-)
+from mlperf_grpo.train.packing import (PackedInputs, packed_inputs, padded_width, split_padded, split_to_count,
+                                       token_budget_micro_batches)
 from mlperf_grpo.train.pass_loss import STATS, PassLossSettings, loss_function
 from mlperf_grpo.train.rollout import RolloutBatch, build_batch, truncated_completions
 from mlperf_grpo.train.trajectories import overlong_trajectories, valid_group_advantages, valid_samples
