@@ -12,11 +12,14 @@
 ``seq-mask-tis``, the prev log-prob pass for the log-prob error filter) through the real
 trainer (``train.trainer.train``) at the asked ``max_trajectory_age_steps``, and reads each
 step's time from its MLPerf log (``block_stop`` to ``block_stop``; ``train_step_time`` of
-the ``tracked_stats`` events leaves out what happens between steps). The phase split wraps
-the loop's own calls (``score``, ``optimize_step``) with timers:
+the ``tracked_stats`` events leaves out what happens between steps). The phase split reads
+the ``tracked_stats`` and wraps the loop's ``optimize_step`` with a timer that waits for
+the trainer's CUDA stream only (the rollouts of the next step run on their own):
 
 - ``rollout_s``: time the step waited for its rollouts (exposed generation);
-- ``reward_s``: scoring the completions; ``logprob_s``: a separate no-grad prev log-prob
+- ``reward_s``: time it then waited for their rewards (exposed scoring: with age 1 they
+  are scored on the rollout producer's thread while the previous step trains);
+  ``logprob_s``: a separate no-grad prev log-prob
   pass, 0 since the prev log-probs come from the loss pass (``train.optimize.optimize_step``);
 - ``update_s``: the loss passes over micro-batches, gradient clip and optimizer step;
 - ``refit_s``: engine <- policy; ``other_s``: the rest (advantages, batching, logging).
@@ -56,7 +59,8 @@ on them; also under ``longer``), and
 ``--also-micro-batch-size M`` with ``M`` rows a pass on both sides (the default compares
 at ``--micro-batch-size``, 64, as TRL's ``per_device_train_batch_size``). ``comparisons``
 lists every comparison side by side: its ``max_new_tokens``, ``micro_batch_size``,
-steps measured, both sides' step seconds, ``speedup``, our ``update_s`` and the rows our
+steps measured, both sides' median step seconds and each step's (``ours_steps_s``,
+``trl_steps_s``), ``speedup``, our ``update_s`` and the rows our
 update trained on (median ``global_valid_seqs``: with the overlong filter, the reference
 algorithm's, a completion that hit the limit leaves our loss, and is not run at all
 under ``grpo.micro_batch_tokens``; TRL trains on every row: ``--overlong-filtering off``
@@ -149,16 +153,19 @@ def run_config(model: str, dtype: str, device: str, age: int, steps: int, prompt
 
 
 def _sync(device: str) -> None:
+    """Wait for the calling thread's CUDA stream: the trainer's work, not the background
+    rollouts on their own stream (a device-wide sync here would make training wait for
+    them, which an unmeasured run never does)."""
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 @contextlib.contextmanager
 def phase_timers(device: str):
-    """Wrap the loop's reward scoring (``score``) and ``optimize_step`` with timers;
+    """Wrap the loop's ``optimize_step`` with a timer;
     yields ``{phase: [seconds per call]}`` (restored on exit)."""
     seconds: dict[str, list[float]] = defaultdict(list)
-    phases = {"score_tolerating_timeouts": "score", "optimize_step": "optimize_step"}  # trainer name -> phase
+    phases = {"optimize_step": "optimize_step"}  # trainer name -> phase
     originals = {name: getattr(trainer_module, name) for name in phases}
 
     def timed(name, fn):
@@ -222,7 +229,7 @@ def measure_ours(config, device: str, tmp: Path, decode: str = "auto", ignore_eo
         s = stats[i]
         phases = {
             "rollout_s": s["exposed_generation_time"],
-            "reward_s": seconds["score"][i],
+            "reward_s": s["exposed_reward_time"],
             "logprob_s": 0.0,
             "update_s": seconds["optimize_step"][i],
             "refit_s": s["weight_sync_time"],
@@ -441,7 +448,8 @@ def _figures(ours: list[dict], trl_steps: list[float]) -> dict:
 
 def _comparison(config, ignore_eos: bool, ours: list[dict], trl_steps: list[float], repeat: int) -> dict:
     """One comparison's line of ``comparisons``: its shape, both sides' median step
-    seconds, their ratio and our update's median seconds."""
+    seconds, their ratio, our update's median seconds, and every measured step's seconds
+    of each side (``ours_steps_s``, ``trl_steps_s``: the spread behind the medians)."""
     g = config.grpo
     figures = _figures(ours, trl_steps)
     return {"max_new_tokens": g.max_new_tokens, "ignore_eos": ignore_eos, "overlong_filtering": g.overlong_filtering,
@@ -449,7 +457,8 @@ def _comparison(config, ignore_eos: bool, ours: list[dict], trl_steps: list[floa
             "steps_measured_per_side": (g.max_steps - 1) * repeat, "ours_step_s": figures["ours_step_s"],
             "trl_step_s": figures["trl_step_s"], "speedup": figures["speedup"],
             "ours_update_s": figures["phases_s"]["update_s"],
-            "ours_rows_trained": statistics.median(s["rows_trained"] for s in ours)}
+            "ours_rows_trained": statistics.median(s["rows_trained"] for s in ours),
+            "ours_steps_s": [round(s["step_s"], 4) for s in ours], "trl_steps_s": [round(t, 4) for t in trl_steps]}
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+import torch
 
 from mlperf_grpo.inference.base import Completion, SamplingParams
 from mlperf_grpo.tasks import arithmetic
@@ -34,10 +35,30 @@ class FakeEngine:
         return [Completion([1], [2], [-0.5], str(s)) for s in seeds]
 
 
-def _producer(engine, age, max_steps=4):
+def _producer(engine, age, max_steps=4, score=None):
     sampler = PromptSampler(arithmetic.train_tasks(32, 251, seed=1), seed=1)
     return RolloutProducer(engine, sampler, RolloutSettings(2, 3, PARAMS, seed=7, max_trajectory_age_steps=age,
-                                                            max_steps=max_steps))
+                                                            max_steps=max_steps), score=score)
+
+
+class Scorer:
+    """Scores a step as the number of its completions; records its thread; can block from
+    a call index on until released, or raise."""
+
+    def __init__(self, block_calls_after=None, fail_calls_after=None) -> None:
+        self.threads: list[str] = []
+        self.block_calls_after, self.fail_calls_after = block_calls_after, fail_calls_after
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, tasks, samples):
+        index = len(self.threads)
+        self.threads.append(threading.current_thread().name)
+        if self.fail_calls_after is not None and index >= self.fail_calls_after:
+            raise RuntimeError("verifier died")
+        if self.block_calls_after is not None and index >= self.block_calls_after:
+            self.entered.set()
+            assert self.release.wait(timeout=60), "the trainer never released the scoring"
+        return torch.full((len(tasks), len(samples[0])), float(index)), index
 
 
 def _run(age, max_steps=4):
@@ -86,6 +107,35 @@ def test_generation_of_the_next_step_overlaps_training():
         producer.refit({"name": "w1"}, weights_version=1)  # waits for the generation first
         assert weights_before_refit == "w0"
         assert producer.take(2).weights_version == 0
+
+
+def test_rewards_of_the_next_step_are_scored_while_the_step_trains_and_the_refit_does_not_wait_for_them():
+    scorer = Scorer(block_calls_after=1)  # step 2's scoring waits until the test releases it
+    with _producer(FakeEngine(), age=1, score=scorer) as producer:
+        first = producer.take(1)
+        assert first.rewards.tolist() == [[0.0] * 3] * 2 and first.reward_timeouts == 0
+        assert scorer.entered.wait(timeout=60)  # step 2 scored with no call from the trainer
+        producer.refit({"name": "w1"}, weights_version=1)  # returns while step 2's scoring is blocked
+        scorer.release.set()
+        second = producer.take(2)
+        assert second.rewards.tolist() == [[1.0] * 3] * 2 and second.reward_timeouts == 1
+        assert second.exposed_reward_s >= 0 and second.exposed_generation_s >= 0
+    assert scorer.threads[0] == "MainThread" and scorer.threads[1].startswith("reward")
+
+
+def test_synchronous_rollouts_are_scored_before_take_returns():
+    scorer = Scorer()
+    with _producer(FakeEngine(), age=0, max_steps=2, score=scorer) as producer:
+        assert producer.take(1).reward_timeouts == 0 and producer.take(2).reward_timeouts == 1
+    assert scorer.threads == ["MainThread", "MainThread"]
+
+
+def test_a_scoring_error_reaches_the_trainer_at_its_step_not_at_the_refit_before():
+    with _producer(FakeEngine(), age=1, score=Scorer(fail_calls_after=1)) as producer:
+        producer.take(1)
+        producer.refit({"name": "w1"}, weights_version=1)  # step 1 ends: its log lines are written
+        with pytest.raises(RuntimeError, match="verifier died"):
+            producer.take(2)
 
 
 def test_engine_error_reaches_the_trainer():

@@ -7,7 +7,9 @@ step N asks for them, with the weights of step N-1.
 ``in_flight_weight_updates: false``): as soon as step N has taken its rollouts, the
 rollouts of step N+1 start generating on a background thread with the weights the engine
 holds, while step N trains. The refit after step N waits for that generation to finish,
-then loads the new weights (no weight update in flight)::
+then loads the new weights (no weight update in flight); the rewards of step N+1 are
+scored on a second thread while the refit runs (the reward calls read only the
+completions' text)::
 
     step 1: generate(1, w0)  | take 1 | gen(2, w0) ........ | refit w1
     step 2:                    take 2 | gen(3, w1) || train 2 | refit w2
@@ -22,6 +24,7 @@ caller's thread, so a run is reproducible whatever the timing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,7 +41,9 @@ class Rollouts:
 
     ``completions``: ``[P][G]``. ``weights_version``: optimizer steps applied to the engine
     weights that generated them. ``generation_s``: seconds the engine spent on them.
-    ``exposed_generation_s``: seconds the trainer waited for them (0 when they were ready).
+    ``rewards`` and ``reward_timeouts``: what the producer's ``score`` returned (``None``
+    and 0 without one). ``exposed_generation_s`` and ``exposed_reward_s``: seconds the
+    trainer waited for the generation and then for the scoring (0 when they were ready).
     """
 
     step: int
@@ -47,11 +52,19 @@ class Rollouts:
     weights_version: int
     generation_s: float
     exposed_generation_s: float = 0.0
+    rewards: torch.Tensor | None = None
+    reward_timeouts: int = 0
+    exposed_reward_s: float = 0.0
 
     @property
     def age_steps(self) -> int:
         """How many optimizer steps older than the trainer's weights (``step - 1``) they are."""
         return self.step - 1 - self.weights_version
+
+
+Scorer = Callable[[list[Task], list[list[Completion]]], tuple[torch.Tensor, int]]
+"""``(tasks, samples [P][G]) -> (rewards, timeouts)``: a step's rewards, scored as soon as
+its samples are generated."""
 
 
 @dataclass(frozen=True)
@@ -94,12 +107,15 @@ class RolloutProducer:
         generate: what makes a step's ``[P][G]`` samples (``generate_rollouts``'s
             signature): completions by default, agent trajectories for ``task.name: swe``
             (:func:`~mlperf_grpo.train.trajectories.agent_generator`).
+        score: scores a step's samples (:data:`Scorer`) on the producer's scoring thread,
+            so that with age 1 the rewards are ready when the trainer takes them; ``None``:
+            no rewards in the :class:`Rollouts`.
     Raises:
         ValueError: ``max_trajectory_age_steps`` is not 0 or 1.
     """
 
     def __init__(self, engine: InferenceEngine, sampler: PromptSampler, settings: RolloutSettings, device: str = "cpu",
-                 prompt_share: slice = slice(None), generate=generate_rollouts) -> None:
+                 prompt_share: slice = slice(None), generate=generate_rollouts, score: Scorer | None = None) -> None:
         if settings.max_trajectory_age_steps not in (0, 1):
             raise ValueError(f"max_trajectory_age_steps must be 0 or 1, got {settings.max_trajectory_age_steps}")
         self._engine = engine
@@ -114,8 +130,10 @@ class RolloutProducer:
         self._cuda = device == "cuda"
         self._share = prompt_share
         self._generate_fn = generate
+        self._score_fn = score
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self._pending: tuple[int, Future[Rollouts]] | None = None
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self._pending: tuple[int, Future[Rollouts], Future[Rollouts]] | None = None  # step, generated, scored
 
     def __enter__(self) -> "RolloutProducer":
         return self
@@ -124,28 +142,34 @@ class RolloutProducer:
         self.close()
 
     def take(self, step: int) -> Rollouts:
-        """The rollouts of ``step`` (waiting for them if in flight); then, with age 1,
-        starts generating those of ``step + 1`` in the background.
+        """The scored rollouts of ``step`` (waiting for them if in flight); then, with age 1,
+        starts generating and scoring those of ``step + 1`` in the background.
 
         Raises:
             ValueError: steps are taken out of order.
-            Whatever the engine raised while generating.
+            Whatever the engine raised while generating, or ``score`` while scoring.
         """
         start = time.perf_counter()
         if self._pending is not None:
-            pending_step, future = self._pending
+            pending_step, generated, scored = self._pending
             if pending_step != step:
                 raise ValueError(f"rollouts of step {pending_step} are in flight; step {step} was asked for")
             self._pending = None
-            rollouts = future.result()
+            generated.result()
+            generated_s = time.perf_counter()
+            rollouts = scored.result()
         else:
             rollouts = self._generate(step, self._draw(), self._weights_version)
             if self._release:  # nothing generates until the next take: the policy may train in it
                 self._engine.release_memory()
-        rollouts.exposed_generation_s = time.perf_counter() - start
+            generated_s = time.perf_counter()
+            rollouts = self._score(rollouts)
+        rollouts.exposed_generation_s = generated_s - start
+        rollouts.exposed_reward_s = time.perf_counter() - generated_s
         if self._max_age == 1 and step < self._max_steps:
             nxt = step + 1
-            self._pending = (nxt, self._pool.submit(self._generate_on_side_stream, nxt, self._draw(), self._weights_version))
+            generated = self._pool.submit(self._generate_on_side_stream, nxt, self._draw(), self._weights_version)
+            self._pending = (nxt, generated, self._scoring.submit(lambda: self._score(generated.result())))
         return rollouts
 
     def refit(self, weights: Weights, weights_version: int) -> float:
@@ -155,7 +179,8 @@ class RolloutProducer:
         (:func:`~mlperf_grpo.train.fsdp.policy_weights`).
 
         Waits for any generation in flight first (the reference's
-        ``in_flight_weight_updates: false``), so it is not counted in the returned time.
+        ``in_flight_weight_updates: false``), so it is not counted in the returned time;
+        its scoring goes on.
         Returns:
             Seconds spent loading the weights (the weight-sync time).
         """
@@ -167,9 +192,11 @@ class RolloutProducer:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """Wait for a generation in flight (its result is dropped) and stop the worker."""
+        """Wait for a generation and scoring in flight (their results are dropped) and
+        stop the workers."""
         self._pending = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._scoring.shutdown(wait=True, cancel_futures=True)
 
     def _draw(self) -> list[Task]:
         return self._sampler.sample(self._shape[0])[self._share]
@@ -190,3 +217,8 @@ class RolloutProducer:
             self._engine, tasks, self._shape[1], self._params, self._seed, step, self._share.start or 0
         )
         return Rollouts(step, tasks, completions, weights_version, time.perf_counter() - start)
+
+    def _score(self, rollouts: Rollouts) -> Rollouts:
+        if self._score_fn is not None:
+            rollouts.rewards, rollouts.reward_timeouts = self._score_fn(rollouts.tasks, rollouts.completions)
+        return rollouts

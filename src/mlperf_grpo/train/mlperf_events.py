@@ -124,7 +124,8 @@ def log_tracked_stats(log: MLLogWriter, step: int, global_batch_size: int, stats
     ``stats`` uses the reference's names (``reduced_train_loss``, ``reward``,
     ``grad_norm``, ``global_valid_toks``, ``global_valid_seqs``, ``train_step_time``,
     ``policy_training_time``, ``generation_time``, ``exposed_generation_time``,
-    ``weight_sync_time``; times in seconds) plus ours (``rollout_weights_version``,
+    ``weight_sync_time``; times in seconds) plus ours (``exposed_reward_time``: seconds the
+    step waited for its rewards after its generation, ``rollout_weights_version``,
     ``num_sequences_masked_by_is``, ``reward_timeouts``: completions whose verification
     timed out and scored 0, ``entropy``: the policy's token-mean entropy over the loss's
     tokens before the update, in nats). Metadata: ``samples_count`` and ``step``, as NeMo-RL.

@@ -7,8 +7,9 @@ Reads top to bottom like the run it makes (:func:`train`, :class:`Trainer`)::
     for step in 1..max_steps:
         train_step:
             block_start
-            take rollouts (age 1: generated while the previous step trained; train/async_rollout.py)
-            rewards; advantages; loss over micro-batches; clip; optimizer.step() -> weight-update time
+            take scored rollouts (age 1: generated and scored while the previous step trained;
+                train/async_rollout.py, train/step_rewards.py)
+            advantages; loss over micro-batches; clip; optimizer.step() -> weight-update time
             refit engine <- policy (after the generation in flight)
             block_stop
         after_step (from the first eval step on):
@@ -34,6 +35,7 @@ who closes the run (the checkpoints in flight are published first):
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,7 +58,6 @@ from mlperf_grpo.logs.mllog import now_ms
 from mlperf_grpo.model.compile import compile_decoder_layers, compile_policy_layers
 from mlperf_grpo.model.files import DTYPES
 from mlperf_grpo.model.load import load_model
-from mlperf_grpo.tasks.scoring import score_tolerating_timeouts
 from mlperf_grpo.train import collectives, ranks
 from mlperf_grpo.train.async_rollout import RolloutProducer, RolloutSettings
 from mlperf_grpo.train.engine_setup import engine_from_policy
@@ -67,7 +68,8 @@ from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training
 from mlperf_grpo.train.policy_probe import checked_settings
 from mlperf_grpo.train.outputs import InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests, RunOutput
 from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
-from mlperf_grpo.train.trajectories import agent_generator, is_agentic, trajectory_rewards
+from mlperf_grpo.train.step_rewards import score_step
+from mlperf_grpo.train.trajectories import agent_generator, is_agentic
 
 
 @dataclass
@@ -262,6 +264,9 @@ class Trainer:
             self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
             generate=agent_generator(AgentRunner(config.agent)) if is_agentic(self.inputs.suite) else generate_rollouts,
+            score=functools.partial(score_step, self.inputs.suite.reward, g.max_reward_timeout_share,
+                                    is_agentic(self.inputs.suite), self.engine.tp_rank, self.engine.tp_size,
+                                    g.num_generations_per_prompt),
         )
         self.bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not self.show_progress)
         self.completed, self.completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
@@ -272,18 +277,10 @@ class Trainer:
         log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: (step - 1) * gbs, "step": step})
         log.commit(durable=False)  # no fsync on the clock: see mllog's module docstring
         step_start_s = time.perf_counter()
-        rollouts = self.producer.take(step)  # with age 1, also starts generating step + 1
+        rollouts = self.producer.take(step)  # with age 1, also starts generating and scoring step + 1
         mine = rank_share(len(rollouts.tasks), self.engine.tp_rank, self.engine.tp_size)  # T > 1: 1/T of the group's
-        prompts, completions = rollouts.tasks[mine], rollouts.completions[mine]
-        timeouts = 0  # an agentic trajectory is graded in its sandbox, under its own time limits
-        if is_agentic(self.inputs.suite):  # graded in each trajectory's sandbox
-            rewards = trajectory_rewards(completions)  # [P/N, G] this rank's
-        else:
-            scored, timeouts = score_tolerating_timeouts(  # a timeout scores 0, up to the configured share
-                self.inputs.suite.reward, [(c.text, t) for t, group in zip(prompts, completions) for c in group],
-                g.max_reward_timeout_share)
-            rewards = torch.tensor(scored).view(len(prompts), g.num_generations_per_prompt)  # [P/N, G] this rank's
-        timeouts = int(collectives.all_reduce_sum([float(timeouts)])[0])  # the step's, every rank's share
+        completions, rewards = rollouts.completions[mine], rollouts.rewards  # rewards [P/N, G] this rank's
+        timeouts = int(collectives.all_reduce_sum([float(rollouts.reward_timeouts)])[0])  # the step's, every rank's
         batch = training_batch(completions, rewards, g, self.engine.tokenizer.pad_token_id,
                                self.engine.eos_token_ids)  # a group never spans ranks
         train_start_s = time.perf_counter()
@@ -301,6 +298,7 @@ class Trainer:
             "global_valid_toks": optimized.num_valid_tokens, "global_valid_seqs": optimized.num_valid_sequences,
             "train_step_time": time.perf_counter() - step_start_s, "policy_training_time": policy_training_s,
             "generation_time": rollouts.generation_s, "exposed_generation_time": rollouts.exposed_generation_s,
+            "exposed_reward_time": rollouts.exposed_reward_s,
             "weight_sync_time": weight_sync_s, "rollout_weights_version": rollouts.weights_version,
             "num_sequences_masked_by_is": optimized.num_sequences_masked_by_is, "reward_timeouts": timeouts,
             "entropy": optimized.entropy_mean,
