@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from mlperf_grpo.plan.hybrid_cache import hybrid_cache
+from mlperf_grpo.plan.hybrid_cache import format_hybrid_cache, hybrid_cache
 
 MOE = dict(hidden_size=32, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=4,
@@ -69,6 +69,12 @@ def test_a_model_of_full_attention_alone_needs_no_linear_attention_keys():
     config = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 2, "full_attention_interval": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32}
     assert hybrid_cache(config, 1, 2) == type(hybrid_cache(config, 1, 2))(2, 0, 2 * 2 * 2 * 8 * 2, 0)
+
+
+def test_one_layer_of_a_kind_is_named_in_the_singular():
+    config = {"model_type": "qwen3_5_moe_text", **MOE, "num_hidden_layers": 2, "full_attention_interval": 2}
+    _, text = format_hybrid_cache(config, hybrid_cache(config, 1, 2), tokens=16, rows=1)
+    assert "K/V of 1 full-attention layer " in text and "state of 1 linear-attention layer " in text
 
 
 def test_a_config_json_without_head_dim_or_kv_heads_is_planned_as_transformers_loads_it(tmp_path, capsys):

@@ -162,7 +162,8 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
 @pytest.mark.parametrize("key, value, least", [("num_attention_heads", 0, 1), ("vocab_size", 0, 1),
                                                ("num_hidden_layers", 2.5, 0), ("hidden_size", "64", 1),
                                                ("hidden_size", -64, 1), ("hidden_size", 0, 1),
-                                               ("intermediate_size", True, 0), ("intermediate_size", -1, 0)])
+                                               ("intermediate_size", True, 0), ("intermediate_size", -1, 0),
+                                               ("linear_conv_kernel_dim", 0, 1)])
 def test_a_config_count_that_is_not_a_whole_number_is_one_line(tmp_path, capsys, key, value, least):
     """Before: ZeroDivisionError / TypeError text and exit 1, or negative bytes and exit 0 (a new-user trial)."""
     import json

@@ -61,6 +61,10 @@ def hybrid_cache(config: dict, tensor_parallel_size: int = 1, rollout_bytes: int
     return HybridCache(full, layers - full, per_token, (layers - full) * (conv + recurrent))
 
 
+def _layers(count: int, kind: str) -> str:
+    return f"{count} {kind} layer{'' if count == 1 else 's'}"
+
+
 def format_hybrid_cache(config: dict, cache: HybridCache, tokens: int, rows: int) -> tuple[dict, str]:
     """``plan --memory --trajectory-tokens`` for a hybrid model: JSON and text lines."""
     figures = {**asdict(cache), "tokens": tokens, "rows": rows, "row_bytes": cache.row_bytes(tokens),
@@ -68,9 +72,9 @@ def format_hybrid_cache(config: dict, cache: HybridCache, tokens: int, rows: int
     lines = [f"sequences: the engine's cache of {config.get('model_type')} (activations of a pass not counted: "
              "MoE and linear-attention layers); GiB per rank",
              f"  {'one row of ' + format(tokens, ',') + ' tokens':46} {gib_cell(cache.row_bytes(tokens)):>10}",
-             f"  {f'  K/V of {cache.full_layers} full-attention layers':46} {gib_cell(cache.per_token * tokens):>10}"
+             f"  {'  K/V of ' + _layers(cache.full_layers, 'full-attention'):46} {gib_cell(cache.per_token * tokens):>10}"
              f"  ({size_text(cache.per_token)} a token)",
-             f"  {f'  state of {cache.linear_layers} linear-attention layers':46} {gib_cell(cache.state):>10}"
+             f"  {'  state of ' + _layers(cache.linear_layers, 'linear-attention'):46} {gib_cell(cache.state):>10}"
              "  (any length)",
              f"  {f'all {rows} rows':46} {gib_cell(figures['all_rows_bytes']):>10}"]
     return figures, "\n".join(lines)

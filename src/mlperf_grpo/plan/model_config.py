@@ -10,11 +10,13 @@ from pathlib import Path
 from mlperf_grpo.plan.memory import MemoryPlanError, counts
 
 DIVISOR_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
-                "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings")
-"""Keys of a model config the planner divides by (and the context and the width): where present
-(not null), whole numbers >= 1."""
+                "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings",
+                "linear_conv_kernel_dim")
+"""Keys of a model config the planner divides by (and the context, the width and the
+convolution's kernel, which a model cannot have empty): where present (not null), whole
+numbers >= 1."""
 SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
-             "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+             "moe_intermediate_size", "shared_expert_intermediate_size")
 """Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
 
 
