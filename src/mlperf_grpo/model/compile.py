@@ -62,16 +62,20 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     in rows and width) and no duck sizing (:func:`no_duck_sizing`). The layers share one
     code object, so one compilation serves them all; it happens at the first forward and
     backward pass. Regional compilation as torchtitan's ``apply_compile`` (before any
-    ``fully_shard``). The layers' sibling modules but embeddings and dropouts are compiled
-    too (the final norm, the rotary embedding: some 35 kernels a pass eager, a few compiled).
+    ``fully_shard``). In each layer's graph the linears of one input are one GEMM
+    (:mod:`~mlperf_grpo.model.linear_fusion`, an inductor pre-grad pass: q/k/v and gate/up).
+    The layers' sibling modules but embeddings and dropouts are compiled too (the final
+    norm, the rotary embedding: some 35 kernels a pass eager, a few compiled).
 
     Raises:
         ValueError: the model has no list of decoder layers (:func:`decoder_layers`).
     """
+    from mlperf_grpo.model.linear_fusion import FUSE_LINEARS  # imports torch._inductor (about 1 s)
+
     layers, parent = _layers_and_parent(model)
     no_duck_sizing()
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options={"pre_grad_custom_pass": FUSE_LINEARS})
     for child in parent.children():
         if child is not layers and not isinstance(child, (torch.nn.Embedding, torch.nn.Dropout)):
             child.compile(dynamic=True)
