@@ -50,6 +50,23 @@ def no_duck_sizing() -> None:
     shape_config.use_duck_shape = False
 
 
+def trace_checkpointed_layers_whole() -> None:
+    """Let Dynamo compile an activation-checkpointed decoder layer as one graph in this
+    process (``skip_fwd_side_effects_in_bwd_under_checkpoint``, as torchtitan sets when it
+    compiles). ``transformers`` >= 5 requires the ``kernels`` package, whose
+    ``use_kernelized_func`` wraps the attention's ``forward`` (Llama, Qwen2, Qwen3, ...): it
+    sets a module-level context variable (``_ACTIVE_KERNEL_FUNCS``) and resets it before
+    returning. Dynamo traces ``torch.utils.checkpoint`` as a higher-order op and refuses a
+    mutation of an object from outside it, which eager checkpointing would replay in the
+    recomputation: the graph broke there and the checkpointed layers ran eager, without the
+    linear fusion (a 2-layer tiny Qwen3's pass: 59 GEMMs, 33 with this). With it the
+    mutation happens once, in the forward, and is not replayed; a set and its reset replay
+    to nothing. A torch without the flag (not checked which of >= 2.6 lack it) keeps the
+    break, as before."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def compile_dynamic(fn: Callable) -> Callable:
     """``torch.compile(fn, dynamic=True)`` without duck sizing (:func:`no_duck_sizing`)."""
     no_duck_sizing()
@@ -65,7 +82,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     ``fully_shard``). In each layer's graph the linears of one input are one GEMM
     (:mod:`~mlperf_grpo.model.linear_fusion`, an inductor pre-grad pass: q/k/v and gate/up).
     The layers' sibling modules but embeddings and dropouts are compiled too (the final
-    norm, the rotary embedding: some 35 kernels a pass eager, a few compiled).
+    norm, the rotary embedding: some 35 kernels a pass eager, a few compiled). A layer
+    checkpointed before (``trainer.checkpoint_layers``, FSDP's ``checkpoint_wrapper``) is
+    compiled with its recomputation, in one graph (:func:`trace_checkpointed_layers_whole`).
 
     Raises:
         ValueError: the model has no list of decoder layers (:func:`decoder_layers`).
@@ -74,6 +93,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
     layers, parent = _layers_and_parent(model)
     no_duck_sizing()
+    trace_checkpointed_layers_whole()
     for layer in layers:
         layer.compile(dynamic=True, options={"pre_grad_custom_pass": FUSE_LINEARS})
     for child in parent.children():
