@@ -77,6 +77,20 @@ def test_one_layer_of_a_kind_is_named_in_the_singular():
     assert "K/V of 1 full-attention layer " in text and "state of 1 linear-attention layer " in text
 
 
+@pytest.mark.parametrize("key", ["shared_expert_intermediate_size", "linear_value_head_dim", "moe_intermediate_size"])
+def test_a_weight_dimension_of_0_is_one_line_exit_2(tmp_path, capsys, key):
+    """Before: exit 1, "integer division or modulo by zero" (FSDP's shard arithmetic)."""
+    import json
+
+    from mlperf_grpo.cli import main
+
+    config = {"model_type": "qwen3_5_moe_text", **MOE, "max_position_embeddings": 4096, key: 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--memory", "--model-config", str(tmp_path), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{key} is 0, not a whole number >= 1" in err, err
+
+
 def test_a_config_json_without_head_dim_or_kv_heads_is_planned_as_transformers_loads_it(tmp_path, capsys):
     """The planner took a missing ``head_dim`` as hidden / heads (4) and missing KV heads
     as the heads (8), Llama's rule; transformers' Qwen3.5 config fills in 256 and 2: the

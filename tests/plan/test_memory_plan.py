@@ -162,8 +162,8 @@ def test_plan_memory_options_are_not_mixed_silently(argv, needle, capsys):
 @pytest.mark.parametrize("key, value, least", [("num_attention_heads", 0, 1), ("vocab_size", 0, 1),
                                                ("num_hidden_layers", 2.5, 0), ("hidden_size", "64", 1),
                                                ("hidden_size", -64, 1), ("hidden_size", 0, 1),
-                                               ("intermediate_size", True, 0), ("intermediate_size", -1, 0),
-                                               ("linear_conv_kernel_dim", 0, 1)])
+                                               ("intermediate_size", True, 1), ("intermediate_size", -1, 1),
+                                               ("linear_conv_kernel_dim", 0, 1), ("intermediate_size", 0, 1)])
 def test_a_config_count_that_is_not_a_whole_number_is_one_line(tmp_path, capsys, key, value, least):
     """Before: ZeroDivisionError / TypeError text and exit 1, or negative bytes and exit 0 (a new-user trial)."""
     import json
@@ -267,7 +267,9 @@ def test_a_tiny_model_s_plan_names_its_parameters_without_0_0():
     from mlperf_grpo.plan.memory import format_memory_plan
 
     head = format_memory_plan(plan_memory(planner_config(CONFIGS["llama-gqa-bias"]), 1, 1, "float32")).splitlines()[0]
-    assert "(0.0e9)" not in head and "e9)" in head, head
+    assert "(0.0e9)" not in head and "e-" not in head and " parameters, " in head, head
+    big = format_memory_plan(plan_memory(memory_plan.MODEL_SHAPES["qwen3.5-397b-a17b"], 64, 8)).splitlines()[0]
+    assert "parameters (3" in big and "e9)" in big, big
 
 
 def test_a_fifo_or_a_device_as_model_config_is_one_line(tmp_path, capsys):

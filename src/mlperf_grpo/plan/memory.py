@@ -380,7 +380,8 @@ def format_memory_plan(plan: MemoryPlan) -> str:
             ("= device total", r.device_bytes, s.device_bytes),
             ("host: checkpoint staging (K)", r.staging_bytes, s.staging_bytes),
             ("host: evaluator read buffers (2)", r.eval_read_bytes, s.eval_read_bytes)]
-    head = (f"{plan.parameters:,} parameters ({plan.parameters / 1e9:.3g}e9), {size_text(plan.weight_bytes)} of rollout-dtype "
+    billions = f" ({plan.parameters / 1e9:.3g}e9)" if plan.parameters >= 1e7 else ""  # not "(6.58e-05e9)"
+    head = (f"{plan.parameters:,} parameters{billions}, {size_text(plan.weight_bytes)} of rollout-dtype "
             f"weights; N = {plan.world_size} ranks, T = {plan.tensor_parallel_size}; GiB per rank")
     lines = [head, f"  {'':36} {'replica (T = 1)':>16} {'sharded':>20}"]
     lines += [f"  {name:36} {gib_cell(a):>16} {gib_cell(b):>20}" for name, a, b in rows]

@@ -11,12 +11,12 @@ from mlperf_grpo.plan.memory import MemoryPlanError, counts
 
 DIVISOR_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval",
                 "linear_num_key_heads", "linear_num_value_heads", "num_experts", "max_position_embeddings",
-                "linear_conv_kernel_dim")
-"""Keys of a model config the planner divides by (and the context, the width and the
-convolution's kernel, which a model cannot have empty): where present (not null), whole
-numbers >= 1."""
-SIZE_KEYS = ("num_hidden_layers", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
-             "moe_intermediate_size", "shared_expert_intermediate_size")
+                "linear_conv_kernel_dim", "intermediate_size", "linear_key_head_dim", "linear_value_head_dim",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
+"""Keys of a model config the planner divides by, or that are a weight's dimension (a
+weight of 0 rows is no model's, and FSDP's shard arithmetic divides by its rows): where
+present (not null), whole numbers >= 1."""
+SIZE_KEYS = ("num_hidden_layers",)
 """Keys of a model config the planner multiplies by: where present (not null), whole numbers >= 0."""
 
 
