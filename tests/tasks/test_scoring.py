@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,30 @@ def test_in_training_a_timed_out_verification_scores_0_and_is_counted():
     rewards, timeouts = scoring.score_tolerating_timeouts(reward_fixtures.sleepy_reward, items, 0.5, timeout_s=0.3)
     assert (rewards, timeouts) == ([1.0, 1.0, 0.0, 1.0, 1.0, 1.0], 1)
     assert time.monotonic() - t0 < 10  # the stuck worker was killed, not waited for
+
+
+def test_a_cancelled_scoring_stops_at_once_and_the_pool_scores_the_next_call(tmp_path):
+    """Before: a score call on another thread ran to its end (its timeouts too) however its
+    caller was stopping: SIGTERM waited 92 s for a hanging reward (helper break11)."""
+    tasks = arithmetic.validation_tasks(8)
+    score(reward_fixtures.sleepy_reward, [(t.answer, t) for t in tasks])
+    items = [(f"sleep 3600 {tmp_path}", t) for t in tasks]
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(scoring.ScoringCancelled):
+        scoring.score_tolerating_timeouts(reward_fixtures.sleepy_reward, items, 0.5, timeout_s=600, cancel=cancel)
+    assert time.monotonic() - t0 < 5 and any(tmp_path.iterdir())  # stopped mid-call, not after 600 s
+    assert score(reward_fixtures.sleepy_reward, [(t.answer, t) for t in tasks]) == [1.0] * 8
+
+
+def test_a_raising_reward_under_a_timeout_share_names_what_stopped_the_scoring():
+    """Before: "N not scored: every worker was stuck", though no worker was (helper break11)."""
+    bad = next(t for t in arithmetic.validation_tasks(251) if t.task_id == reward_fixtures.BAD_TASK)
+    with pytest.raises(VerifierError) as err:
+        scoring.score_tolerating_timeouts("reward_fixtures:crashing_reward", [("1", bad)] * 16, 0.5)
+    assert "stuck" not in str(err.value) and ("not scored after the first error" in str(err.value)
+                                              or "(0 timeouts)" in str(err.value)), str(err.value)
 
 
 def test_in_training_more_timeouts_than_the_share_stop_at_once():

@@ -1,6 +1,7 @@
 """The rollout producer: which weights generate which step, and overlap with training."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ class Scorer:
         self.block_calls_after, self.fail_calls_after = block_calls_after, fail_calls_after
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def __call__(self, tasks, samples):
+    def __call__(self, tasks, samples, cancel):
         index = len(self.threads)
         self.threads.append(threading.current_thread().name)
         if self.fail_calls_after is not None and index >= self.fail_calls_after:
@@ -128,6 +129,27 @@ def test_synchronous_rollouts_are_scored_before_take_returns():
     with _producer(FakeEngine(), age=0, max_steps=2, score=scorer) as producer:
         assert producer.take(1).reward_timeouts == 0 and producer.take(2).reward_timeouts == 1
     assert scorer.threads == ["MainThread", "MainThread"]
+
+
+def test_closing_cancels_a_scoring_in_flight_instead_of_waiting_for_it():
+    """Before: close() waited for the background scoring to end: SIGTERM during a hanging
+    reward's timeouts took 92 s (helper break11)."""
+    calls, entered, cancelled = [], threading.Event(), []
+
+    def score_until_cancelled(tasks, samples, cancel):
+        calls.append(1)
+        if len(calls) > 1:  # step 2's scoring, in the background
+            entered.set()
+            cancelled.append(cancel.wait(timeout=60))
+            raise RuntimeError("cancelled")
+        return torch.zeros(len(tasks), len(samples[0])), 0
+
+    producer = _producer(FakeEngine(), age=1, score=score_until_cancelled)
+    producer.take(1)
+    assert entered.wait(timeout=60)
+    start = time.monotonic()
+    producer.close()
+    assert time.monotonic() - start < 5 and cancelled == [True]
 
 
 def test_a_scoring_error_reaches_the_trainer_at_its_step_not_at_the_refit_before():

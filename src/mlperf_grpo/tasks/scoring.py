@@ -68,12 +68,20 @@ REWARD_WORKERS = 4
 LOAD_TIMEOUT_S = 120.0
 """Seconds a fresh worker may take to start or to import a reward function's module."""
 
+CANCEL_POLL_S = 0.1
+"""Seconds a call given a ``cancel`` event may go without looking at it."""
+
 RewardFn = Callable[[str, Task], float]
 
 
 class VerifierError(RuntimeError):
     """The reward function raised or timed out; the checkpoint's accuracy is unknown
     (an error is never counted as a wrong answer)."""
+
+
+class ScoringCancelled(Exception):
+    """A score call stopped because its ``cancel`` event was set (its calls in progress were
+    killed with their workers)."""
 
 
 class RewardValueError(VerifierError, TaskError):
@@ -249,26 +257,28 @@ class RewardPool:
             self._workers = []
 
     def score(self, reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: float,
-              timeouts_allowed: int = 0) -> tuple[list[float], int]:
+              timeouts_allowed: int = 0, cancel: threading.Event | None = None) -> tuple[list[float], int]:
         """``(rewards of items in order, timeouts)``; see :func:`score` (``timeouts_allowed``
         0) and :func:`score_tolerating_timeouts`."""
         ref = reward_ref(reward_fn)
         with self._lock:
             clean = False
             try:
-                outcome = self._run(ref, items, timeout_s, timeouts_allowed)
+                outcome = self._run(ref, items, timeout_s, timeouts_allowed, cancel)
                 clean = True
             finally:
-                if not clean:  # interrupted: calls in progress would answer the next score()
+                if not clean:  # interrupted or cancelled: calls in progress would answer the next score()
                     for worker in [w for w in self._workers if w.call is not None]:
-                        self._replace(worker)
+                        worker.kill()  # the next call starts its replacement
+                        self._workers.remove(worker)
         return _rewards_or_error(ref, items, timeout_s, timeouts_allowed, outcome)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         self._workers[self._workers.index(worker)] = _start_worker()
 
-    def _run(self, ref: str, items: list[tuple[str, Task]], timeout_s: float, timeouts_allowed: int):
+    def _run(self, ref: str, items: list[tuple[str, Task]], timeout_s: float, timeouts_allowed: int,
+             cancel: threading.Event | None):
         while len(self._workers) < self.num_workers:
             self._workers.append(_start_worker())
         self._lost = 0  # workers killed on a timeout or dead in a call, this call
@@ -301,7 +311,10 @@ class RewardPool:
                 break
             waiting = [w for w in self._workers if w.call is not None or not w.ready]
             next_deadline = min(w.deadline if w.call is not None else w.started + LOAD_TIMEOUT_S for w in waiting)
-            readable = wait([w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
+            timeout = max(0.0, next_deadline - time.monotonic())
+            readable = wait([w.conn for w in waiting], timeout=timeout if cancel is None else min(timeout, CANCEL_POLL_S))
+            if cancel is not None and cancel.is_set():
+                raise ScoringCancelled(f"scoring of {len(items)} completions cancelled")
             now = time.monotonic()
             for worker in [w for w in waiting if w.conn in readable]:
                 try:
@@ -372,6 +385,8 @@ def _rewards_or_error(ref: str, items: list, timeout_s: float, timeouts_allowed:
         first = f"timed out after {timeout_s} s on task {items[first_timeout][1].task_id}"
     failed = len(errors) + len(timed_out) + len(not_scored)
     stuck = f", {len(not_scored)} not scored: every worker was stuck" if not_scored else ""
+    if timeouts_allowed and errors and not_scored:  # the first error stopped the scheduling
+        stuck = f", {len(not_scored)} not scored after the first error"
     if timeouts_allowed and not errors:
         stuck = f", more than the {timeouts_allowed} allowed" + (f"; {len(not_scored)} not scored" if not_scored else "")
     raise VerifierError(
@@ -421,10 +436,12 @@ def score(reward_fn: RewardFn | str, items: list[tuple[str, Task]], timeout_s: f
 
 
 def score_tolerating_timeouts(reward_fn: RewardFn | str, items: list[tuple[str, Task]], max_timeout_share: float,
-                              timeout_s: float | None = None) -> tuple[list[float], int]:
+                              timeout_s: float | None = None,
+                              cancel: threading.Event | None = None) -> tuple[list[float], int]:
     """As :func:`score`, but a call that times out scores 0.0 and is counted (the
     reference's rule: module docstring), unless more than ``max_timeout_share`` of
-    ``items`` time out.
+    ``items`` time out. Setting ``cancel`` (from another thread) stops the call within
+    :data:`CANCEL_POLL_S` seconds, killing the calls in progress.
 
     Returns:
         ``(rewards in item order, number of calls that timed out)``.
@@ -433,9 +450,10 @@ def score_tolerating_timeouts(reward_fn: RewardFn | str, items: list[tuple[str, 
         VerifierError: a call raised or lost its worker, or more than
             ``floor(max_timeout_share * len(items))`` calls timed out (``max_timeout_share``
             0: any timeout, as :func:`score`).
+        ScoringCancelled: ``cancel`` was set.
     """
     if timeout_s is None:
         timeout_s = REWARD_TIMEOUT_S
     if not items:
         return [], 0
-    return _pool().score(reward_fn, items, timeout_s, math.floor(max_timeout_share * len(items)))
+    return _pool().score(reward_fn, items, timeout_s, math.floor(max_timeout_share * len(items)), cancel)

@@ -23,6 +23,7 @@ caller's thread, so a run is reproducible whatever the timing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,9 +63,9 @@ class Rollouts:
         return self.step - 1 - self.weights_version
 
 
-Scorer = Callable[[list[Task], list[list[Completion]]], tuple[torch.Tensor, int]]
-"""``(tasks, samples [P][G]) -> (rewards, timeouts)``: a step's rewards, scored as soon as
-its samples are generated."""
+Scorer = Callable[[list[Task], list[list[Completion]], threading.Event], tuple[torch.Tensor, int]]
+"""``(tasks, samples [P][G], cancel) -> (rewards, timeouts)``: a step's rewards, scored as
+soon as its samples are generated; it stops (raising) soon after ``cancel`` is set."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class RolloutProducer:
         self._share = prompt_share
         self._generate_fn = generate
         self._score_fn = score
+        self._cancel = threading.Event()  # set by close(): a scoring in flight stops
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._pending: tuple[int, Future[Rollouts], Future[Rollouts]] | None = None  # step, generated, scored
@@ -192,8 +194,9 @@ class RolloutProducer:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """Wait for a generation and scoring in flight (their results are dropped) and
-        stop the workers."""
+        """Wait for a generation in flight, stop a scoring in flight (their results are
+        dropped), and stop the workers."""
+        self._cancel.set()
         self._pending = None
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._scoring.shutdown(wait=True, cancel_futures=True)
@@ -220,5 +223,5 @@ class RolloutProducer:
 
     def _score(self, rollouts: Rollouts) -> Rollouts:
         if self._score_fn is not None:
-            rollouts.rewards, rollouts.reward_timeouts = self._score_fn(rollouts.tasks, rollouts.completions)
+            rollouts.rewards, rollouts.reward_timeouts = self._score_fn(rollouts.tasks, rollouts.completions, self._cancel)
         return rollouts
