@@ -16,6 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from mlperf_grpo.model.compile import compile_decoder_layers, decoder_layers
 from mlperf_grpo.train import fsdp
 from mlperf_grpo.train.trainer import checkpoint_layers
+from test_linear_fusion import second_run_gemms
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="torch.compile on the CPU needs a C compiler")
@@ -61,10 +62,7 @@ def _pass(model, ids):
         loss.backward()
         return loss.detach()
 
-    once()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        loss = once()
-    gemms = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    loss, gemms = second_run_gemms(once)
     grads = {n.replace("_checkpoint_wrapped_module.", ""): getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
              for n, p in model.named_parameters()}
     return loss, grads, gemms

@@ -56,11 +56,17 @@ def _pass(model, ids, dtype=None, copies=False):
             loss.backward()
         return loss.detach()
 
-    once()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        loss = once()
-    gemms = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    loss, gemms = second_run_gemms(once)
     return loss, {n: p.grad for n, p in model.named_parameters()}, gemms
+
+
+def second_run_gemms(step):
+    """``step()`` once (it compiles), then again under the profiler: ``(its result, the
+    second run's aten::mm and addmm calls)``."""
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = step()
+    return out, sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
 
 
 def _assert_close(got: dict, expected: dict, tol: float) -> None:
