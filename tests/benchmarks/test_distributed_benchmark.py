@@ -8,7 +8,7 @@ import pytest
 
 from mlperf_grpo.config.run import RunConfig
 from mlperf_grpo.tasks import load_suite
-from mlperf_grpo.tasks.scoring import reward_ref
+from mlperf_grpo.tasks.reward_names import reward_ref
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -42,7 +42,6 @@ reward calls in a persistent pool of :data:`REWARD_WORKERS` worker processes and
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import math
 import os
@@ -53,11 +52,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from mlperf_grpo.tasks.base import Task, TaskError
+from mlperf_grpo.tasks.reward_names import RewardFn, resolve_reward, reward_ref
 
 REWARD_TIMEOUT_S = 30.0
 """Seconds one reward call may take before it counts as a verifier error."""
@@ -71,7 +70,6 @@ LOAD_TIMEOUT_S = 120.0
 CANCEL_POLL_S = 0.1
 """Seconds a call given a ``cancel`` event may go without looking at it."""
 
-RewardFn = Callable[[str, Task], float]
 
 
 class VerifierError(RuntimeError):
@@ -80,8 +78,7 @@ class VerifierError(RuntimeError):
 
 
 class ScoringCancelled(Exception):
-    """A score call stopped because its ``cancel`` event was set (its calls in progress were
-    killed with their workers)."""
+    """A score call stopped by its ``cancel`` event; its calls in progress were killed."""
 
 
 class RewardValueError(VerifierError, TaskError):
@@ -104,55 +101,6 @@ def finite_reward(value: object) -> float | None:
         return None
     return number if math.isfinite(number) else None
 
-
-def reward_ref(reward_fn: RewardFn | str) -> str:
-    """The ``"module:qualname"`` by which a worker imports ``reward_fn``.
-
-    Args:
-        reward_fn: a module-level function, or its ``"module:qualname"``.
-    Raises:
-        ValueError: a closure, lambda or bound method, or a name that does not import to a
-            callable (one line, naming it).
-    """
-    if isinstance(reward_fn, str):
-        resolve_reward(reward_fn)
-        return reward_fn
-    module, qualname = getattr(reward_fn, "__module__", None), getattr(reward_fn, "__qualname__", "")
-    ref = f"{module}:{qualname}"
-    if not module or "<" in qualname:
-        raise ValueError(f"reward function {reward_fn!r} is not importable by name; define it at module level")
-    try:
-        found = resolve_reward(ref)
-    except ValueError:
-        found = None
-    if found is not reward_fn:
-        raise ValueError(f"reward function {ref} does not import as the same object; define it at module level")
-    return ref
-
-
-def resolve_reward(ref: str) -> RewardFn:
-    """Import ``"module:qualname"`` and return the callable it names.
-
-    Raises:
-        ValueError: malformed name, module not importable, no such attribute, or not callable.
-    """
-    module_name, sep, qualname = ref.partition(":")
-    if not sep or not module_name or not qualname:
-        raise ValueError(f"reward function name {ref!r} must be 'module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001  (any import failure is the user's module)
-        raise ValueError(f"reward function {ref}: cannot import {module_name}: {type(err).__name__}: {err}") from None
-    for part in qualname.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward function {ref}: {module_name} has no attribute {qualname}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward function {ref} is not callable")
-    return obj
-
-
-# --------------------------------------------------------------------------- the worker process
 
 _WORKER_CODE = (
     "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
@@ -234,8 +182,6 @@ def _start_worker() -> _Worker:
         child.close()
     return _Worker(process, Connection(parent.detach()))
 
-
-# --------------------------------------------------------------------------- the pool
 
 class RewardPool:
     """A persistent set of reward worker processes; see the module docstring.

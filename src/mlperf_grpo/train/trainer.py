@@ -35,7 +35,6 @@ who closes the run (the checkpoints in flight are published first):
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -68,7 +67,7 @@ from mlperf_grpo.train.optimize import OptimizeSettings, optimize_step, training
 from mlperf_grpo.train.policy_probe import checked_settings
 from mlperf_grpo.train.outputs import InlineEval, NoCheckpoints, NoInlineEval, NoRunOutput, NoStopRequests, RunOutput
 from mlperf_grpo.train.rollout import PromptSampler, generate_rollouts
-from mlperf_grpo.train.step_rewards import score_step
+from mlperf_grpo.train.step_rewards import StepScorer
 from mlperf_grpo.train.trajectories import agent_generator, is_agentic
 
 
@@ -264,9 +263,8 @@ class Trainer:
             self.engine, self.sampler, settings, config.model.device,
             prompt_share=ranks.prompt_share(g.num_prompts_per_step, here, self.engine.tp_size),
             generate=agent_generator(AgentRunner(config.agent)) if is_agentic(self.inputs.suite) else generate_rollouts,
-            score=functools.partial(score_step, self.inputs.suite.reward, g.max_reward_timeout_share,
-                                    is_agentic(self.inputs.suite), self.engine.tp_rank, self.engine.tp_size,
-                                    g.num_generations_per_prompt),
+            score=StepScorer(self.inputs.suite.reward, g.max_reward_timeout_share, is_agentic(self.inputs.suite),
+                             self.engine.tp_rank, self.engine.tp_size, g.num_generations_per_prompt),
         )
         self.bar = tqdm(total=g.max_steps, desc="train", unit="step", disable=not self.show_progress)
         self.completed, self.completed_ms = 0, run_start_ms  # the last trained step and its block_stop time
